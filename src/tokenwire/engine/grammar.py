@@ -1,0 +1,227 @@
+"""Structured output (regex / JSON schema / Lark grammar) as a :class:`Constraint`, via llguidance.
+
+Per sampling point :meth:`GrammarConstraint.next_step` returns, in this order of precedence:
+
+* ``stop=True`` when the grammar is complete and cannot be extended (llguidance's matcher is
+  *stopped*: only EOS would be allowed), or when the mask allows nothing but EOS tokens.
+  The engine then finishes the sequence without sampling EOS.
+* ``force=[...]`` when the grammar admits exactly one continuation for the next bytes
+  (llguidance's fast-forward tokens, e.g. a literal prefix ``"The answer is: "``).
+* otherwise ``allowed`` = bool mask of width ``vocab_size``. EOS ids are allowed iff the grammar
+  is currently in an accepting state (so the model may end the output there); padding ids
+  (``>=`` the tokenizer's vocab) are never allowed.
+
+The constraint only covers the generated part: prompt tokens given to :meth:`start` are ignored.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+import torch
+
+from tokenwire.engine.constraints import Constraint, ConstraintError, ConstraintStep
+
+__all__ = ["ConstraintError", "GrammarConstraint", "lltokenizer_for"]
+
+_CACHE_LOCK = threading.Lock()
+# key: (id(hf_tokenizer), eos override) -> (hf_tokenizer kept alive so its id is not reused, compiled)
+_TOKENIZER_CACHE: dict[tuple[int, tuple[int, ...] | None], tuple[Any, llguidance.LLTokenizer]] = {}
+
+TokenizerLike = Any  # a fast HF tokenizer, or an already built llguidance.LLTokenizer
+
+
+def _eos_key(eos_token_ids: int | Sequence[int] | None) -> tuple[int, ...] | None:
+    if eos_token_ids is None:
+        return None
+    if isinstance(eos_token_ids, int):
+        return (eos_token_ids,)
+    return tuple(int(t) for t in eos_token_ids)
+
+
+def lltokenizer_for(
+    tokenizer: TokenizerLike, eos_token_ids: int | Sequence[int] | None = None
+) -> llguidance.LLTokenizer:
+    """The llguidance tokenizer for an HF fast tokenizer, compiled once (~0.5 s) and cached.
+
+    ``eos_token_ids`` overrides the tokenizer's EOS id(s) (the ids the grammar allows at its end).
+    An ``llguidance.LLTokenizer`` is returned as is (``eos_token_ids`` must then be None).
+    """
+    if isinstance(tokenizer, llguidance.LLTokenizer):
+        if eos_token_ids is not None:
+            raise ValueError("eos_token_ids cannot be overridden for a prebuilt LLTokenizer")
+        return tokenizer
+    eos = _eos_key(eos_token_ids)
+    key = (id(tokenizer), eos)
+    with _CACHE_LOCK:
+        hit = _TOKENIZER_CACHE.get(key)
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
+        llt = llguidance.hf.from_tokenizer(tokenizer, eos_token=list(eos) if eos is not None else None)
+        _TOKENIZER_CACHE[key] = (tokenizer, llt)
+        return llt
+
+
+class GrammarConstraint(Constraint):
+    """A :class:`Constraint` backed by an ``llguidance.LLMatcher``.
+
+    Build with :meth:`regex`, :meth:`json_schema` or :meth:`lark`; or pass an llguidance grammar
+    string (``llguidance.grammar_from(...)``) to the constructor directly.
+
+    Raises ``ValueError`` (llguidance's message) for an invalid grammar, and
+    :class:`ConstraintError` when a token the grammar does not allow is appended, when a
+    backtrack goes past the generated tokens, or when the matcher fails mid-generation.
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        vocab_size: int,
+        grammar: str,
+        *,
+        eos_token_ids: int | Sequence[int] | None = None,
+        limits: llguidance.LLParserLimits | None = None,
+    ) -> None:
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        self._llt = lltokenizer_for(tokenizer, eos_token_ids)
+        if limits is None:
+            limits = llguidance.LLParserLimits(verbose_errors=False)
+        matcher = llguidance.LLMatcher(self._llt, grammar, log_level=0, limits=limits)
+        if matcher.is_error():
+            raise ValueError(f"invalid grammar: {_clean(matcher.get_error())}")
+        self._matcher = matcher
+        self._init_state(vocab_size)
+
+    def _init_state(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._n_tok: int = self._llt.vocab_size
+        self._eos: frozenset[int] = frozenset(self._llt.eos_tokens)
+        self._buf = llguidance.numpy.allocate_token_bitmask(1, self._n_tok)
+        # one entry per token appended after start(): False when llguidance did not record it
+        # (EOS consumed by an already-stopped matcher is a no-op there and must not be rolled back)
+        self._recorded: list[bool] = []
+
+    # ---- factories -------------------------------------------------------------------------------
+
+    @classmethod
+    def regex(cls, tokenizer: TokenizerLike, vocab_size: int, pattern: str, **kw: Any) -> GrammarConstraint:
+        """Output must fully match ``pattern`` (Rust ``regex`` crate syntax, anchored both ends)."""
+        return cls(tokenizer, vocab_size, llguidance.LLMatcher.grammar_from_regex(pattern), **kw)
+
+    @classmethod
+    def json_schema(
+        cls,
+        tokenizer: TokenizerLike,
+        vocab_size: int,
+        schema: dict[str, Any] | str,
+        *,
+        options: dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> GrammarConstraint:
+        """Output must be JSON valid against ``schema``.
+
+        ``options``: llguidance JSON compile options applied as overrides, e.g.
+        ``{"whitespace_flexible": False}`` for compact output (llguidance's default is flexible
+        whitespace) or ``{"item_separator": ", ", "key_separator": ": "}``.
+        """
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"invalid JSON schema: {e}") from e
+        return cls(tokenizer, vocab_size, grammar, **kw)
+
+    @classmethod
+    def lark(cls, tokenizer: TokenizerLike, vocab_size: int, grammar: str, **kw: Any) -> GrammarConstraint:
+        """Output must match the Lark grammar (llguidance's Lark dialect; start rule ``start``)."""
+        return cls(tokenizer, vocab_size, llguidance.LLMatcher.grammar_from_lark(grammar), **kw)
+
+    # ---- Constraint ------------------------------------------------------------------------------
+
+    def next_step(self) -> ConstraintStep:
+        m = self._matcher
+        self._check("matcher failed")
+        if m.is_stopped():
+            return ConstraintStep(stop=True)
+        ff = m.compute_ff_tokens()
+        self._check("computing forced tokens failed")
+        if ff:
+            return ConstraintStep(force=list(ff))
+        allowed = self.compute_mask()
+        if m.is_stopped():
+            return ConstraintStep(stop=True)
+        bits = allowed.numpy()
+        n_eos = sum(int(bits[t]) for t in self._eos if t < self.vocab_size)
+        if np.count_nonzero(bits) == n_eos:  # nothing but EOS (or nothing at all) is possible
+            return ConstraintStep(stop=True)
+        return ConstraintStep(allowed=allowed)
+
+    def compute_mask(self) -> torch.Tensor:
+        """Bool mask [vocab_size] of the tokens allowed now (EOS included iff accepting)."""
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._buf)
+        self._check("computing the token mask failed")
+        n = min(self._n_tok, self.vocab_size)
+        words = self._buf[0].astype("<u4", copy=False)  # bit i of word w = token 32*w + i
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=n)
+        if self.vocab_size > n:  # logits wider than the tokenizer: padding ids never allowed
+            bits = np.concatenate([bits, np.zeros(self.vocab_size - n, dtype=np.uint8)])
+        return torch.from_numpy(bits).view(torch.bool)
+
+    def on_token(self, token: int) -> None:
+        m = self._matcher
+        if not 0 <= token < self._n_tok:
+            raise ConstraintError(f"token id {token} is outside the tokenizer's vocabulary ({self._n_tok})")
+        was_stopped = m.is_stopped()
+        if not m.consume_token(token):
+            raise ConstraintError(
+                f"grammar rejected token {token} {self._llt.dbg_tokens([token])}: {_clean(m.get_error())}"
+            )
+        self._recorded.append(not (was_stopped and token in self._eos))
+
+    def on_backtrack(self, n: int) -> None:
+        if n < 0 or n > len(self._recorded):
+            raise ConstraintError(f"cannot backtrack {n} tokens: only {len(self._recorded)} were generated")
+        if n == 0:
+            return
+        k = sum(self._recorded[-n:])
+        del self._recorded[-n:]
+        if k and not self._matcher.rollback(k):
+            raise ConstraintError(f"grammar rollback of {k} tokens failed: {_clean(self._matcher.get_error())}")
+
+    def fork(self) -> GrammarConstraint:
+        other = object.__new__(GrammarConstraint)
+        other._llt = self._llt
+        other._matcher = self._matcher.deep_copy()
+        other._init_state(self.vocab_size)
+        other._recorded = list(self._recorded)
+        return other
+
+    # ---- introspection ---------------------------------------------------------------------------
+
+    def is_accepting(self) -> bool:
+        """True when the output so far is a complete match (ending here would be valid)."""
+        return self._matcher.is_accepting()
+
+    @property
+    def stop_reason(self) -> str:
+        """llguidance's stop reason ("NotStopped", "NoExtension", "EndOfSentence", ...)."""
+        return str(self._matcher.stop_reason())
+
+    @property
+    def warnings(self) -> list[str]:
+        """llguidance's warnings about the grammar (e.g. ignored JSON schema keywords)."""
+        return list(self._matcher.get_grammar_warnings())
+
+    def _check(self, what: str) -> None:
+        if self._matcher.is_error():
+            raise ConstraintError(f"{what}: {_clean(self._matcher.get_error())}")
+
+
+def _clean(msg: str) -> str:
+    return msg.replace("<non-verbose/>", "").strip()

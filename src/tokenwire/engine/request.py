@@ -1,0 +1,210 @@
+"""What a caller asks of the engine (GenerateOptions) and what it gets back (events)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenwire.engine.constraints import Constraint
+from tokenwire.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from tokenwire.engine.session import Session
+
+Ranges = Sequence[tuple[int, int]]  # half-open [start, end) absolute positions
+
+FINISH_REASONS = ("eos", "length", "stop", "cancelled", "error")
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    seed: int | None = None  # same seed, same prompt -> same output
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerateOptions:
+    max_tokens: int = 16  # 0 = prefill only
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: Sequence[int] = ()
+    stop: Sequence[str] = ()  # stop strings, matched on the decoded completion
+    ignore_eos: bool = False
+    # logprobs: positions covered get the token's logprob and `top_logprobs` alternatives.
+    # None = every generated position; prompt positions only when named in logprob_ranges.
+    logprob_ranges: Ranges | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # "raw": log-softmax of the model's logits; "processed": after logit_bias and the
+    # constraint mask (what LMQL's LMTP server reports).
+    logprob_mode: str = "raw"
+    readout_ranges: Ranges = ()  # positions that get concept readouts
+    priority: int = 5  # 0 interactive ... 10 batch
+    constraint: Constraint | None = None
+    use_prefix_cache: bool = True  # False forces recomputation (benchmarks, debugging)
+
+    def validate(self) -> None:
+        if self.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not 0 <= self.priority <= 10:
+            raise InvalidRequestError(f"priority must be in 0..10, got {self.priority}")
+        if self.top_logprobs < 0:
+            raise InvalidRequestError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        if self.logprob_mode not in ("raw", "processed"):
+            raise InvalidRequestError(f"logprob_mode must be 'raw' or 'processed', got {self.logprob_mode!r}")
+        for name, ranges in (("logprob_ranges", self.logprob_ranges or ()), ("readout_ranges", self.readout_ranges)):
+            for start, end in ranges:
+                if start < 0 or end < start:
+                    raise InvalidRequestError(f"{name}: invalid range [{start}, {end})")
+        self.sampling.validate()
+
+
+def covers(ranges: Ranges, position: int) -> bool:
+    return any(start <= position < end for start, end in ranges)
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    position: int
+    is_prefill: bool
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    readout: torch.Tensor | None = None  # [n_layers, n_concepts]
+    text: str = ""  # decoded text this token completes (generated tokens only)
+    forced: bool = False  # appended by a constraint, not sampled
+
+
+@dataclass
+class BacktrackEvent:
+    """A constraint removed the last `count` generated tokens; the session now has `length`."""
+
+    count: int
+    length: int
+
+
+@dataclass
+class FinishEvent:
+    reason: str  # one of FINISH_REASONS
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+    stop_detail: Any = None  # the stop string or stop token id that ended generation
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+Event = TokenEvent | BacktrackEvent | FinishEvent
+
+
+class RequestHandle:
+    """The caller's end of a request: iterate (sync or async) for events, or cancel it."""
+
+    def __init__(self, request: Request, cancel: Any) -> None:
+        self._request = request
+        self._cancel = cancel
+
+    @property
+    def session_id(self) -> str:
+        return self._request.session.id
+
+    def cancel(self) -> None:
+        self._cancel(self._request)
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self._request.sync_queue.get()
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        q = self._request.bind_async()
+        try:
+            while True:
+                event = await q.get()
+                yield event
+                if isinstance(event, FinishEvent):
+                    return
+        finally:
+            if not self._request.finished:
+                self.cancel()  # the consumer went away (client disconnect)
+
+    def result(self) -> tuple[list[TokenEvent], FinishEvent]:
+        tokens: list[TokenEvent] = []
+        for event in self:
+            if isinstance(event, FinishEvent):
+                return tokens, event
+            tokens.append(event)
+        raise AssertionError("unreachable")
+
+
+class Request:
+    """Engine-side state of one generate call. Mutated only under the engine lock."""
+
+    def __init__(self, rid: int, session: Session, options: GenerateOptions, prompt_len: int) -> None:
+        self.id = rid
+        self.session = session
+        self.options = options
+        self.prompt_len = prompt_len  # session length when generation starts
+        self.generated = 0
+        self.finished = False
+        self.sync_queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
+        self._lock = threading.Lock()
+        self._backlog: list[Event] = []
+        # prompt positions that still owe an event (logprob / readout), ascending
+        self.pending_prompt: list[int] = []
+        self.pending_set: set[int] = set()
+        self.recompute_from = 0  # KV from here on is (re)computed by this request
+        self.started = False  # prefix cache consulted since (re)admission
+        # deferred generated-token events waiting for their position's hidden state
+        self.pending_readout: dict[int, TokenEvent] = {}
+        self.prompt_logprob: dict[int, tuple[float, list[tuple[int, float]] | None]] = {}
+        self.generator: torch.Generator | None = None
+        self.decoder: Any = None
+        self.stopper: Any = None
+        # (reason, detail) of a finish that waits for the last token's readout
+        self.finish_after_compute: tuple[str, Any] | None = None
+
+    def bind_async(self) -> asyncio.Queue[Event]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Event] = asyncio.Queue()
+        with self._lock:
+            # events emitted before the consumer attached were parked in the sync queue
+            while True:
+                try:
+                    q.put_nowait(self.sync_queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._async = (loop, q)
+        return q
+
+    def emit(self, event: Event) -> None:
+        with self._lock:
+            if self._async is None:
+                self.sync_queue.put(event)
+                return
+            loop, q = self._async
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, event)
+        except RuntimeError:
+            pass  # the consumer's loop is closed; nobody is listening

@@ -1,0 +1,151 @@
+"""Continuous batching: which requests run in the next step, within a token budget.
+
+Each step packs the next token of every decoding request, then chunks of pending prefills,
+until `max_batch_tokens`. Requests are ordered by (priority, arrival), so interactive
+requests (priority 0) are admitted and served before batch ones (10). When the KV budget is
+short, idle sessions give their blocks back first (their full blocks stay in the prefix
+cache), then lower-priority requests are preempted: their KV is released and recomputed
+later (usually from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.request import Request, covers
+from tokenwire.engine.session import Session
+from tokenwire.engine.step import StepItem
+
+FinishFn = Callable[..., None]
+
+
+def _order(request: Request) -> tuple[int, int]:
+    return (request.options.priority, request.id)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCache,
+        max_batch_tokens: int,
+        max_running: int,
+        idle_sessions: Callable[[], list[Session]],
+    ) -> None:
+        self.kv = kv
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.idle_sessions = idle_sessions
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        for queue in (self.waiting, self.running):
+            if request in queue:
+                queue.remove(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, finish: FinishFn) -> list[StepItem]:
+        self.waiting.sort(key=_order)
+        while self.waiting and len(self.running) < self.max_running:
+            self.running.append(self.waiting.pop(0))
+        self.running.sort(key=_order)
+        items = self._pack(finish)
+        if not items and self.running:
+            # Nothing fits: give the most urgent request the whole cache, or fail it.
+            top = self.running[0]
+            for other in self.running[1:]:
+                self._preempt(other)
+            items = self._pack(finish)
+            if not items and not top.finished:
+                finish(
+                    top,
+                    "error",
+                    error=(
+                        "KV cache budget exhausted: the sequence needs more blocks than the "
+                        f"budget holds ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens, "
+                        "--kv-cache-mb)"
+                    ),
+                )
+        return items
+
+    def _pack(self, finish: FinishFn) -> list[StepItem]:
+        budget = self.max_batch_tokens
+        items: list[StepItem] = []
+        scheduled: set[int] = set()
+        for request in self.running:
+            session = request.session
+            if not request.started:
+                request.started = True
+                if request.options.use_prefix_cache:
+                    session.match_prefix(
+                        min(request.recompute_from, len(session.tokens) - 1), self.kv
+                    )
+        decoding = [r for r in self.running if len(r.session.tokens) - r.session.num_computed == 1]
+        prefilling = [r for r in self.running if len(r.session.tokens) - r.session.num_computed > 1]
+        for request in decoding + prefilling:
+            if budget <= 0:
+                break
+            if request.finished:
+                continue
+            session = request.session
+            start = session.num_computed
+            count = min(len(session.tokens) - start, budget)
+            if count <= 0:
+                continue
+            end = start + count
+            if not self._make_room(session.blocks_needed(end, self.kv), request, scheduled):
+                continue
+            session.reserve(end, self.kv)
+            items.append(self._item(request, start, count))
+            scheduled.add(request.id)
+            budget -= count
+        return items
+
+    def _item(self, request: Request, start: int, count: int) -> StepItem:
+        opts = request.options
+        session = request.session
+        end = start + count
+        lp_ranges = opts.logprob_ranges or ()
+        logit_positions = [
+            q for q in range(start, end) if q + 1 < request.prompt_len and q + 1 in request.pending_set
+            and covers(lp_ranges, q + 1)
+        ] if request.pending_prompt else []
+        if end == len(session.tokens) and (not logit_positions or logit_positions[-1] != end - 1):
+            logit_positions.append(end - 1)
+        capture = [
+            q for q in range(start, end)
+            if covers(opts.readout_ranges, q) and (q in request.pending_set or q in request.pending_readout)
+        ] if opts.readout_ranges else []
+        return StepItem(request, start, count, logit_positions, capture)
+
+    def _make_room(self, needed: int, request: Request, scheduled: set[int]) -> bool:
+        alloc = self.kv.allocator
+        if alloc.num_available >= needed:
+            return True
+        for session in self.idle_sessions():
+            session.release(self.kv)
+            if alloc.num_available >= needed:
+                return True
+        for victim in sorted(self.running, key=_order, reverse=True):
+            if _order(victim) <= _order(request):
+                break
+            if victim.id in scheduled:
+                continue
+            if victim.session.block_table:
+                self._preempt(victim)
+                if alloc.num_available >= needed:
+                    return True
+        return alloc.num_available >= needed
+
+    def _preempt(self, request: Request) -> None:
+        if request.session.block_table:
+            request.session.release(self.kv)
+            request.started = False
+            self.preemptions += 1

@@ -1,0 +1,88 @@
+"""One model step: which tokens of which requests run, and the tensors that describe them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenwire.engine.attention import AttentionGroup, PagedAttention, build_group
+from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.request import Request
+
+
+@dataclass
+class StepItem:
+    request: Request
+    start: int  # first position computed in this step
+    count: int  # positions [start, start+count)
+    logit_positions: list[int] = field(default_factory=list)  # positions whose logits we need
+    capture_positions: list[int] = field(default_factory=list)  # positions needing hidden states
+
+
+@dataclass
+class StepOutput:
+    logits: dict[tuple[int, int], torch.Tensor]  # (request id, position) -> logits [vocab]
+    hidden: dict[tuple[int, int], torch.Tensor]  # (request id, position) -> [n_layers, hidden]
+
+
+def run_step(
+    model: torch.nn.Module,
+    kv: KVCache,
+    items: list[StepItem],
+    capture_layers: tuple[int, ...],
+) -> StepOutput:
+    device = kv.k.device
+    bs = kv.block_size
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    decode_rows: list[list[int]] = []
+    decode_starts: list[int] = []
+    decode_tables: list[list[int]] = []
+    groups: list[AttentionGroup] = []
+    logit_rows: list[int] = []
+    logit_keys: list[tuple[int, int]] = []
+    capture_rows: list[int] = []
+    capture_keys: list[tuple[int, int]] = []
+    for item in items:
+        session = item.request.session
+        base = len(ids)
+        table = session.block_table
+        for p in range(item.start, item.start + item.count):
+            ids.append(session.tokens[p])
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+        rows = list(range(base, base + item.count))
+        if item.count == 1:
+            decode_rows.append(rows)
+            decode_starts.append(item.start)
+            decode_tables.append(table[: -(-(item.start + 1) // bs)])
+        else:
+            groups.append(build_group([rows], [item.start], [table[: -(-(item.start + item.count) // bs)]], bs, device))
+        rid = item.request.id
+        for p in item.logit_positions:
+            logit_rows.append(base + p - item.start)
+            logit_keys.append((rid, p))
+        for p in item.capture_positions:
+            capture_rows.append(base + p - item.start)
+            capture_keys.append((rid, p))
+    if decode_rows:
+        groups.append(build_group(decode_rows, decode_starts, decode_tables, bs, device))
+    attention = PagedAttention(kv, torch.tensor(slots, device=device), groups)
+    capture_index = torch.tensor(capture_rows, dtype=torch.long, device=device) if capture_rows else None
+    with torch.inference_mode():
+        hidden, captured = model(
+            torch.tensor(ids, device=device),
+            torch.tensor(positions, device=device),
+            attention,
+            capture_layers if capture_rows else (),
+            capture_index,
+        )
+        logits = model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]).cpu()
+    out_logits = {key: logits[i] for i, key in enumerate(logit_keys)}
+    out_hidden: dict[tuple[int, int], torch.Tensor] = {}
+    if capture_rows:
+        stacked = torch.stack([captured[layer] for layer in capture_layers], dim=1).float().cpu()
+        out_hidden = {key: stacked[i] for i, key in enumerate(capture_keys)}
+    return StepOutput(out_logits, out_hidden)

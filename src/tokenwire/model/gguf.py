@@ -1,0 +1,292 @@
+"""Convert a llama.cpp GGUF file into a Hugging Face model directory.
+
+The result is what transformers itself makes of the GGUF: `config.json`, float32 weights under HF
+tensor names (llama.cpp's RoPE row permutation of q/k undone), and a tokenizer built by transformers'
+GGUF tokenizer conversion, with two fixes it lacks (pre-tokenizer splits for the StarCoder/SmolLM
+family, and BOS/EOS insertion from `tokenizer.ggml.add_*_token`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
+
+# Bump when the output of convert_gguf changes, so stale cache entries are not reused.
+CONVERTER_VERSION = 1
+
+# general.architecture -> (HF architecture, HF model_type, q/k rows permuted by llama.cpp?)
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# llama.cpp pre-tokenizer types that split every digit off before the GPT-2 regex (llama-vocab.cpp);
+# transformers 5.23 falls back to the plain GPT-2 regex for these, which merges e.g. "a  1" differently.
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+_MAX_SHARD_BYTES = 4 << 30
+
+
+def _fields(reader: GGUFReader) -> dict[str, Any]:
+    big = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
+    return {k: f.contents() for k, f in reader.fields.items() if k not in big}
+
+
+def _f32(value: float) -> float:
+    """The shortest decimal that rounds to the same float32 (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # GGUFReader raises ValueError, struct.error, IndexError... on bad files
+        raise ValueError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def gguf_to_hf_config(reader: GGUFReader, path: Path | str = "<gguf>") -> dict[str, Any]:
+    """config.json contents for a GGUF file (metadata only; no tensor data is read)."""
+    meta = _fields(reader)
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"unsupported GGUF architecture {arch!r} in {path}: tokenwire converts {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    hf_arch, model_type, _ = GGUF_ARCHITECTURES[arch]
+    tensors = {t.name for t in reader.tensors}
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer counts; only uniform ones are representable
+        if len(set(kv_heads)) != 1:
+            raise UnsupportedArchitectureError(f"per-layer KV head counts {kv_heads} in {path}")
+        kv_heads = kv_heads[0]
+    head_dim = int(get("attention.key_length", hidden // heads))
+    rot_dim = int(get("rope.dimension_count", head_dim))
+    if rot_dim != head_dim:
+        raise UnsupportedArchitectureError(f"partial rotary embedding ({rot_dim} of {head_dim} dims) in {path}")
+    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    theta = _f32(get("rope.freq_base", 10000.0))
+    eos = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom") if f"tokenizer.ggml.{k}_token_id" in meta]
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(reader, get, theta, head_dim, path),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": model_type == "qwen2" or "blk.0.attn_q.bias" in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(int(e) for e in eos)) or None,
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+    if isinstance(config["eos_token_id"], list) and len(config["eos_token_id"]) == 1:
+        config["eos_token_id"] = config["eos_token_id"][0]
+    return config
+
+
+def _rope_scaling(reader: GGUFReader, get: Any, theta: float, dim: int, path: Path | str) -> dict | None:
+    kind = get("rope.scaling.type", "none")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if kind not in ("none", "") and freqs is None:
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(get("rope.scaling.factor", 1.0))}
+        if get("rope.scaling.original_context_length") is not None:
+            scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+        return scaling  # ModelConfig rejects anything but llama3, naming the kind
+    if freqs is None:
+        return None
+    factors = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float64).reshape(-1)
+    if np.allclose(factors, 1.0):
+        return None
+    return _infer_llama3_scaling(factors, theta, dim, int(get("rope.scaling.original_context_length", 8192)), path)
+
+
+def llama3_rope_factors(theta: float, dim: int, scaling: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's `rope_freqs` tensor for Llama 3 scaling: the divisor of each inverse frequency."""
+    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    smooth = (old / wavelen - low) / (high - low)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, medium))
+
+
+def _infer_llama3_scaling(factors: np.ndarray, theta: float, dim: int, old: int, path: Path | str) -> dict:
+    """Recover HF's llama3 rope_scaling from llama.cpp's precomputed `rope_freqs` tensor.
+
+    Between the two wavelength cut-offs, 1/factor_i is linear in 1/wavelength_i; a line fit through
+    those points gives low/high_freq_factor for the given original context length."""
+    factor = float(factors.max())
+    x = old / (2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))  # old / wavelength
+    mid = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
+    if mid.sum() >= 2 and len(factors) == len(x):
+        smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(x[mid], smooth, 1)  # smooth = (x - low) / (high - low)
+        low, high = -intercept / slope, (1 - intercept) / slope
+        scaling = {
+            "rope_type": "llama3",
+            "factor": round(factor, 4),
+            "low_freq_factor": round(float(low), 4),
+            "high_freq_factor": round(float(high), 4),
+            "original_max_position_embeddings": old,
+        }
+        if np.allclose(llama3_rope_factors(theta, dim, scaling), factors, rtol=1e-3):
+            return scaling
+    raise UnsupportedArchitectureError(f"rope_freqs tensor in {path} does not match llama3 rope scaling")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF name for a GGUF tensor name; None for tensors HF has no parameter for (rope_freqs)."""
+    stem, _, kind = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if stem == "rope_freqs":
+        return None
+    if stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
+    raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file")
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (its converter's `permute`): per head, rows go from the
+    interleaved (pairs) order back to HF's rotate-half order."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> ModelConfig:
+    """Write config.json, model*.safetensors and tokenizer files for `gguf_path` into `out_dir`.
+
+    The architecture is checked before any tensor is read. Returns the parsed ModelConfig."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = open_gguf(gguf_path)
+    config = gguf_to_hf_config(reader, gguf_path)
+    try:
+        model_config = ModelConfig.from_hf_dict(config)
+    except UnsupportedArchitectureError as e:
+        raise UnsupportedArchitectureError(f"{e} (in {gguf_path})") from e
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_weights(reader, config, out_dir, progress)
+    _write_tokenizer(reader, gguf_path, out_dir)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return model_config
+
+
+def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, progress: bool) -> None:
+    permuted = GGUF_ARCHITECTURES[reader.fields["general.architecture"].contents()][2]
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    bar = tqdm(reader.tensors, desc="Converting GGUF", unit="tensor", file=sys.stderr,
+               disable=not (progress and sys.stderr.isatty()))
+    for tensor in bar:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        layer_kind = tensor.name.split(".")[-2]
+        if permuted and layer_kind in heads:
+            w = unpermute_rope_rows(w, heads[layer_kind])
+        if size and size + w.nbytes > _MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = torch.from_numpy(np.ascontiguousarray(w).copy())
+        size += w.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None:
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import pre_tokenizers, processors
+    from transformers import AutoTokenizer
+
+    meta = _fields(reader)
+    try:
+        hf = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+        )
+    except Exception as e:
+        raise ValueError(f"cannot build a tokenizer from {gguf_path}: {e}") from e
+    hf.save_pretrained(str(out_dir))
+
+    raw = RawTokenizer.from_file(str(out_dir / "tokenizer.json"))
+    if meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
+        raw.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ])
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", hf.add_bos_token))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    special: dict[str, tuple[str, int]] = {}
+    for kind, flag in (("bos", add_bos), ("eos", add_eos)):
+        token_id = meta.get(f"tokenizer.ggml.{kind}_token_id")
+        if flag and token_id is not None:
+            special[kind] = (hf.convert_ids_to_tokens(int(token_id)), int(token_id))
+
+    def template(seq: str, type_id: int) -> str:
+        parts = [f"{special[k][0]}:{type_id}" for k in ("bos",) if k in special] + [f"${seq}:{type_id}"]
+        return " ".join(parts + [f"{special[k][0]}:{type_id}" for k in ("eos",) if k in special])
+
+    raw.post_processor = processors.TemplateProcessing(
+        single=template("A", 0), pair=f"{template('A', 0)} {template('B', 1)}", special_tokens=list(special.values())
+    )
+    raw.save(str(out_dir / "tokenizer.json"))
+
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(add_bos_token=add_bos, add_eos_token=add_eos, clean_up_tokenization_spaces=False)
+    cfg.update(tokenizer_class="PreTrainedTokenizerFast")
+    for key in ("is_local", "local_files_only"):
+        cfg.pop(key, None)
+    if meta.get("tokenizer.chat_template"):
+        cfg["chat_template"] = meta["tokenizer.chat_template"]
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
