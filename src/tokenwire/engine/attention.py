@@ -21,9 +21,11 @@ from tokenwire.engine.kv_cache import KVCache
 class AttentionGroup:
     token_index: torch.Tensor  # [B, Q] rows of the packed batch (padding points at row 0)
     valid: torch.Tensor  # [B, Q] bool, False for padding
-    block_table: torch.Tensor  # [B, n_blocks] (padding blocks point at block 0)
-    mask: torch.Tensor  # [B, 1, Q, L] bool, True where the query may attend
-    contiguous_start: int | None = None  # single sequence whose blocks are consecutive
+    block_table: torch.Tensor  # [B * n_blocks] flattened (padding blocks point at block 0)
+    n_blocks: int
+    bias: torch.Tensor  # [B, 1, rep*Q, L] additive mask: 0 where the query may attend, -inf elsewhere
+    row_start: int | None = None  # rows are row_start .. row_start+B*Q-1 in order: slice, no gather
+    contiguous_start: int | None = None  # single sequence whose blocks are consecutive: a view
 
 
 def build_group(
@@ -31,7 +33,9 @@ def build_group(
     starts: list[int],
     tables: list[list[int]],
     block_size: int,
+    rep: int,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> AttentionGroup:
     """rows[i]: packed-batch rows of sequence i, at positions starts[i], starts[i]+1, ..."""
     b = len(rows)
@@ -48,16 +52,25 @@ def build_group(
         table[i, : len(t)] = torch.tensor(t)
         query_pos[i, : len(r)] = torch.arange(start, start + len(r))
     key_pos = torch.arange(length)
-    mask = key_pos[None, None, :] <= query_pos[:, :, None]
-    mask[:, :, 0] |= ~valid  # padding queries attend to something, so SDPA gives no NaN
+    allowed = key_pos[None, None, :] <= query_pos[:, :, None]
+    allowed[:, :, 0] |= ~valid  # padding queries attend to something, so softmax gives no NaN
+    bias = torch.zeros(b, q, length, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    # grouped-query heads are folded into the query axis as (rep, Q)
+    bias = bias[:, None].expand(b, rep, q, length).reshape(b, 1, rep * q, length)
+    flat_rows = [x for r in rows for x in r]
+    row_start = None
+    if all(len(r) == q for r in rows) and flat_rows == list(range(flat_rows[0], flat_rows[0] + len(flat_rows))):
+        row_start = flat_rows[0]
     contiguous = None
     if b == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + len(tables[0]))):
         contiguous = tables[0][0]
     return AttentionGroup(
         token_index.to(device),
         valid.to(device),
-        table.to(device),
-        mask[:, None].to(device),
+        table.view(-1).to(device),
+        n_blocks,
+        bias.to(device),
+        row_start,
         contiguous,
     )
 
@@ -75,29 +88,35 @@ class PagedAttention:
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         k_cache.view(-1, kv_heads, d).index_copy_(0, self.slot_mapping, k)
         v_cache.view(-1, kv_heads, d).index_copy_(0, self.slot_mapping, v)
-        out = torch.empty(n, heads * d, dtype=q.dtype, device=q.device)
+        single = len(self.groups) == 1 and self.groups[0].row_start == 0
+        out = None if single else torch.empty(n, heads * d, dtype=q.dtype, device=q.device)
         for g in self.groups:
             b, qlen = g.token_index.shape
-            n_blocks = g.block_table.shape[1]
             if g.contiguous_start is not None:
-                # one sequence with consecutive blocks: a view, no gather copy
                 s = g.contiguous_start
-                keys = k_cache[s : s + n_blocks].reshape(1, -1, kv_heads, d)
-                values = v_cache[s : s + n_blocks].reshape(1, -1, kv_heads, d)
+                keys = k_cache[s : s + g.n_blocks].view(1, -1, kv_heads, d)
+                values = v_cache[s : s + g.n_blocks].view(1, -1, kv_heads, d)
             else:
-                keys = k_cache[g.block_table].view(b, -1, kv_heads, d)
-                values = v_cache[g.block_table].view(b, -1, kv_heads, d)
-            length = keys.shape[1]
+                keys = k_cache.index_select(0, g.block_table).view(b, -1, kv_heads, d)
+                values = v_cache.index_select(0, g.block_table).view(b, -1, kv_heads, d)
+            if g.row_start is not None:
+                qg = q[g.row_start : g.row_start + b * qlen].view(b, qlen, kv_heads, rep, d)
+            else:
+                qg = q[g.token_index].view(b, qlen, kv_heads, rep, d)
             # [B, Q, KVH, rep, D] -> [B, KVH, rep*Q, D]: each kv head serves rep*Q query rows
-            qg = q[g.token_index].view(b, qlen, kv_heads, rep, d).permute(0, 2, 3, 1, 4)
-            qg = qg.reshape(b, kv_heads, rep * qlen, d)
-            mask = g.mask.expand(b, rep, qlen, length).reshape(b, 1, rep * qlen, length)
+            qg = qg.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, rep * qlen, d)
             o = F.scaled_dot_product_attention(
-                qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
+                qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.bias
             )
             o = o.view(b, kv_heads, rep, qlen, d).permute(0, 3, 1, 2, 4).reshape(b, qlen, heads * d)
-            if qlen == 1 or bool(g.valid.all()):
+            if single:
+                return o.view(n, heads * d)
+            assert out is not None
+            if g.row_start is not None:
+                out[g.row_start : g.row_start + b * qlen] = o.view(-1, heads * d)
+            elif bool(g.valid.all()):
                 out[g.token_index.view(-1)] = o.reshape(-1, heads * d)
             else:
                 out[g.token_index[g.valid]] = o[g.valid]
+        assert out is not None
         return out

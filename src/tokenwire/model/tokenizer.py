@@ -64,8 +64,10 @@ class Tokenizer:
         )
         # Llama-2-style decoders drop the space sentencepiece puts before the first word.
         self._strip_first_space = any(
-            d.get("type") == "Strip" and d.get("content") == " " and d.get("start", 0) > 0 for d in decoders
-        ) or any(d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never" for d in decoders)
+            (d.get("type") == "Strip" and d.get("content") == " " and d.get("start", 0) > 0)
+            or (d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never")
+            for d in decoders
+        )
 
     @classmethod
     def from_dir(cls, model_dir: Path, config: ModelConfig | None = None) -> Tokenizer:
@@ -79,7 +81,7 @@ class Tokenizer:
         except Exception as e:
             raise ValueError(f"cannot load the tokenizer in {model_dir}: {e}") from e
         if not isinstance(hf, PreTrainedTokenizerFast):
-            raise ValueError(f"tokenizer in {model_dir} is not a fast (tokenizers-backed) tokenizer: {type(hf)}")
+            raise ValueError(f"tokenizer in {model_dir} is not tokenizers-backed (fast): {type(hf).__name__}")
         eos = list(config.eos_token_ids) if config else []
         gen = model_dir / "generation_config.json"
         if gen.is_file():
@@ -97,7 +99,9 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         # No clean-up of spaces, so a decode equals what an IncrementalDecoder streams out.
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return self.hf.decode(
+            list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     # -- raw token bytes -------------------------------------------------------------------------
 

@@ -1,0 +1,112 @@
+"""End-to-end with the real default model: SmolLM2-135M-Instruct from the GGUF wheel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tokenwire.engine.factory import EngineSettings, build_engine
+from tokenwire.engine.request import GenerateOptions, SamplingParams
+
+PROMPT = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = build_engine(EngineSettings(progress=False, kv_cache_mb=256))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_source):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_source.model_dir, dtype=torch.float32).eval()
+
+
+def test_default_model_name_and_shape(engine) -> None:
+    assert engine.name == "SmolLM2-135M-Instruct"
+    assert engine.config.architecture == "LlamaForCausalLM" and engine.config.tie_word_embeddings
+    assert engine.vocab_size == 49152
+
+
+def test_logits_match_transformers(engine, hf) -> None:
+    tokens = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
+    opts = GenerateOptions(max_tokens=0, logprob_ranges=[(1, len(tokens))], top_logprobs=5)
+    events, _ = engine.generate(None, tokens, opts).result()
+    with torch.inference_mode():
+        logp = torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), -1)
+    expected = logp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+    got = torch.tensor([e.logprob for e in events])
+    assert (got - expected).abs().max() <= 1e-4
+    # the top-5 alternatives are transformers' top-5 at every position
+    for e in events:
+        ids = [t for t, _ in e.top_logprobs]
+        assert ids == torch.topk(logp[e.position - 1], 5).indices.tolist()
+
+
+def test_full_logit_rows_match_transformers(engine, hf) -> None:
+    """Raw logits compared directly through a whole-sequence tensor call on the model thread."""
+    from tokenwire.model.llama import DenseCausalAttention
+
+    tokens = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+
+    def ours():
+        ids = torch.tensor(tokens)
+        hidden, _ = engine.model(ids, torch.arange(len(tokens)), DenseCausalAttention(1, len(tokens)))
+        return engine.model.logits(hidden)
+
+    got = engine.call_on_model_thread(ours).result()
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0].float()
+    assert (got - expected).abs().max() <= 1e-4
+
+
+def test_greedy_64_tokens_equal_transformers(engine, hf) -> None:
+    tokens = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story about a robot."}])
+    events, _ = engine.generate(None, tokens, GenerateOptions(
+        max_tokens=64, sampling=SamplingParams(temperature=0.0), ignore_eos=True)).result()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([tokens]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                          pad_token_id=0)
+    assert [e.token_id for e in events] == out[0, len(tokens):].tolist()
+
+
+def test_regex_constraint_with_real_model(engine) -> None:
+    import re
+
+    from tokenwire.engine.grammar import GrammarConstraint
+
+    pattern = r"The answer is [0-9]{2}\."
+    tokens = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Pick a number."}])
+    constraint = GrammarConstraint.regex(engine.tokenizer.hf, engine.logits_size, pattern)
+    events, finish = engine.generate(None, tokens, GenerateOptions(
+        max_tokens=20, constraint=constraint, sampling=SamplingParams(temperature=0.8, seed=3))).result()
+    text = "".join(e.text for e in events if e.token_id not in engine.eos_ids)
+    assert re.fullmatch(pattern, text), text
+    assert finish.reason in ("eos", "stop")
+
+
+def test_cli_generate_answers_paris(tmp_path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenwire.cli", "generate", PROMPT, "--temperature", "0", "--max-tokens", "40",
+         "--kv-cache-mb", "64"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    assert "Paris" in out.stdout, out.stdout + out.stderr
+
+
+def test_cli_generate_json_events() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenwire.cli", "generate", PROMPT, "--temperature", "0", "--max-tokens", "5",
+         "--json", "--kv-cache-mb", "64"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [x["type"] for x in lines] == ["token"] * 5 + ["finish"]
+    assert lines[-1]["reason"] == "length" and lines[-1]["completion_tokens"] == 5

@@ -1,0 +1,417 @@
+"""Model loading (GGUF conversion, cache, directories) and the Tokenizer wrapper."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import tokenwire.model.gguf as gguf_module
+from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
+from tokenwire.model.loader import (
+    DEFAULT_MODEL_NAME,
+    ModelSource,
+    default_cache_dir,
+    default_model_path,
+    load_weights,
+    model_name_for,
+    resolve_model,
+)
+from tokenwire.model.tokenizer import IncrementalDecoder, Tokenizer
+
+TinyGGUF = Callable[..., tuple[Path, dict[str, np.ndarray]]]
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+# --- tiny synthetic GGUF files (written with gguf-py, as llama.cpp's converter lays them out) ---
+
+
+def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf q/k row permutation (HF rotate-half -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llamacpp_llama3_factors(theta: float, dim: int, factor: float, low: float, high: float,
+                            old: int) -> np.ndarray:
+    """llama.cpp's rope_freqs tensor for Llama 3.1-style rope scaling (its converter's loop)."""
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        smooth = (old / wavelen - low) / (high - low)
+        medium = 1 / ((1 - smooth) / factor + smooth)
+        out.append(1.0 if wavelen < old / high else factor if wavelen > old / low else medium)
+    return np.array(out, dtype=np.float32)
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte-level spelling of bytes 0..255."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path: Path) -> TinyGGUF:
+    """Factory writing a small random GGUF; returns (path, the HF-named float32 weights it encodes).
+
+    Byte-level BPE vocabulary: the 256 byte tokens, "hi" (256, merge "h i"), "<s>" (257), "</s>" (258).
+    With spm=True a sentencepiece one: <unk> <s> </s>, 256 byte-fallback tokens, ▁ h i ▁h hi ▁hi."""
+    import gguf
+
+    def make(arch: str = "llama", *, name: str = "tiny.gguf", tied: bool = False, add_bos: bool = True,
+             rope_freqs: np.ndarray | None = None, extra_kv: dict[str, Any] | None = None,
+             theta: float = 10000.0, spm: bool = False) -> tuple[Path, dict[str, np.ndarray]]:
+        rng = np.random.default_rng(0)
+        hidden, heads, kv_heads, ffn, head_dim = 128, 2, 1, 96, 64
+        w = gguf.GGUFWriter(str(tmp_path / name), arch)
+        if spm:
+            byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+            tokens = ["<unk>", "<s>", "</s>", *byte_tokens, *"▁ h i ▁h hi ▁hi".split()]
+            w.add_tokenizer_model("llama")
+            w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 6)
+            w.add_token_scores([0.0] * 259 + [-float(i) for i in range(6)])
+            w.add_bos_token_id(1)
+            w.add_eos_token_id(2)
+        else:
+            tokens = [*byte_alphabet(), "hi", "<s>", "</s>"]
+            w.add_tokenizer_model("gpt2")
+            w.add_tokenizer_pre("default")
+            w.add_token_types([1] * 257 + [3, 3])
+            w.add_token_merges(["h i"])
+            w.add_bos_token_id(257)
+            w.add_eos_token_id(258)
+        w.add_token_list(tokens)
+        w.add_block_count(1)
+        w.add_context_length(256)
+        w.add_embedding_length(hidden)
+        w.add_feed_forward_length(ffn)
+        w.add_head_count(heads)
+        w.add_head_count_kv(kv_heads)
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_freq_base(theta)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_add_bos_token(add_bos)
+        w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
+        for key, value in (extra_kv or {}).items():
+            (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+
+        def rand(*shape: int) -> np.ndarray:
+            return rng.standard_normal(shape).astype(np.float32)
+
+        p = "model.layers.0."
+        hf = {"model.embed_tokens.weight": rand(len(tokens), hidden), "model.norm.weight": rand(hidden)}
+        hf |= {} if tied else {"lm_head.weight": rand(len(tokens), hidden)}
+        hf |= {f"{p}{norm}.weight": rand(hidden) for norm in ("input_layernorm", "post_attention_layernorm")}
+        for proj, rows, cols in (("self_attn.q_proj", hidden, hidden), ("self_attn.k_proj", 64, hidden),
+                                 ("self_attn.v_proj", 64, hidden), ("self_attn.o_proj", hidden, hidden),
+                                 ("mlp.gate_proj", ffn, hidden), ("mlp.up_proj", ffn, hidden),
+                                 ("mlp.down_proj", hidden, ffn)):
+            hf[f"{p}{proj}.weight"] = rand(rows, cols)
+            if arch == "qwen2" and proj[-6:] in ("q_proj", "k_proj", "v_proj"):
+                hf[f"{p}{proj}.bias"] = rand(rows)
+        hf[p + "mlp.up_proj.weight"] = hf[p + "mlp.up_proj.weight"].astype(np.float16)  # an F16 tensor
+        globals_ = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+        for hf_name, value in hf.items():
+            stem, kind = hf_name.rsplit(".", 1)
+            gname = f"blk.0.{_LAYER_NAMES[stem[len(p):]]}" if stem.startswith(p) else globals_[stem]
+            if arch == "llama" and gname.endswith(("attn_q", "attn_k")):
+                value = llamacpp_permute(value, heads if gname.endswith("q") else kv_heads)
+            w.add_tensor(f"{gname}.{kind}", value)
+        if rope_freqs is not None:
+            w.add_tensor("rope_freqs.weight", rope_freqs)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return tmp_path / name, {k: v.astype(np.float32) for k, v in hf.items()}
+
+    return make
+
+
+# --- GGUF conversion ---------------------------------------------------------------------------
+
+
+def test_default_model_converts_like_transformers(smollm2_source: ModelSource) -> None:
+    """Our weights equal transformers' own GGUF loading (same dequantisation and q/k un-permute).
+
+    AutoModelForCausalLM.from_pretrained(..., gguf_file=...) needs `accelerate` in transformers 5.23,
+    so we call the loader it uses, load_gguf_checkpoint, with a meta-device model for the names."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    src = smollm2_source
+    assert src.name == DEFAULT_MODEL_NAME and src.source == default_model_path()
+    cfg = LlamaConfig.from_pretrained(src.model_dir)
+    with torch.device("meta"):
+        meta_model = LlamaForCausalLM(cfg)
+    ref = load_gguf_checkpoint(str(src.source), return_tensors=True, model_to_load=meta_model)
+    ours = load_weights(src.model_dir)
+    assert set(ours) == set(ref["tensors"])
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        torch.testing.assert_close(tensor, ref["tensors"][name], rtol=0, atol=0, msg=name)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert getattr(cfg, key) == ref["config"][key], key
+    assert cfg.rms_norm_eps == pytest.approx(ref["config"]["rms_norm_eps"])
+    c = src.config
+    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads) == ("LlamaForCausalLM", 30, 9, 3)
+    assert (c.head_dim, c.hidden_size, c.intermediate_size) == (64, 576, 1536)
+    assert (c.rope_theta, c.rms_norm_eps, c.tie_word_embeddings) == (100000.0, 1e-5, True)
+    assert (c.bos_token_id, c.eos_token_ids, c.vocab_size) == (1, [2], 49152)
+
+
+def test_converted_model_answers_sensibly(smollm2_source: ModelSource) -> None:
+    """End to end through transformers' LlamaForCausalLM: a wrong q/k permutation gives gibberish."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(smollm2_source.model_dir).eval()
+    tok = smollm2_source.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, len(ids):].tolist())
+
+
+def test_second_load_reuses_cache(smollm2_source: ModelSource, monkeypatch: pytest.MonkeyPatch) -> None:
+    weights = smollm2_source.model_dir / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+
+    def no_conversion(*args: object, **kwargs: object) -> None:
+        raise AssertionError("reconverted a cached GGUF")
+
+    monkeypatch.setattr(gguf_module, "convert_gguf", no_conversion)
+    start = time.perf_counter()
+    again = resolve_model(None, progress=False)  # smollm2_source used the default cache dir too
+    print(f"cached default load: {time.perf_counter() - start:.2f}s")
+    assert again.model_dir == smollm2_source.model_dir and weights.stat().st_mtime_ns == mtime
+    assert again.config == smollm2_source.config
+
+
+def test_tiny_llama_gguf(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
+    path, expected = tiny_gguf("llama", name="Tiny-Llama-Q8_0.gguf", add_bos=True)
+    calls = []
+    real = gguf_module.convert_gguf
+
+    def counting(*args: object, **kwargs: object) -> ModelConfig:
+        calls.append(args)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_module, "convert_gguf", counting)
+        src = resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
+        again = resolve_model(str(path), cache_dir=tmp_path / "cache", name="custom", progress=False)
+    assert len(calls) == 1 and again.model_dir == src.model_dir
+    stat = path.stat()  # a changed file converts again, and its old entry is removed
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_module, "convert_gguf", counting)
+        changed = resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
+    assert len(calls) == 2 and changed.model_dir != src.model_dir and not src.model_dir.exists()
+    src = changed
+    assert (src.name, again.name, src.source) == ("Tiny-Llama", "custom", path)
+    assert src.model_dir.parent == tmp_path / "cache" and not list(src.model_dir.parent.glob(".tmp-*"))
+    ours = load_weights(src.model_dir)
+    assert set(ours) == set(expected)  # incl. an untied lm_head, q/k un-permuted (GQA k too)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(ours[name].numpy(), value, err_msg=name)
+    assert load_weights(src.model_dir, torch.bfloat16)["lm_head.weight"].dtype == torch.bfloat16
+    c = src.config
+    assert (c.architecture, c.tie_word_embeddings, c.attention_bias, c.rope_scaling) == (
+        "LlamaForCausalLM", False, False, None)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps) == (2, 1, 64, 1e-6)
+    tok = src.tokenizer  # add_bos_token=True in the GGUF: BOS is prepended
+    assert tok.encode("hi") == [257, 256] and tok.encode("hi", add_special_tokens=False) == [256]
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (257, [258], 259)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == [257, 256, 258]
+
+
+def test_tiny_qwen2_gguf_is_not_permuted(tiny_gguf: TinyGGUF, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    path, expected = tiny_gguf("qwen2", tied=True, add_bos=False)
+    monkeypatch.setattr(gguf_module, "_MAX_SHARD_BYTES", 100_000)  # exercise sharded output
+    src = resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
+    assert len(list(src.model_dir.glob("model-*-of-*.safetensors"))) > 2
+    assert (src.model_dir / "model.safetensors.index.json").is_file()
+    ours = load_weights(src.model_dir)
+    assert set(ours) == set(expected) and "lm_head.weight" not in ours
+    for name, value in expected.items():
+        np.testing.assert_array_equal(ours[name].numpy(), value, err_msg=name)
+    c = src.config
+    assert (c.architecture, c.tie_word_embeddings, c.attention_bias) == ("Qwen2ForCausalLM", True, True)
+    assert src.tokenizer.encode("hi") == [256]
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
+    freqs = llamacpp_llama3_factors(500000.0, 64, factor=8.0, low=1.0, high=4.0, old=8192)
+    path, _ = tiny_gguf(rope_freqs=freqs, theta=500000.0)
+    c = resolve_model(path, cache_dir=tmp_path / "cache", progress=False).config
+    assert c.rope_theta == 500000.0
+    assert c.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    ours = gguf_module.llama3_rope_factors(500000.0, 64, c.rope_scaling)
+    np.testing.assert_allclose(ours, freqs, rtol=1e-6)
+
+
+def test_sentencepiece_gguf_token_bytes(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
+    """Llama-2-style vocabulary: ▁ for spaces, <0xNN> byte fallback, first space stripped on decode."""
+    path, _ = tiny_gguf(spm=True)
+    tok = resolve_model(path, cache_dir=tmp_path / "cache", progress=False).tokenizer
+    assert tok.token_bytes(tok.encode("hi", add_special_tokens=False)[0]) == b" hi"
+    assert tok.token_bytes(3 + 0xE4) == b"\xe4" and tok.token_bytes(1) == b"<s>"
+    for text in ["hi hi", "héllo 世界 🎉", "hi  hi"]:
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_token_id == 1 and tok.decode(ids, skip_special_tokens=True) == text
+        for skip in (False, True):
+            decoder = tok.incremental_decoder(skip_special_tokens=skip)
+            assert decoder.feed_many(ids) + decoder.flush() == tok.decode(ids, skip_special_tokens=skip)
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def test_unsupported_gguf_architecture_leaves_no_cache(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
+    path, _ = tiny_gguf("gpt2")
+    with pytest.raises(UnsupportedArchitectureError, match="'gpt2'"):
+        resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
+    linear, _ = tiny_gguf(name="linear.gguf", extra_kv={"llama.rope.scaling.type": "linear",
+                                                       "llama.rope.scaling.factor": 2.0})
+    with pytest.raises(UnsupportedArchitectureError, match="linear"):
+        resolve_model(linear, cache_dir=tmp_path / "cache", progress=False)
+    assert not list((tmp_path / "cache").iterdir())
+
+
+def test_crash_mid_conversion_leaves_no_entry(tiny_gguf: TinyGGUF, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = tiny_gguf()
+
+    def crash(gguf_path: Path, out_dir: Path, **kwargs: object) -> None:
+        (out_dir / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_module, "convert_gguf", crash)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
+    assert not list((tmp_path / "cache").iterdir())
+
+
+def test_unsupported_architecture_in_directory(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    model_dir = tmp_path / "gpt2-model"
+    model_dir.mkdir()
+    cfg = json.loads((smollm2_source.model_dir / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel"):
+        resolve_model(model_dir)
+
+
+def test_missing_and_unreadable_models(tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "model.gguf"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        resolve_model(missing, cache_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        resolve_model(tmp_path)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"definitely not a gguf file" * 10)
+    with pytest.raises(ValueError, match=r"bad\.gguf"):
+        resolve_model(bad, cache_dir=tmp_path / "cache")
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"weights\.bin"):
+        resolve_model(other)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_weights(tmp_path)
+
+
+def test_directory_model_used_in_place(smollm2_source: ModelSource) -> None:
+    src = resolve_model(smollm2_source.model_dir)
+    assert src.model_dir == smollm2_source.model_dir and src.name == smollm2_source.model_dir.name
+    assert src.config == smollm2_source.config
+
+
+def test_model_names(tmp_path: Path) -> None:
+    assert model_name_for(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "SmolLM2-135M-Instruct"
+    assert model_name_for(Path("/m/Llama-3.2-1B-Instruct-Q4_K_M.gguf")) == "Llama-3.2-1B-Instruct"
+    assert model_name_for(Path("qwen2.5-0.5b-instruct-iq3_xs.gguf")) == "qwen2.5-0.5b-instruct"
+    assert model_name_for(Path("mistral.f16.gguf")) == "mistral"
+    assert model_name_for(Path("plain.gguf")) == "plain"
+    (tmp_path / "Qwen2.5-0.5B").mkdir()
+    assert model_name_for(tmp_path / "Qwen2.5-0.5B") == "Qwen2.5-0.5B"
+    assert model_name_for(Path("models/tiny-model/")) == "tiny-model"
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+TEXTS = ["Hello, world!", "héllo 世界 🎉", "a  1 + 22 = 333\n\tdone", "<|im_start|>user\nhi<|im_end|>", ""]
+
+
+def test_tokenizer_matches_hf(smollm2_source: ModelSource) -> None:
+    from transformers import AutoTokenizer
+
+    tok = smollm2_source.tokenizer
+    hf = AutoTokenizer.from_pretrained(smollm2_source.model_dir, local_files_only=True)
+    for text in TEXTS:
+        assert tok.encode(text) == hf(text)["input_ids"]
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False)  # GGUF: add_bos_token false
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (1, [2], 49152)
+    # SmolLM2 splits every digit off first (llama.cpp pre-tokenizer "smollm"), so two spaces stay together.
+    assert tok.hf.convert_ids_to_tokens(tok.encode("a  1")) == ["a", "ĠĠ", "1"]
+    assert tok.encode("<|im_start|>") == [1]
+
+
+def test_token_bytes_and_incremental_decoding(smollm2_source: ModelSource) -> None:
+    tok = smollm2_source.tokenizer
+    text = "héllo 世界 🎉"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.token_bytes(2) == b"<|im_end|>" and tok.token_bytes(tok.encode(" the")[0]) == b" the"
+    assert tok.token_bytes(10**9) == b""
+    decoder = tok.incremental_decoder()
+    pieces = [decoder.feed(i) for i in ids]
+    assert "".join(pieces) + decoder.flush() == tok.decode(ids) == text
+    assert "" in pieces  # some character was split across tokens and held back
+    assert all("\ufffd" not in p for p in pieces)
+    chat = tok.apply_chat_template([{"role": "user", "content": text}])
+    skip = IncrementalDecoder(tok, skip_special_tokens=True)
+    assert skip.feed_many(chat) == tok.decode(chat, skip_special_tokens=True)
+    assert Tokenizer.IncrementalDecoder is IncrementalDecoder  # type: ignore[attr-defined]
+
+
+def test_chat_template(smollm2_source: ModelSource) -> None:
+    tok = smollm2_source.tokenizer
+    assert tok.has_chat_template
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    expected = (f"<|im_start|>system\n{SMOLLM2_SYSTEM}<|im_end|>\n"
+                "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(ids) == expected and ids[0] == 1
+    assert ids == tok.hf.apply_chat_template([{"role": "user", "content": "Hi there"}],
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Yo"}]
+    no_prompt = tok.decode(tok.apply_chat_template(convo, add_generation_prompt=False))
+    assert no_prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nYo<|im_end|>\n"
+
+
+def test_cache_dir_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TOKENWIRE_CACHE_DIR", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("TOKENWIRE_CACHE_DIR")
+    assert default_cache_dir() == Path(os.path.expanduser("~")) / ".cache" / "tokenwire"
