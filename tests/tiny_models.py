@@ -44,8 +44,9 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
     ),
     "mistral": MistralConfig(**_common(sliding_window=None)),
     "qwen2": Qwen2Config(**_common(num_key_value_heads=1, use_sliding_window=False)),
-    "smollm2": LlamaConfig(**_common(tie_word_embeddings=True, num_attention_heads=6, num_key_value_heads=2,
-                                     hidden_size=96)),
+    "smollm2": LlamaConfig(
+        **_common(tie_word_embeddings=True, num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    ),
 }
 
 

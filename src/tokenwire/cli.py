@@ -13,9 +13,13 @@ from tokenwire.engine.factory import EngineSettings
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model", help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct)"
+    )
     g.add_argument("--model-name", help="name the protocols report and accept (default: file/dir name)")
-    g.add_argument("--cache-dir", type=Path, help="where converted GGUF weights are cached (~/.cache/tokenwire)")
+    g.add_argument(
+        "--cache-dir", type=Path, help="where converted GGUF weights are cached (~/.cache/tokenwire)"
+    )
     g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--kv-cache-mb", type=float, help="KV cache budget in MiB (default: from free memory)")
@@ -63,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--session-ttl", type=float, default=1800.0, help="idle session lifetime, seconds")
+    serve.add_argument("--lmtp-port", type=int, default=8080, help="LMTP WebSocket port (0 = off)")
 
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
     gen.add_argument("prompt")
@@ -80,13 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--streams", type=int, default=32)
     be.add_argument("--session-tokens", type=int, default=1000)
     be.add_argument("--repeats", type=int, default=3)
+    be.add_argument(
+        "--ftz-baseline", action="store_true", help="also run transformers with denormals flushed"
+    )
+
+    from tokenwire.protocols.lmtp.cli import add_lmtp_parser
+
+    add_lmtp_parser(sub, add_model_args)
 
     concepts = sub.add_parser("concepts", help="concept vectors for readouts")
     csub = concepts.add_subparsers(dest="concepts_command", required=True)
     build = csub.add_parser("build", help="difference of mean activations of two prompt files")
     add_model_args(build)
     build.add_argument("--name", required=True, help="concept name")
-    build.add_argument("--positive", type=Path, required=True, help="prompts showing the concept, one per line")
+    build.add_argument(
+        "--positive", type=Path, required=True, help="prompts showing the concept, one per line"
+    )
     build.add_argument("--negative", type=Path, required=True, help="contrasting prompts, one per line")
     build.add_argument("--layers", help="comma-separated layers (default: all); 0 = embeddings")
     build.add_argument("--merge", type=Path, help="add the concept to this existing concept file")
@@ -114,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             from tokenwire.bench.engine_bench import run_engine_bench
 
             return run_engine_bench(args, settings_from(args))
+        if args.command == "lmtp":
+            from tokenwire.protocols.lmtp.cli import run_lmtp
+
+            return run_lmtp(args, settings_from(args))
         if args.command == "concepts":
             from tokenwire.concepts_cmd import run_concepts_build
 

@@ -57,16 +57,34 @@ def run_generate(args: argparse.Namespace, settings: EngineSettings) -> int:
         for event in handle:
             if isinstance(event, TokenEvent):
                 if args.json:
-                    print(json.dumps({"type": "token", "id": event.token_id, "position": event.position,
-                                      "text": event.text, "forced": event.forced}, ensure_ascii=False))
+                    print(
+                        json.dumps(
+                            {
+                                "type": "token",
+                                "id": event.token_id,
+                                "position": event.position,
+                                "text": event.text,
+                                "forced": event.forced,
+                            },
+                            ensure_ascii=False,
+                        )
+                    )
                 else:
                     sys.stdout.write(event.text)
                 sys.stdout.flush()
             elif isinstance(event, FinishEvent):
                 if args.json:
-                    print(json.dumps({"type": "finish", "reason": event.reason, "error": event.error,
-                                      "prompt_tokens": event.prompt_tokens,
-                                      "completion_tokens": event.completion_tokens}))
+                    print(
+                        json.dumps(
+                            {
+                                "type": "finish",
+                                "reason": event.reason,
+                                "error": event.error,
+                                "prompt_tokens": event.prompt_tokens,
+                                "completion_tokens": event.completion_tokens,
+                            }
+                        )
+                    )
                 else:
                     sys.stdout.write("\n")
                 if event.reason == "error":

@@ -23,6 +23,15 @@ Starter = Callable[[Engine, argparse.Namespace], Awaitable[Callable[[], Awaitabl
 STARTERS: list[Starter] = []
 
 
+def _register_starters() -> None:
+    from tokenwire.protocols.lmtp.ws_server import start_from_args as start_lmtp
+
+    STARTERS.append(start_lmtp)
+
+
+_register_starters()
+
+
 async def _serve(engine: Engine, args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -68,13 +68,19 @@ def test_full_logit_rows_match_transformers(engine, hf) -> None:
 
 
 def test_greedy_64_tokens_equal_transformers(engine, hf) -> None:
-    tokens = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story about a robot."}])
-    events, _ = engine.generate(None, tokens, GenerateOptions(
-        max_tokens=64, sampling=SamplingParams(temperature=0.0), ignore_eos=True)).result()
+    tokens = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me a story about a robot."}]
+    )
+    events, _ = engine.generate(
+        None,
+        tokens,
+        GenerateOptions(max_tokens=64, sampling=SamplingParams(temperature=0.0), ignore_eos=True),
+    ).result()
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([tokens]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                          pad_token_id=0)
-    assert [e.token_id for e in events] == out[0, len(tokens):].tolist()
+        out = hf.generate(
+            torch.tensor([tokens]), max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0
+        )
+    assert [e.token_id for e in events] == out[0, len(tokens) :].tolist()
 
 
 def test_regex_constraint_with_real_model(engine) -> None:
@@ -85,8 +91,13 @@ def test_regex_constraint_with_real_model(engine) -> None:
     pattern = r"The answer is [0-9]{2}\."
     tokens = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Pick a number."}])
     constraint = GrammarConstraint.regex(engine.tokenizer.hf, engine.logits_size, pattern)
-    events, finish = engine.generate(None, tokens, GenerateOptions(
-        max_tokens=20, constraint=constraint, sampling=SamplingParams(temperature=0.8, seed=3))).result()
+    events, finish = engine.generate(
+        None,
+        tokens,
+        GenerateOptions(
+            max_tokens=20, constraint=constraint, sampling=SamplingParams(temperature=0.8, seed=3)
+        ),
+    ).result()
     text = "".join(e.text for e in events if e.token_id not in engine.eos_ids)
     assert re.fullmatch(pattern, text), text
     assert finish.reason in ("eos", "stop")
@@ -94,18 +105,47 @@ def test_regex_constraint_with_real_model(engine) -> None:
 
 def test_cli_generate_answers_paris(tmp_path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "tokenwire.cli", "generate", PROMPT, "--temperature", "0", "--max-tokens", "40",
-         "--kv-cache-mb", "64"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            "-m",
+            "tokenwire.cli",
+            "generate",
+            PROMPT,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "40",
+            "--kv-cache-mb",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     assert "Paris" in out.stdout, out.stdout + out.stderr
 
 
 def test_cli_generate_json_events() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "tokenwire.cli", "generate", PROMPT, "--temperature", "0", "--max-tokens", "5",
-         "--json", "--kv-cache-mb", "64"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            "-m",
+            "tokenwire.cli",
+            "generate",
+            PROMPT,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "5",
+            "--json",
+            "--kv-cache-mb",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert [x["type"] for x in lines] == ["token"] * 5 + ["finish"]

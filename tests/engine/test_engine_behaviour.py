@@ -35,9 +35,15 @@ def tokens_of(engine, prompt, **kw) -> tuple[list[int], str]:
 
 def test_seeded_sampling_is_reproducible(engine) -> None:
     prompt = rand_tokens(12, 1)
-    a = tokens_of(engine, prompt, max_tokens=20, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=7))
-    b = tokens_of(engine, prompt, max_tokens=20, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=7))
-    c = tokens_of(engine, prompt, max_tokens=20, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=8))
+    a = tokens_of(
+        engine, prompt, max_tokens=20, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=7)
+    )
+    b = tokens_of(
+        engine, prompt, max_tokens=20, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=7)
+    )
+    c = tokens_of(
+        engine, prompt, max_tokens=20, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=8)
+    )
     assert a == b
     assert a != c
 
@@ -45,10 +51,20 @@ def test_seeded_sampling_is_reproducible(engine) -> None:
 def test_top_k_one_and_tiny_top_p_are_greedy(engine) -> None:
     prompt = rand_tokens(12, 2)
     greedy = tokens_of(engine, prompt, max_tokens=10, ignore_eos=True, sampling=GREEDY)
-    k1 = tokens_of(engine, prompt, max_tokens=10, ignore_eos=True,
-                   sampling=SamplingParams(temperature=1.5, top_k=1, seed=3))
-    p0 = tokens_of(engine, prompt, max_tokens=10, ignore_eos=True,
-                   sampling=SamplingParams(temperature=1.5, top_p=1e-6, seed=3))
+    k1 = tokens_of(
+        engine,
+        prompt,
+        max_tokens=10,
+        ignore_eos=True,
+        sampling=SamplingParams(temperature=1.5, top_k=1, seed=3),
+    )
+    p0 = tokens_of(
+        engine,
+        prompt,
+        max_tokens=10,
+        ignore_eos=True,
+        sampling=SamplingParams(temperature=1.5, top_p=1e-6, seed=3),
+    )
     assert greedy == k1 == p0
 
 
@@ -58,27 +74,42 @@ def test_top_k_limits_choices(engine) -> None:
     (first,), _ = engine.generate(None, prompt, opts).result()
     allowed = {t for t, _ in first.top_logprobs[:3]}
     for seed in range(12):
-        (tok,), _ = tokens_of(engine, prompt, max_tokens=1, sampling=SamplingParams(temperature=5.0, top_k=3, seed=seed))
+        (tok,), _ = tokens_of(
+            engine, prompt, max_tokens=1, sampling=SamplingParams(temperature=5.0, top_k=3, seed=seed)
+        )
         assert tok in allowed
 
 
 def test_logit_bias_forces_and_bans(engine) -> None:
     prompt = rand_tokens(12, 4)
-    toks, _ = tokens_of(engine, prompt, max_tokens=5, ignore_eos=True,
-                        sampling=SamplingParams(temperature=0.0, logit_bias={1234: 100.0}))
+    toks, _ = tokens_of(
+        engine,
+        prompt,
+        max_tokens=5,
+        ignore_eos=True,
+        sampling=SamplingParams(temperature=0.0, logit_bias={1234: 100.0}),
+    )
     assert toks == [1234] * 5
     greedy, _ = tokens_of(engine, prompt, max_tokens=1, sampling=GREEDY)
-    banned, _ = tokens_of(engine, prompt, max_tokens=1,
-                          sampling=SamplingParams(temperature=0.0, logit_bias={greedy[0]: -1e9}))
+    banned, _ = tokens_of(
+        engine, prompt, max_tokens=1, sampling=SamplingParams(temperature=0.0, logit_bias={greedy[0]: -1e9})
+    )
     assert banned != greedy
 
 
 def test_processed_logprobs_follow_the_bias(engine) -> None:
     prompt = rand_tokens(12, 5)
     sampling = SamplingParams(temperature=0.0, logit_bias={999: 100.0})
-    raw = engine.generate(None, prompt, GenerateOptions(max_tokens=1, sampling=sampling, logprobs=True)).result()[0][0]
-    proc = engine.generate(None, prompt, GenerateOptions(max_tokens=1, sampling=sampling, logprobs=True,
-                                                         logprob_mode="processed", top_logprobs=2)).result()[0][0]
+    raw = engine.generate(
+        None, prompt, GenerateOptions(max_tokens=1, sampling=sampling, logprobs=True)
+    ).result()[0][0]
+    proc = engine.generate(
+        None,
+        prompt,
+        GenerateOptions(
+            max_tokens=1, sampling=sampling, logprobs=True, logprob_mode="processed", top_logprobs=2
+        ),
+    ).result()[0][0]
     assert raw.token_id == proc.token_id == 999
     assert raw.logprob < -1.0  # the unbiased model did not favour it
     assert proc.logprob > -1e-3 and proc.top_logprobs[0][0] == 999
@@ -87,24 +118,29 @@ def test_processed_logprobs_follow_the_bias(engine) -> None:
 def test_stop_token_ids_and_eos(engine) -> None:
     prompt = rand_tokens(12, 6)
     greedy, _ = tokens_of(engine, prompt, max_tokens=8, ignore_eos=True, sampling=GREEDY)
-    events, finish = engine.generate(None, prompt, GenerateOptions(max_tokens=8, sampling=GREEDY,
-                                                                   stop_token_ids=[greedy[2]])).result()
+    events, finish = engine.generate(
+        None, prompt, GenerateOptions(max_tokens=8, sampling=GREEDY, stop_token_ids=[greedy[2]])
+    ).result()
     assert [e.token_id for e in events] == greedy[: greedy.index(greedy[2]) + 1]
     assert finish.reason == "stop" and finish.stop_detail == greedy[2]
     eos = next(iter(engine.eos_ids))
-    toks, reason = tokens_of(engine, prompt, max_tokens=8,
-                             sampling=SamplingParams(temperature=0.0, logit_bias={eos: 100.0}))
+    toks, reason = tokens_of(
+        engine, prompt, max_tokens=8, sampling=SamplingParams(temperature=0.0, logit_bias={eos: 100.0})
+    )
     assert toks == [eos] and reason == "eos"
 
 
 def test_stop_strings(engine, tokenizer) -> None:
     prompt = rand_tokens(12, 7)
-    events, _ = engine.generate(None, prompt, GenerateOptions(max_tokens=30, sampling=GREEDY, ignore_eos=True)).result()
+    events, _ = engine.generate(
+        None, prompt, GenerateOptions(max_tokens=30, sampling=GREEDY, ignore_eos=True)
+    ).result()
     text = "".join(e.text for e in events)
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), "need a visible stop string"
-    events, finish = engine.generate(None, prompt, GenerateOptions(max_tokens=30, sampling=GREEDY, ignore_eos=True,
-                                                                   stop=[stop])).result()
+    events, finish = engine.generate(
+        None, prompt, GenerateOptions(max_tokens=30, sampling=GREEDY, ignore_eos=True, stop=[stop])
+    ).result()
     got = "".join(e.text for e in events)
     assert finish.reason == "stop" and finish.stop_detail == stop
     assert stop in got and got.index(stop) + len(stop) > len(got) - len(events[-1].text) - len(stop)
@@ -116,8 +152,13 @@ def test_regex_constraint_output_matches(engine, tokenizer) -> None:
     pattern = r"(yes|no), [0-9]{3}-[a-z]{2,4}"
     for seed in range(3):
         constraint = GrammarConstraint.regex(tokenizer.hf, engine.logits_size, pattern)
-        events, finish = engine.generate(None, rand_tokens(8, 30 + seed), GenerateOptions(
-            max_tokens=40, constraint=constraint, sampling=SamplingParams(temperature=1.0, seed=seed))).result()
+        events, finish = engine.generate(
+            None,
+            rand_tokens(8, 30 + seed),
+            GenerateOptions(
+                max_tokens=40, constraint=constraint, sampling=SamplingParams(temperature=1.0, seed=seed)
+            ),
+        ).result()
         ids = [e.token_id for e in events if e.token_id not in engine.eos_ids]
         assert re.fullmatch(pattern, tokenizer.decode(ids)), (tokenizer.decode(ids), finish)
         assert finish.reason in ("eos", "stop")
@@ -128,13 +169,22 @@ def test_json_schema_constraint(engine, tokenizer) -> None:
 
     from tokenwire.engine.grammar import GrammarConstraint
 
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
-              "required": ["n", "ok"], "additionalProperties": False,
-              # a random-weight model loves whitespace; compact JSON keeps the test short
-              "x-guidance": {"whitespace_flexible": False}}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+        # a random-weight model loves whitespace; compact JSON keeps the test short
+        "x-guidance": {"whitespace_flexible": False},
+    }
     constraint = GrammarConstraint.json_schema(tokenizer.hf, engine.logits_size, schema)
-    events, finish = engine.generate(None, rand_tokens(8, 40), GenerateOptions(
-        max_tokens=60, constraint=constraint, sampling=SamplingParams(temperature=0.7, seed=1))).result()
+    events, _ = engine.generate(
+        None,
+        rand_tokens(8, 40),
+        GenerateOptions(
+            max_tokens=60, constraint=constraint, sampling=SamplingParams(temperature=0.7, seed=1)
+        ),
+    ).result()
     ids = [e.token_id for e in events if e.token_id not in engine.eos_ids]
     value = json.loads(tokenizer.decode(ids))
     assert set(value) == {"n", "ok"} and isinstance(value["n"], int) and isinstance(value["ok"], bool)
@@ -174,8 +224,9 @@ class ScriptedConstraint:
 def test_constraint_hook_force_backtrack_stop(engine) -> None:
     c = ScriptedConstraint()
     prompt = rand_tokens(8, 41)
-    events, finish = engine.generate(None, prompt, GenerateOptions(max_tokens=20, constraint=c, sampling=GREEDY,
-                                                                   ignore_eos=True)).result()
+    events, finish = engine.generate(
+        None, prompt, GenerateOptions(max_tokens=20, constraint=c, sampling=GREEDY, ignore_eos=True)
+    ).result()
     assert events[0].token_id == 500 and events[0].forced
     assert any(isinstance(e, BacktrackEvent) for e in events)
     assert finish.reason == "stop" and len(c.seen) == 4
@@ -253,8 +304,11 @@ def test_kv_budget_exhaustion_fails_only_the_oversized_request(tokenizer) -> Non
         with pytest.raises(KVBudgetError, match="kv-cache-mb"):
             engine.generate(None, rand_tokens(per_block * engine.kv.num_blocks + 1, 1))
         # grows past the budget while decoding: fails with a message, others unaffected
-        events, finish = engine.generate(None, rand_tokens(10, 2), GenerateOptions(
-            max_tokens=per_block * engine.kv.num_blocks, ignore_eos=True)).result()
+        _, finish = engine.generate(
+            None,
+            rand_tokens(10, 2),
+            GenerateOptions(max_tokens=per_block * engine.kv.num_blocks, ignore_eos=True),
+        ).result()
         assert finish.reason == "error" and "KV cache budget exhausted" in finish.error
         assert tokens_of(engine, [5, 6], max_tokens=2, ignore_eos=True, sampling=GREEDY)[1] == "length"
     finally:
@@ -295,8 +349,12 @@ def test_readouts_project_hidden_states(tokenizer) -> None:
         with torch.inference_mode():
             hidden = hf(torch.tensor([full]), output_hidden_states=True).hidden_states
         for e in events:
-            expected = torch.stack([hidden[layer][0, e.position] @ concepts.vectors[i].T
-                                    for i, layer in enumerate(concepts.layers)])
+            expected = torch.stack(
+                [
+                    hidden[layer][0, e.position] @ concepts.vectors[i].T
+                    for i, layer in enumerate(concepts.layers)
+                ]
+            )
             assert e.readout.shape == (2, 2)
             assert torch.allclose(e.readout, expected, atol=1e-3, rtol=1e-4)
     finally:

@@ -7,18 +7,22 @@ import torch
 
 from tests.tiny_models import hf_model, ours_from_hf
 from tokenwire.engine.engine import Engine
-from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent
+from tokenwire.engine.request import GenerateOptions, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 def make_engine(arch: str, tokenizer, **kw) -> tuple[Engine, torch.nn.Module]:
     hf = hf_model(arch)
-    engine = Engine(ours_from_hf(hf), tokenizer, name=f"tiny-{arch}", kv_cache_mb=kw.pop("kv_cache_mb", 16), **kw)
+    engine = Engine(
+        ours_from_hf(hf), tokenizer, name=f"tiny-{arch}", kv_cache_mb=kw.pop("kv_cache_mb", 16), **kw
+    )
     return engine, hf
 
 
-def prompt_logprobs(engine: Engine, tokens: list[int], session: str | None = None, append=None) -> torch.Tensor:
+def prompt_logprobs(
+    engine: Engine, tokens: list[int], session: str | None = None, append=None
+) -> torch.Tensor:
     """Logprob of every prompt token (position >= 1) as the engine reports it."""
     length = len(tokens)
     opts = GenerateOptions(max_tokens=0, logprob_ranges=[(1, length)], logprobs=True)
@@ -59,9 +63,10 @@ def test_greedy_64_tokens_match_transformers(engine_hf) -> None:
     ).result()
     ours = [e.token_id for e in events]
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                          pad_token_id=0)
-    assert ours == out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0
+        )
+    assert ours == out[0, len(prompt) :].tolist()
     assert finish.reason == "length" and finish.completion_tokens == 64
 
 
@@ -111,8 +116,12 @@ def test_session_turns_fork_and_truncate_match_recompute(engine_hf) -> None:
     child = engine.fork_session(sid, 37)
     assert engine.session_tokens(child) == tokens[:37]
     tail = rand_tokens(20, 7)
-    events, _ = engine.generate(child, tail, GenerateOptions(max_tokens=0, logprob_ranges=[(37, 57)])).result()
-    assert (torch.tensor([e.logprob for e in events]) - hf_prompt_logprobs(hf, tokens[:37] + tail)[36:]).abs().max() <= 1e-4
+    events, _ = engine.generate(
+        child, tail, GenerateOptions(max_tokens=0, logprob_ranges=[(37, 57)])
+    ).result()
+    assert (
+        torch.tensor([e.logprob for e in events]) - hf_prompt_logprobs(hf, tokens[:37] + tail)[36:]
+    ).abs().max() <= 1e-4
     # the parent is untouched by the child's writes (copy-on-write of the shared block)
     parent = prompt_logprobs(engine, tokens, session=None)
     assert (parent - expected).abs().max() <= 1e-4
@@ -121,6 +130,8 @@ def test_session_turns_fork_and_truncate_match_recompute(engine_hf) -> None:
     # truncate to 45 then append something else
     engine.truncate_session(sid, 45)
     events, _ = engine.generate(sid, tail, GenerateOptions(max_tokens=0, logprob_ranges=[(45, 65)])).result()
-    assert (torch.tensor([e.logprob for e in events]) - hf_prompt_logprobs(hf, tokens[:45] + tail)[44:]).abs().max() <= 1e-4
+    assert (
+        torch.tensor([e.logprob for e in events]) - hf_prompt_logprobs(hf, tokens[:45] + tail)[44:]
+    ).abs().max() <= 1e-4
     engine.close_session(sid)
     engine.close_session(child)

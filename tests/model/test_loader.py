@@ -40,8 +40,9 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def llamacpp_llama3_factors(theta: float, dim: int, factor: float, low: float, high: float,
-                            old: int) -> np.ndarray:
+def llamacpp_llama3_factors(
+    theta: float, dim: int, factor: float, low: float, high: float, old: int
+) -> np.ndarray:
     """llama.cpp's rope_freqs tensor for Llama 3.1-style rope scaling (its converter's loop)."""
     out = []
     for i in range(0, dim, 2):
@@ -60,9 +61,15 @@ def byte_alphabet() -> list[str]:
 
 
 _LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -74,9 +81,17 @@ def tiny_gguf(tmp_path: Path) -> TinyGGUF:
     With spm=True a sentencepiece one: <unk> <s> </s>, 256 byte-fallback tokens, ▁ h i ▁h hi ▁hi."""
     import gguf
 
-    def make(arch: str = "llama", *, name: str = "tiny.gguf", tied: bool = False, add_bos: bool = True,
-             rope_freqs: np.ndarray | None = None, extra_kv: dict[str, Any] | None = None,
-             theta: float = 10000.0, spm: bool = False) -> tuple[Path, dict[str, np.ndarray]]:
+    def make(
+        arch: str = "llama",
+        *,
+        name: str = "tiny.gguf",
+        tied: bool = False,
+        add_bos: bool = True,
+        rope_freqs: np.ndarray | None = None,
+        extra_kv: dict[str, Any] | None = None,
+        theta: float = 10000.0,
+        spm: bool = False,
+    ) -> tuple[Path, dict[str, np.ndarray]]:
         rng = np.random.default_rng(0)
         hidden, heads, kv_heads, ffn, head_dim = 128, 2, 1, 96, 64
         w = gguf.GGUFWriter(str(tmp_path / name), arch)
@@ -118,10 +133,15 @@ def tiny_gguf(tmp_path: Path) -> TinyGGUF:
         hf = {"model.embed_tokens.weight": rand(len(tokens), hidden), "model.norm.weight": rand(hidden)}
         hf |= {} if tied else {"lm_head.weight": rand(len(tokens), hidden)}
         hf |= {f"{p}{norm}.weight": rand(hidden) for norm in ("input_layernorm", "post_attention_layernorm")}
-        for proj, rows, cols in (("self_attn.q_proj", hidden, hidden), ("self_attn.k_proj", 64, hidden),
-                                 ("self_attn.v_proj", 64, hidden), ("self_attn.o_proj", hidden, hidden),
-                                 ("mlp.gate_proj", ffn, hidden), ("mlp.up_proj", ffn, hidden),
-                                 ("mlp.down_proj", hidden, ffn)):
+        for proj, rows, cols in (
+            ("self_attn.q_proj", hidden, hidden),
+            ("self_attn.k_proj", 64, hidden),
+            ("self_attn.v_proj", 64, hidden),
+            ("self_attn.o_proj", hidden, hidden),
+            ("mlp.gate_proj", ffn, hidden),
+            ("mlp.up_proj", ffn, hidden),
+            ("mlp.down_proj", hidden, ffn),
+        ):
             hf[f"{p}{proj}.weight"] = rand(rows, cols)
             if arch == "qwen2" and proj[-6:] in ("q_proj", "k_proj", "v_proj"):
                 hf[f"{p}{proj}.bias"] = rand(rows)
@@ -129,7 +149,7 @@ def tiny_gguf(tmp_path: Path) -> TinyGGUF:
         globals_ = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
         for hf_name, value in hf.items():
             stem, kind = hf_name.rsplit(".", 1)
-            gname = f"blk.0.{_LAYER_NAMES[stem[len(p):]]}" if stem.startswith(p) else globals_[stem]
+            gname = f"blk.0.{_LAYER_NAMES[stem[len(p) :]]}" if stem.startswith(p) else globals_[stem]
             if arch == "llama" and gname.endswith(("attn_q", "attn_k")):
                 value = llamacpp_permute(value, heads if gname.endswith("q") else kv_heads)
             w.add_tensor(f"{gname}.{kind}", value)
@@ -166,9 +186,19 @@ def test_default_model_converts_like_transformers(smollm2_source: ModelSource) -
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32
         torch.testing.assert_close(tensor, ref["tensors"][name], rtol=0, atol=0, msg=name)
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert getattr(cfg, key) == ref["config"][key], key
     assert cfg.rms_norm_eps == pytest.approx(ref["config"]["rms_norm_eps"])
     c = src.config
@@ -187,7 +217,7 @@ def test_converted_model_answers_sensibly(smollm2_source: ModelSource) -> None:
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-    assert "Paris" in tok.decode(out[0, len(ids):].tolist())
+    assert "Paris" in tok.decode(out[0, len(ids) :].tolist())
 
 
 def test_second_load_reuses_cache(smollm2_source: ModelSource, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,7 +265,11 @@ def test_tiny_llama_gguf(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
     assert load_weights(src.model_dir, torch.bfloat16)["lm_head.weight"].dtype == torch.bfloat16
     c = src.config
     assert (c.architecture, c.tie_word_embeddings, c.attention_bias, c.rope_scaling) == (
-        "LlamaForCausalLM", False, False, None)
+        "LlamaForCausalLM",
+        False,
+        False,
+        None,
+    )
     assert (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps) == (2, 1, 64, 1e-6)
     tok = src.tokenizer  # add_bos_token=True in the GGUF: BOS is prepended
     assert tok.encode("hi") == [257, 256] and tok.encode("hi", add_special_tokens=False) == [256]
@@ -243,8 +277,9 @@ def test_tiny_llama_gguf(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == [257, 256, 258]
 
 
-def test_tiny_qwen2_gguf_is_not_permuted(tiny_gguf: TinyGGUF, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_qwen2_gguf_is_not_permuted(
+    tiny_gguf: TinyGGUF, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, expected = tiny_gguf("qwen2", tied=True, add_bos=False)
     monkeypatch.setattr(gguf_module, "_MAX_SHARD_BYTES", 100_000)  # exercise sharded output
     src = resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
@@ -264,8 +299,13 @@ def test_llama3_rope_freqs_become_rope_scaling(tiny_gguf: TinyGGUF, tmp_path: Pa
     path, _ = tiny_gguf(rope_freqs=freqs, theta=500000.0)
     c = resolve_model(path, cache_dir=tmp_path / "cache", progress=False).config
     assert c.rope_theta == 500000.0
-    assert c.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert c.rope_scaling == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     ours = gguf_module.llama3_rope_factors(500000.0, 64, c.rope_scaling)
     np.testing.assert_allclose(ours, freqs, rtol=1e-6)
 
@@ -292,15 +332,17 @@ def test_unsupported_gguf_architecture_leaves_no_cache(tiny_gguf: TinyGGUF, tmp_
     with pytest.raises(UnsupportedArchitectureError, match="'gpt2'"):
         resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
-    linear, _ = tiny_gguf(name="linear.gguf", extra_kv={"llama.rope.scaling.type": "linear",
-                                                       "llama.rope.scaling.factor": 2.0})
+    linear, _ = tiny_gguf(
+        name="linear.gguf", extra_kv={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+    )
     with pytest.raises(UnsupportedArchitectureError, match="linear"):
         resolve_model(linear, cache_dir=tmp_path / "cache", progress=False)
     assert not list((tmp_path / "cache").iterdir())
 
 
-def test_crash_mid_conversion_leaves_no_entry(tiny_gguf: TinyGGUF, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_mid_conversion_leaves_no_entry(
+    tiny_gguf: TinyGGUF, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, _ = tiny_gguf()
 
     def crash(gguf_path: Path, out_dir: Path, **kwargs: object) -> None:
@@ -400,11 +442,17 @@ def test_chat_template(smollm2_source: ModelSource) -> None:
     tok = smollm2_source.tokenizer
     assert tok.has_chat_template
     ids = tok.apply_chat_template([{"role": "user", "content": "Hi there"}])
-    expected = (f"<|im_start|>system\n{SMOLLM2_SYSTEM}<|im_end|>\n"
-                "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    expected = (
+        f"<|im_start|>system\n{SMOLLM2_SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tok.decode(ids) == expected and ids[0] == 1
-    assert ids == tok.hf.apply_chat_template([{"role": "user", "content": "Hi there"}],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == tok.hf.apply_chat_template(
+        [{"role": "user", "content": "Hi there"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Yo"}]
     no_prompt = tok.decode(tok.apply_chat_template(convo, add_generation_prompt=False))
     assert no_prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nYo<|im_end|>\n"

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -45,13 +49,20 @@ def _prompts(engine: Engine, n: int) -> list[list[int]]:
     out = []
     for i in range(n):
         q = QUESTIONS[i % len(QUESTIONS)] + (f" (variant {i})" if i >= len(QUESTIONS) else "")
-        out.append(tok.apply_chat_template([{"role": "user", "content": q}]) if tok.has_chat_template else tok.encode(q))
+        out.append(
+            tok.apply_chat_template([{"role": "user", "content": q}])
+            if tok.has_chat_template
+            else tok.encode(q)
+        )
     return out
 
 
 def _greedy(n: int, use_prefix_cache: bool = True) -> GenerateOptions:
     return GenerateOptions(
-        max_tokens=n, sampling=SamplingParams(temperature=0.0), ignore_eos=True, use_prefix_cache=use_prefix_cache
+        max_tokens=n,
+        sampling=SamplingParams(temperature=0.0),
+        ignore_eos=True,
+        use_prefix_cache=use_prefix_cache,
     )
 
 
@@ -94,67 +105,80 @@ def ours_turn2(engine: Engine, session_tokens: int, reuse: bool) -> float:
     return elapsed
 
 
-def hf_single(model: torch.nn.Module, prompt: list[int], n: int) -> float:
-    ids = torch.tensor([prompt])
-
-    def timed(tokens: int) -> float:
-        start = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
-                       do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
-
-    t1, tn = timed(1), timed(n)
-    return (n - 1) / (tn - t1)
-
-
-def hf_streams(model: torch.nn.Module, prompts: list[list[int]], n: int) -> float:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    start = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return (out.shape[0] * (out.shape[1] - width)) / (time.perf_counter() - start)
+def hf_baseline(
+    model_dir: str, prompts: list[list[int]], n: int, repeats: int, ftz: bool
+) -> dict[str, float]:
+    """Stock transformers generate(), in a process of its own (see hf_baseline.py)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    try:
+        cmd = [sys.executable, "-m", "tokenwire.bench.hf_baseline", model_dir, f.name, str(n), str(repeats)]
+        out = subprocess.run(cmd + (["ftz"] if ftz else []), capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
-    from transformers import AutoModelForCausalLM
-
-    from tokenwire.model.loader import resolve_model
-
     settings.progress = False
     engine = build_engine(settings)
-    source = resolve_model(settings.model, cache_dir=settings.cache_dir, name=settings.model_name, progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(source.model_dir, dtype=torch.float32).eval()
+    n, reps = args.decode_tokens, args.repeats
     try:
         prompts = _prompts(engine, args.streams)
-        n, reps = args.decode_tokens, args.repeats
-        with torch.inference_mode():
-            ours_single(engine, prompts[0], 8)  # warm-up both sides
-            hf_single(hf, prompts[0], 4)
-            single = (_median(lambda: ours_single(engine, prompts[0], n), reps),
-                      _median(lambda: hf_single(hf, prompts[0], n), reps))
-            streams = (_median(lambda: ours_streams(engine, prompts, n), reps),
-                       _median(lambda: hf_streams(hf, prompts, n), reps))
-            turn2 = (_median(lambda: ours_turn2(engine, args.session_tokens, True), reps),
-                     _median(lambda: ours_turn2(engine, args.session_tokens, False), reps))
+        model_dir = str(engine.source.model_dir)
+        ours_single(engine, prompts[0], 8)  # warm-up
+        single = _median(lambda: ours_single(engine, prompts[0], n), reps)
+        streams = _median(lambda: ours_streams(engine, prompts, n), reps)
+        turn2 = (
+            _median(lambda: ours_turn2(engine, args.session_tokens, True), reps),
+            _median(lambda: ours_turn2(engine, args.session_tokens, False), reps),
+        )
+        # the engine idles (its threads asleep) while the baseline runs in its own process
+        hf = hf_baseline(model_dir, prompts, n, reps, ftz=False)
+        hf_ftz = hf_baseline(model_dir, prompts, n, reps, ftz=True) if args.ftz_baseline else None
     finally:
         engine.shutdown()
-    result = {
-        "single_stream": {"tokenwire_tok_s": single[0], "hf_tok_s": single[1], "ratio": single[0] / single[1]},
-        f"streams_{args.streams}" if args.streams != 32 else "streams_32": {
-            "tokenwire_tok_s": streams[0], "hf_tok_s": streams[1], "ratio": streams[0] / streams[1]},
+    key = f"streams_{args.streams}"
+    result: dict[str, dict[str, float]] = {
+        "single_stream": {
+            "tokenwire_tok_s": single,
+            "hf_tok_s": hf["single_decode_tok_s"],
+            "ratio": single / hf["single_decode_tok_s"],
+        },
+        key: {
+            "tokenwire_tok_s": streams,
+            "hf_tok_s": hf["streams_tok_s"],
+            "ratio": streams / hf["streams_tok_s"],
+        },
         "turn2_ttft": {"reuse_s": turn2[0], "reprefill_s": turn2[1], "ratio": turn2[1] / turn2[0]},
     }
+    if hf_ftz is not None:
+        result["single_stream"]["hf_flush_denormal_tok_s"] = hf_ftz["single_decode_tok_s"]
+        result[key]["hf_flush_denormal_tok_s"] = hf_ftz["streams_tok_s"]
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"tokenwire bench engine — model {engine.name}, {settings.dtype}, {torch.get_num_threads()} threads, "
-          f"median of {reps}")
+    print(
+        f"tokenwire bench engine — {engine.name}, {settings.dtype}, {torch.get_num_threads()} threads, median of {reps}"
+    )
     print(f"{'measure':<26}{'tokenwire':>14}{'baseline':>14}{'ratio':>9}")
-    s, m, t = result["single_stream"], next(iter(v for k, v in result.items() if k.startswith("streams"))), turn2
-    print(f"{'single-stream decode':<26}{s['tokenwire_tok_s']:>10.1f} t/s{s['hf_tok_s']:>10.1f} t/s{s['ratio']:>8.2f}x")
-    print(f"{f'{args.streams} streams aggregate':<26}{m['tokenwire_tok_s']:>10.1f} t/s{m['hf_tok_s']:>10.1f} t/s"
-          f"{m['ratio']:>8.2f}x")
-    print(f"{'turn-2 TTFT (reuse/re-pf)':<26}{t[0] * 1000:>11.1f} ms{t[1] * 1000:>11.1f} ms{t[1] / t[0]:>8.2f}x")
-    print("baseline: transformers generate() for decode rows; re-prefill of the whole session for TTFT")
+    for label, row in (
+        ("single-stream decode", result["single_stream"]),
+        (f"{args.streams} streams aggregate", result[key]),
+    ):
+        print(
+            f"{label:<26}{row['tokenwire_tok_s']:>10.1f} t/s{row['hf_tok_s']:>10.1f} t/s{row['ratio']:>8.2f}x"
+        )
+    t = result["turn2_ttft"]
+    print(
+        f"{'turn-2 TTFT (reuse/re-pf)':<26}{t['reuse_s'] * 1000:>11.1f} ms{t['reprefill_s'] * 1000:>11.1f} ms"
+        f"{t['ratio']:>8.2f}x"
+    )
+    print("baseline: stock transformers generate() in its own process (decode rows); re-prefill of the whole")
+    print("session, prefix cache off (TTFT row)")
+    if hf_ftz is not None:
+        print(
+            f"transformers with denormals flushed: {hf_ftz['single_decode_tok_s']:.1f} t/s single, "
+            f"{hf_ftz['streams_tok_s']:.1f} t/s at {args.streams} streams"
+        )
     return 0

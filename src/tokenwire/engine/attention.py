@@ -59,7 +59,9 @@ def build_group(
     bias = bias[:, None].expand(b, rep, q, length).reshape(b, 1, rep * q, length)
     flat_rows = [x for r in rows for x in r]
     row_start = None
-    if all(len(r) == q for r in rows) and flat_rows == list(range(flat_rows[0], flat_rows[0] + len(flat_rows))):
+    if all(len(r) == q for r in rows) and flat_rows == list(
+        range(flat_rows[0], flat_rows[0] + len(flat_rows))
+    ):
         row_start = flat_rows[0]
     contiguous = None
     if b == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + len(tables[0]))):

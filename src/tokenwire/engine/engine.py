@@ -45,7 +45,7 @@ T = TypeVar("T")
 class Engine:
     def __init__(
         self,
-        model: LlamaModel,
+        model: LlamaModel | Callable[[], LlamaModel],
         tokenizer: Tokenizer,
         *,
         name: str,
@@ -57,30 +57,64 @@ class Engine:
         session_ttl_s: float | None = 1800.0,
         concepts: ConceptSet | None = None,
     ) -> None:
-        self.model = model
-        self.config: ModelConfig = model.config
+        """`model` may be a factory: it then runs on the model thread (see _start)."""
         self.tokenizer = tokenizer
         self.name = name
-        self.vocab_size = max(tokenizer.vocab_size, 1)
-        self.logits_size = self.config.vocab_size
-        self.max_model_len = min(max_model_len or model.max_positions, model.max_positions)
-        per_block = KVCache.bytes_per_block(self.config, block_size, model.dtype)
-        num_blocks = max(2, int(kv_cache_mb * 2**20 // per_block))
-        self.kv = KVCache(self.config, num_blocks, block_size, model.dtype, model.device)
-        self.kv_cache_mb = num_blocks * per_block / 2**20
         self.session_ttl_s = session_ttl_s
         self.concepts = concepts
-        self.eos_ids = set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._sessions: dict[str, Session] = {}
         self._ids = itertools.count(1)
-        self.scheduler = Scheduler(self.kv, max_batch_tokens, max_running, self._idle_sessions)
         self._model_calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._closed = False
         self.steps = 0
-        self._thread = threading.Thread(target=self._loop, name="tokenwire-model", daemon=True)
+        self.source: Any = None  # the ModelSource when built by factory.build_engine
+        ready: Future[None] = Future()
+        setup = (model, kv_cache_mb, block_size, max_batch_tokens, max_running, max_model_len)
+        self._thread = threading.Thread(
+            target=self._run, args=(setup, ready), name="tokenwire-model", daemon=True
+        )
         self._thread.start()
+        ready.result()
+
+    def _start(
+        self,
+        model: LlamaModel | Callable[[], LlamaModel],
+        kv_cache_mb: float,
+        block_size: int,
+        max_batch_tokens: int,
+        max_running: int,
+        max_model_len: int | None,
+    ) -> None:
+        """Runs on the model thread. Every large torch operation (loading, the KV allocation,
+        each step) happens on this one thread: with a second thread also running OpenMP
+        regions, libgomp sees more threads than cores, stops spinning between kernels and a
+        decode step gets ~45% slower on a 2-core machine (measured)."""
+        self.model = model if isinstance(model, LlamaModel) else model()
+        self.config: ModelConfig = self.model.config
+        self.vocab_size = max(self.tokenizer.vocab_size, 1)
+        self.logits_size = self.config.vocab_size
+        self.max_model_len = min(max_model_len or self.model.max_positions, self.model.max_positions)
+        per_block = KVCache.bytes_per_block(self.config, block_size, self.model.dtype)
+        num_blocks = max(2, int(kv_cache_mb * 2**20 // per_block))
+        self.kv = KVCache(self.config, num_blocks, block_size, self.model.dtype, self.model.device)
+        self.kv_cache_mb = num_blocks * per_block / 2**20
+        self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
+        self.scheduler = Scheduler(self.kv, max_batch_tokens, max_running, self._idle_sessions)
+
+    def _run(self, setup: tuple[Any, ...], ready: Future[None]) -> None:
+        torch.set_grad_enabled(False)
+        # Denormal floats make CPU kernels orders of magnitude slower (seen with long runs of
+        # near-zero activations); flushing them changes nothing measurable in the logits.
+        torch.set_flush_denormal(True)
+        try:
+            self._start(*setup)
+        except BaseException as exc:
+            ready.set_exception(exc)
+            return
+        ready.set_result(None)
+        self._loop()
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, tokens: Sequence[int] = (), ttl_s: float | None = -1.0) -> str:
@@ -121,9 +155,7 @@ class Engine:
             if session.busy:
                 raise SessionBusyError(f"session {session_id} has a request running")
             if not 0 <= length <= len(session.tokens):
-                raise PositionError(
-                    f"cannot truncate to {length}: session has {len(session.tokens)} tokens"
-                )
+                raise PositionError(f"cannot truncate to {length}: session has {len(session.tokens)} tokens")
             session.truncate(length, self.kv)
 
     def session_tokens(self, session_id: str) -> list[int]:
@@ -201,11 +233,11 @@ class Engine:
         session = request.session
         prompt_len = request.prompt_len
         lp_ranges = opts.logprob_ranges or ()
-        wanted = sorted(
-            p
-            for p in range(prompt_len)
-            if covers(lp_ranges, p) or covers(opts.readout_ranges, p)
-        ) if (lp_ranges or opts.readout_ranges) else []
+        wanted = (
+            sorted(p for p in range(prompt_len) if covers(lp_ranges, p) or covers(opts.readout_ranges, p))
+            if (lp_ranges or opts.readout_ranges)
+            else []
+        )
         request.pending_prompt = wanted
         request.pending_set = set(wanted)
         # Positions whose logits/hidden states we need must be computed by this request.
@@ -217,7 +249,9 @@ class Engine:
         if opts.sampling.seed is not None:
             request.generator = torch.Generator().manual_seed(opts.sampling.seed)
         else:
-            request.generator = torch.Generator().manual_seed(int.from_bytes(uuid.uuid4().bytes[:8], "little"))
+            request.generator = torch.Generator().manual_seed(
+                int.from_bytes(uuid.uuid4().bytes[:8], "little")
+            )
         request.decoder = self.tokenizer.incremental_decoder()
         if opts.stop:
             from tokenwire.engine.stop import StopStringMatcher
@@ -231,6 +265,15 @@ class Engine:
             if not request.finished:
                 self._finish(request, "cancelled")
 
+    def queue_position(self, handle: RequestHandle) -> int | None:
+        """How many requests are admitted before this one (0 = next), or None once it runs or ended."""
+        request = handle._request
+        with self._lock:
+            if request.finished or request not in self.scheduler.waiting:
+                return None
+            key = (request.options.priority, request.id)
+            return sum(1 for r in self.scheduler.waiting if (r.options.priority, r.id) < key)
+
     # ------------------------------------------------------------------ model thread
     def call_on_model_thread(self, fn: Callable[[], T]) -> Future[T]:
         """Run fn on the model thread between steps (for whole-tensor model calls)."""
@@ -242,10 +285,6 @@ class Engine:
         return fut
 
     def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        # Denormal floats make CPU kernels orders of magnitude slower (seen with long runs of
-        # near-zero activations); flushing them changes nothing measurable in the logits.
-        torch.set_flush_denormal(True)
         last_reap = time.monotonic()
         while True:
             with self._lock:
@@ -262,7 +301,7 @@ class Engine:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn())
-                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    except BaseException as exc:
                         fut.set_exception(exc)
             if not items:
                 continue
@@ -284,9 +323,7 @@ class Engine:
                     self._reap_idle()
                 last_reap = time.monotonic()
 
-    def _finish(
-        self, request: Request, reason: str, *, error: str | None = None, detail: Any = None
-    ) -> None:
+    def _finish(self, request: Request, reason: str, *, error: str | None = None, detail: Any = None) -> None:
         """Must hold the lock. Ends a request and emits its FinishEvent."""
         if request.finished:
             return

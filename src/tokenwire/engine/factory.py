@@ -55,7 +55,9 @@ def default_kv_cache_mb(device: torch.device) -> float:
     return 1024
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_len: int | None) -> LlamaModel:
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device, max_len: int | None
+) -> LlamaModel:
     state = load_weights(source.model_dir)
     positions = min(max_len or source.config.max_position_embeddings, source.config.max_position_embeddings)
     return build_model(source.config, state, dtype=dtype, device=device, max_positions=positions)
@@ -71,7 +73,6 @@ def build_engine(settings: EngineSettings) -> Engine:
     source = resolve_model(
         settings.model, cache_dir=settings.cache_dir, name=settings.model_name, progress=settings.progress
     )
-    model = load_model(source, DTYPES[settings.dtype], device, settings.max_model_len)
     concepts = None
     if settings.concepts is not None:
         concepts = ConceptSet.load(
@@ -79,7 +80,7 @@ def build_engine(settings: EngineSettings) -> Engine:
         )
     kv_mb = settings.kv_cache_mb if settings.kv_cache_mb is not None else default_kv_cache_mb(device)
     engine = Engine(
-        model,
+        lambda: load_model(source, DTYPES[settings.dtype], device, settings.max_model_len),
         source.tokenizer,
         name=source.name,
         kv_cache_mb=kv_mb,
@@ -88,6 +89,7 @@ def build_engine(settings: EngineSettings) -> Engine:
         session_ttl_s=settings.session_ttl_s,
         concepts=concepts,
     )
+    engine.source = source
     log.info(
         "model %s (%s) loaded in %.1fs: dtype %s, device %s, KV cache %.0f MiB (%d blocks), context %d",
         source.name,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +68,10 @@ class GenerateOptions:
             raise InvalidRequestError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if self.logprob_mode not in ("raw", "processed"):
             raise InvalidRequestError(f"logprob_mode must be 'raw' or 'processed', got {self.logprob_mode!r}")
-        for name, ranges in (("logprob_ranges", self.logprob_ranges or ()), ("readout_ranges", self.readout_ranges)):
+        for name, ranges in (
+            ("logprob_ranges", self.logprob_ranges or ()),
+            ("readout_ranges", self.readout_ranges),
+        ):
             for start, end in ranges:
                 if start < 0 or end < start:
                     raise InvalidRequestError(f"{name}: invalid range [{start}, {end})")
@@ -129,6 +132,13 @@ class RequestHandle:
     def cancel(self) -> None:
         self._cancel(self._request)
 
+    def subscribe(self, sink: Callable[[Event], None]) -> None:
+        """Deliver events by calling sink(event) on the thread that emits them (usually the model
+        thread, with the engine lock held), in order; events emitted before this call are passed
+        on first, on the calling thread. The sink must be quick and must not raise. Use instead of
+        iterating; cancelling is then up to the caller."""
+        self._request.bind_sink(sink)
+
     def __iter__(self) -> Iterator[Event]:
         while True:
             event = self._request.sync_queue.get()
@@ -169,6 +179,7 @@ class Request:
         self.finished = False
         self.sync_queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
+        self._sink: Callable[[Event], None] | None = None
         self._lock = threading.Lock()
         self._backlog: list[Event] = []
         # prompt positions that still owe an event (logprob / readout), ascending
@@ -198,8 +209,20 @@ class Request:
             self._async = (loop, q)
         return q
 
+    def bind_sink(self, sink: Callable[[Event], None]) -> None:
+        with self._lock:
+            while True:
+                try:
+                    sink(self.sync_queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._sink = sink
+
     def emit(self, event: Event) -> None:
         with self._lock:
+            if self._sink is not None:
+                self._sink(event)
+                return
             if self._async is None:
                 self.sync_queue.put(event)
                 return

@@ -48,9 +48,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def logprobs_of(
-    logits: torch.Tensor, token: int, top: int
-) -> tuple[float, list[tuple[int, float]] | None]:
+def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]] | None]:
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = float(logp[token])
     if top <= 0:

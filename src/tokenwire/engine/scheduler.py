@@ -84,9 +84,7 @@ class Scheduler:
             if not request.started:
                 request.started = True
                 if request.options.use_prefix_cache:
-                    session.match_prefix(
-                        min(request.recompute_from, len(session.tokens) - 1), self.kv
-                    )
+                    session.match_prefix(min(request.recompute_from, len(session.tokens) - 1), self.kv)
         decoding = [r for r in self.running if len(r.session.tokens) - r.session.num_computed == 1]
         prefilling = [r for r in self.running if len(r.session.tokens) - r.session.num_computed > 1]
         for request in decoding + prefilling:
@@ -113,16 +111,27 @@ class Scheduler:
         session = request.session
         end = start + count
         lp_ranges = opts.logprob_ranges or ()
-        logit_positions = [
-            q for q in range(start, end) if q + 1 < request.prompt_len and q + 1 in request.pending_set
-            and covers(lp_ranges, q + 1)
-        ] if request.pending_prompt else []
+        logit_positions = (
+            [
+                q
+                for q in range(start, end)
+                if q + 1 < request.prompt_len and q + 1 in request.pending_set and covers(lp_ranges, q + 1)
+            ]
+            if request.pending_prompt
+            else []
+        )
         if end == len(session.tokens) and (not logit_positions or logit_positions[-1] != end - 1):
             logit_positions.append(end - 1)
-        capture = [
-            q for q in range(start, end)
-            if covers(opts.readout_ranges, q) and (q in request.pending_set or q in request.pending_readout)
-        ] if opts.readout_ranges else []
+        capture = (
+            [
+                q
+                for q in range(start, end)
+                if covers(opts.readout_ranges, q)
+                and (q in request.pending_set or q in request.pending_readout)
+            ]
+            if opts.readout_ranges
+            else []
+        )
         return StepItem(request, start, count, logit_positions, capture)
 
     def _make_room(self, needed: int, request: Request, scheduled: set[int]) -> bool:

@@ -61,9 +61,17 @@ def run_step(
             decode_starts.append(item.start)
             decode_tables.append(table[: -(-(item.start + 1) // bs)])
         else:
-            groups.append(build_group(
-                [rows], [item.start], [table[: -(-(item.start + item.count) // bs)]], bs, rep, device, dtype
-            ))
+            groups.append(
+                build_group(
+                    [rows],
+                    [item.start],
+                    [table[: -(-(item.start + item.count) // bs)]],
+                    bs,
+                    rep,
+                    device,
+                    dtype,
+                )
+            )
         rid = item.request.id
         for p in item.logit_positions:
             logit_rows.append(base + p - item.start)

@@ -255,8 +255,13 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, pr
         save_file(shard, str(path), metadata={"format": "pt"})
         parts.append((path, list(shard)))
 
-    bar = tqdm(reader.tensors, desc="Converting GGUF", unit="tensor", file=sys.stderr,
-               disable=not (progress and sys.stderr.isatty()))
+    bar = tqdm(
+        reader.tensors,
+        desc="Converting GGUF",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not (progress and sys.stderr.isatty()),
+    )
     for tensor in bar:
         name = hf_tensor_name(tensor.name)
         if name is None:
@@ -303,10 +308,12 @@ def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None
     spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["id"] < n_tokens]
     raw = RawTokenizer.from_str(json.dumps(spec))
     if meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
-        raw.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-        ])
+        raw.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", hf.add_bos_token))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     special: dict[str, tuple[str, int]] = {}

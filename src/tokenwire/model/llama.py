@@ -107,8 +107,9 @@ class DecoderLayer(nn.Module):
         qkv = F.linear(h, self.qkv.weight, self.qkv.bias)
         q_size, kv_size, _ = self.split
         # q and k heads get RoPE in one call
-        qk = apply_rope(qkv[:, : q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim),
-                        cos, sin)
+        qk = apply_rope(
+            qkv[:, : q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin
+        )
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)

@@ -45,8 +45,13 @@ def _decoder_types(hf: PreTrainedTokenizerFast) -> list[dict[str, Any]]:
 
 
 class Tokenizer:
-    def __init__(self, hf: PreTrainedTokenizerFast, *, eos_token_ids: Iterable[int] = (),
-                 bos_token_id: int | None = None) -> None:
+    def __init__(
+        self,
+        hf: PreTrainedTokenizerFast,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        bos_token_id: int | None = None,
+    ) -> None:
         self.hf = hf
         self.vocab_size: int = len(hf)
         eos = [*eos_token_ids, *([hf.eos_token_id] if hf.eos_token_id is not None else [])]
@@ -146,18 +151,22 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.hf.chat_template)
 
-    def chat_prompt(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> str:
+    def chat_prompt(
+        self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         """The chat template rendered to text."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         return self.hf.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False,
+            [dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
             **template_kwargs,
         )
 
-    def apply_chat_template(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> list[int]:
         """Token ids of the rendered chat template. The template writes any BOS itself, so no
         special tokens are added on top (as transformers does with tokenize=True)."""
         prompt = self.chat_prompt(messages, add_generation_prompt, **template_kwargs)

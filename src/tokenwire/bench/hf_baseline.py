@@ -1,0 +1,70 @@
+"""The transformers baseline of `tokenwire bench engine`, run in its own process.
+
+A user runs transformers as a plain script: one process, one thread calling generate(). We
+do the same, so neither side's OpenMP thread team slows the other (two teams on two cores
+make every kernel launch slower, see Engine._start). Prints one JSON object.
+
+    python -m tokenwire.bench.hf_baseline MODEL_DIR PROMPTS_JSON N REPEATS [ftz]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir, prompts_file, n, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    # "ftz": also measure with denormals flushed to zero, as our engine's model thread runs;
+    # stock transformers does not, and on this CPU that alone costs it ~40% of its speed.
+    if len(sys.argv) > 5 and sys.argv[5] == "ftz":
+        torch.set_flush_denormal(True)
+    prompts: list[list[int]] = json.loads(open(prompts_file).read())
+    torch.set_grad_enabled(False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def generate(ids: torch.Tensor, mask: torch.Tensor, tokens: int) -> float:
+        start = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] - ids.shape[1] == tokens
+        return elapsed
+
+    one = torch.tensor([prompts[0]])
+    generate(one, torch.ones_like(one), 4)  # warm-up
+    e2e, decode = [], []
+    for _ in range(repeats):
+        t1 = generate(one, torch.ones_like(one), 1)
+        tn = generate(one, torch.ones_like(one), n)
+        e2e.append(n / tn)
+        decode.append((n - 1) / (tn - t1))
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    batch = [len(prompts) * n / generate(ids, mask, n) for _ in range(repeats)]
+    print(
+        json.dumps(
+            {
+                "single_e2e_tok_s": statistics.median(e2e),
+                "single_decode_tok_s": statistics.median(decode),
+                "streams_tok_s": statistics.median(batch),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""LMTP frames: one line of text, `TYPE JSON`, split at the first space.
+
+Client frames carry one JSON object; server frames (TOKEN, MSG) carry a JSON list of records.
+Output is compact JSON (no spaces); input is any JSON the standard library parses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+# Records per output frame: keeps frames well under aiohttp's default 4 MiB message limit.
+MAX_RECORDS_PER_FRAME = 2048
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=True).encode
+
+
+class FrameError(ValueError):
+    """A client frame that cannot be split into a message type and a JSON object."""
+
+
+def decode_frame(text: str) -> tuple[str, Any]:
+    """Split a frame into (TYPE, parsed JSON). The JSON may be any value; callers check its shape."""
+    kind, sep, body = text.strip().partition(" ")
+    if not kind:
+        raise FrameError("empty frame: expected 'TYPE JSON'")
+    if not sep or not body.strip():
+        raise FrameError(f"frame {kind[:40]!r} has no JSON payload: expected 'TYPE JSON'")
+    if not kind.isascii() or not kind.replace("_", "").isalnum():
+        raise FrameError(f"malformed message type {kind[:40]!r}")
+    try:
+        payload = json.loads(body, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise FrameError(f"{kind} payload is not valid JSON: {exc}") from None
+    return kind, payload
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def encode_frame(kind: str, payload: Any) -> str:
+    return f"{kind} {_dumps(payload)}"
+
+
+def encode_records(kind: str, records: list[dict[str, Any]]) -> list[str]:
+    """Frames of `kind` carrying `records` in order, at most MAX_RECORDS_PER_FRAME per frame."""
+    step = MAX_RECORDS_PER_FRAME
+    return [f"{kind} {_dumps(records[i : i + step])}" for i in range(0, len(records), step)]
+
+
+def finite(value: float) -> float | None:
+    """value, or None when it is NaN or infinite (which JSON cannot carry)."""
+    return value if math.isfinite(value) else None

@@ -1,0 +1,476 @@
+"""The sans-IO LMTP core: one object per client connection.
+
+Transports hand it client frames (`feed`) and engine events (`on_events`, delivered by the
+`watch` hook they supply), and take the frames it has ready (`take_frames`). It never touches
+a socket or an event loop; it calls the thread-safe, non-blocking Engine methods directly.
+Records produced together (one engine step's tokens of every stream) leave as one frame.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from tokenwire.engine.errors import EngineError, SessionNotFoundError
+from tokenwire.engine.request import (
+    BacktrackEvent,
+    Event,
+    FinishEvent,
+    GenerateOptions,
+    RequestHandle,
+    SamplingParams,
+)
+from tokenwire.protocols.lmtp import info
+from tokenwire.protocols.lmtp.codec import FrameError, decode_frame, encode_records
+from tokenwire.protocols.lmtp.messages import (
+    EXTENSIONS,
+    BufferRef,
+    PromptItem,
+    RequestError,
+    StreamId,
+    parse_buffer,
+    parse_cancel,
+    parse_drop,
+    parse_generate,
+    parse_hello,
+    parse_model_info,
+    parse_score,
+    stream_id_of,
+)
+from tokenwire.protocols.lmtp.streams import Stream
+
+if TYPE_CHECKING:
+    from tokenwire.engine.engine import Engine
+
+log = logging.getLogger("tokenwire.lmtp")
+Watch = Callable[[RequestHandle, Stream], None]
+_EXT_MESSAGES = {"BUFFER": "buffers", "DROP": "buffers", "CANCEL": "retry"}
+_STREAM_MESSAGES = ("GENERATE", "SCORE")  # their errors are TOKEN records: they end a stream
+
+
+class LmtpConnection:
+    def __init__(
+        self, engine: Engine | None, watch: Watch, *, aliases: Iterable[str] = (), replay_limit: int = 256
+    ) -> None:
+        self.engine = engine
+        self._watch = watch
+        self._aliases = set(aliases)
+        self.enabled: set[str] = set()
+        self.streams: dict[StreamId, Stream] = {}  # live streams by stream_id
+        self.done: OrderedDict[StreamId, Stream] = OrderedDict()  # retry extension: finished streams
+        self.replay_limit = replay_limit
+        self.buffers: dict[str, str] = {}  # buffers extension: name -> engine session id
+        self._out: list[tuple[str, dict[str, Any]]] = []
+        self._parked: list[str] = []  # frames that arrived before the engine was ready
+        self.closed = False
+
+    # ------------------------------------------------------------------ transport API
+    def feed(self, text: str) -> None:
+        """Handle one client frame."""
+        if self.closed:
+            return
+        try:
+            kind, payload = decode_frame(text)
+        except FrameError as exc:
+            self._error("MSG", None, str(exc), "bad_frame")
+            return
+        if self.engine is None and not (kind == "HELLO" and _asks_system(payload)):
+            self._parked.append(text)
+            return
+        handler = self._handlers().get(kind)
+        ext = _EXT_MESSAGES.get(kind)
+        out_kind = "TOKEN" if kind in _STREAM_MESSAGES else "MSG"
+        if handler is None or (ext is not None and ext not in self.enabled):
+            hint = f" (extension '{ext}' not negotiated: send HELLO first)" if ext else ""
+            message = f"unknown message type {kind!r}{hint}"
+            self._error(out_kind, stream_id_of(payload), message, "unknown_type")
+            return
+        try:
+            handler(payload)
+        except RequestError as exc:
+            sid = exc.stream_id if exc.stream_id is not None else stream_id_of(payload)
+            self._error(out_kind, sid, exc.message, exc.code, exc.retryable)
+        except EngineError as exc:
+            code, retryable = info.engine_error_code(exc)
+            self._error(out_kind, stream_id_of(payload), str(exc), code, retryable)
+
+    def on_events(self, batch: Iterable[tuple[Stream, Event]]) -> None:
+        for stream, event in batch:
+            self.on_event(stream, event)
+
+    def on_event(self, stream: Stream, event: Event) -> None:
+        if stream.finished or self.closed:
+            return
+        if isinstance(event, FinishEvent):
+            records, error = stream.on_finish(event)
+            for record in records:
+                self._token(stream, record)
+            self._end(stream, event, error)
+        elif isinstance(event, BacktrackEvent):
+            log.warning("LMTP stream %r: unexpected backtrack event", stream.stream_id)
+        else:
+            for record in stream.on_token(event):
+                self._token(stream, record)
+
+    def take_frames(self) -> list[str]:
+        """The frames ready to send, in order; consecutive records of one type share a frame."""
+        out, self._out = self._out, []
+        frames: list[str] = []
+        i = 0
+        while i < len(out):
+            kind = out[i][0]
+            j = i
+            while j < len(out) and out[j][0] == kind:
+                j += 1
+            frames.extend(encode_records(kind, [record for _, record in out[i:j]]))
+            i = j
+        return frames
+
+    @property
+    def has_output(self) -> bool:
+        return bool(self._out)
+
+    def set_engine(self, engine: Engine) -> None:
+        """The model finished loading: announce it and handle the frames that waited for it."""
+        self.engine = engine
+        if "system" in self.enabled:
+            self._system(None, "ready", model=engine.name)
+        parked, self._parked = self._parked, []
+        for text in parked:
+            self.feed(text)
+
+    def tick(self) -> None:
+        """Periodic (system extension): announce queue positions of streams still waiting."""
+        if "system" not in self.enabled or self.engine is None:
+            return
+        for stream in list(self.streams.values()):
+            if stream.started or stream.handle is None:
+                continue
+            position = self.engine.queue_position(stream.handle)
+            if position != stream.queue_position:
+                if position is not None:
+                    self._system(stream.stream_id, "queued", position=position)
+                elif stream.queue_position is not None:
+                    self._system(stream.stream_id, "started")
+                stream.queue_position = position
+
+    def shutdown(self, message: str = "server shutting down") -> None:
+        """The server stops: tell the client, end every live stream with an error, release all."""
+        if self.closed:
+            return
+        if "system" in self.enabled:
+            self._system(None, "shutdown", message=message)
+        for stream in list(self.streams.values()):
+            if stream.held is not None:
+                self._token(stream, stream.held)
+                stream.held = None
+            kind = "MSG" if stream.kind == "buffer" else "TOKEN"
+            self._error(kind, stream.stream_id, message, "shutdown", True, stream)
+        self.close()
+
+    def close(self) -> None:
+        """The client is gone: cancel its streams and free its sessions. Sends nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        streams, self.streams = list(self.streams.values()), {}
+        for stream in streams:
+            stream.finished = True
+            if stream.handle is not None:
+                stream.handle.cancel()
+        if self.engine is not None:
+            sessions = [s.session for s in streams if s.session] + list(self.buffers.values())
+            for session in sessions:
+                self.engine.close_session(session)
+        self.buffers.clear()
+        self.done.clear()
+
+    # ------------------------------------------------------------------ handlers
+    def _handlers(self) -> dict[str, Callable[[Any], None]]:
+        return {
+            "GENERATE": self._generate,
+            "SCORE": self._score,
+            "MODEL_INFO": self._model_info,
+            "HELLO": self._hello,
+            "BUFFER": self._buffer_put,
+            "DROP": self._buffer_drop,
+            "CANCEL": self._cancel,
+        }
+
+    def _hello(self, payload: Any) -> None:
+        msg = parse_hello(payload)
+        self.enabled = set(msg.extensions) & set(EXTENSIONS)
+        self._msg({"stream_id": msg.stream_id, "hello": info.hello(self.engine, self.enabled)})
+        if "system" in self.enabled:
+            engine = self.engine
+            self._system(None, "ready" if engine else "loading", model=engine.name if engine else None)
+
+    def _model_info(self, payload: Any) -> None:
+        msg = parse_model_info(payload, self.enabled)
+        engine = self._check_model(msg.model)
+        self._msg({"stream_id": msg.stream_id, "model_info": info.model_info(engine, msg.data)})
+
+    def _generate(self, payload: Any) -> None:
+        msg = parse_generate(payload, self.enabled)
+        engine = self._check_model(msg.model)
+        fingerprint = _fingerprint("GENERATE", payload)
+        if self._resumed(msg.stream_id, fingerprint, msg.resume_from):
+            return
+        tokens = self._expand(msg.prompt, msg.prompt_is_text, starts=msg.buffer is None)
+        sampling = SamplingParams(
+            temperature=msg.temperature,
+            top_k=msg.top_k,
+            top_p=msg.top_p,
+            seed=msg.seed,
+            logit_bias=msg.logit_bias,
+        )
+        options = GenerateOptions(
+            max_tokens=msg.max_tokens,
+            sampling=sampling,
+            stop_token_ids=msg.stop_token_ids,
+            ignore_eos=msg.ignore_eos,
+            logprobs=True,
+            top_logprobs=msg.top_logprobs,
+            logprob_mode="processed",
+            priority=msg.priority,
+        )
+        stream = Stream(
+            "generate",
+            msg.stream_id,
+            fingerprint,
+            save_as=msg.save_as,
+            max_tokens=msg.max_tokens,
+            max_model_len=engine.max_model_len,
+            top_logprobs=msg.top_logprobs,
+            eos_ids=frozenset() if msg.ignore_eos else frozenset(engine.eos_ids),
+            stop_ids=frozenset(msg.stop_token_ids),
+        )
+        persistent = msg.save_as is not None
+        self._start(stream, msg.buffer, tokens, options, persistent, need_room=True)
+
+    def _score(self, payload: Any) -> None:
+        msg = parse_score(payload, self.enabled)
+        self._check_model(msg.model)
+        fingerprint = _fingerprint("SCORE", payload)
+        if self._resumed(msg.stream_id, fingerprint, msg.resume_from):
+            return
+        prompt = self._expand(msg.prompt, msg.prompt_is_text, starts=msg.buffer is None)
+        scored = self._expand([msg.scored], False, False) if isinstance(msg.scored, str) else msg.scored
+        stream = Stream("score", msg.stream_id, fingerprint)
+        base = len(self._buffer_tokens(msg.buffer)) if msg.buffer else 0
+        stream.score_start = base + len(prompt)
+        stream.score_end = stream.score_start + len(scored)
+        options = GenerateOptions(
+            max_tokens=0,
+            logprob_ranges=[(stream.score_start, stream.score_end)],
+            logprob_mode="raw",
+            priority=msg.priority,
+        )
+        self._start(stream, msg.buffer, prompt + list(scored), options, False, need_room=False)
+
+    def _buffer_put(self, payload: Any) -> None:
+        msg = parse_buffer(payload, self.enabled)
+        if self._resumed(msg.stream_id, "", 0):
+            return
+        tokens = self._expand(msg.prompt, msg.prompt_is_text, starts=msg.base is None)
+        stream = Stream("buffer", msg.stream_id, save_as=msg.name, buffer_name=msg.name)
+        if tokens:
+            self._start(stream, msg.base, tokens, GenerateOptions(max_tokens=0, priority=0), True, False)
+            return
+        engine = self._engine()
+        if msg.base is not None:
+            session = engine.fork_session(self._buffer_session(msg.base))
+        else:
+            session = engine.create_session(ttl_s=None)
+        self._set_buffer(msg.name, session)
+        self._msg({"stream_id": msg.stream_id, "buffer": {"name": msg.name, "length": len(tokens)}})
+
+    def _buffer_drop(self, payload: Any) -> None:
+        msg = parse_drop(payload, self.enabled)
+        session = self.buffers.pop(msg.name, None)
+        if session is None:
+            raise RequestError(f"DROP: unknown buffer {msg.name!r}", "unknown_buffer", msg.stream_id)
+        self._engine().close_session(session)
+        self._msg({"stream_id": msg.stream_id, "buffer": {"name": msg.name, "dropped": True}})
+
+    def _cancel(self, payload: Any) -> None:
+        msg = parse_cancel(payload, self.enabled)
+        stream = self.streams.get(msg.stream_id)
+        if stream is not None and stream.handle is not None:
+            stream.handle.cancel()  # its FinishEvent ends the stream with a "cancelled" error record
+
+    # ------------------------------------------------------------------ streams
+    def _start(
+        self,
+        stream: Stream,
+        buffer: str | None,
+        tokens: list[int],
+        options: GenerateOptions,
+        persistent: bool,
+        need_room: bool,
+    ) -> None:
+        engine = self._engine()
+        if self.text_mode and stream.kind != "buffer":
+            stream.decoder = engine.tokenizer.incremental_decoder()
+        if "retry" in self.enabled and stream.kind != "buffer":
+            stream.sent = []
+        base = self._buffer_session(buffer) if buffer is not None else None
+        base_len = len(engine.session_tokens(base)) if base is not None else 0
+        stream.prompt_len = base_len + len(tokens)
+        if need_room and stream.prompt_len >= engine.max_model_len:
+            raise RequestError(
+                f"prompt of {stream.prompt_len} tokens leaves no room to generate: the context "
+                f"length is {engine.max_model_len}",
+                "context_overflow",
+                stream.stream_id,
+            )
+        if base is not None:
+            stream.session = engine.fork_session(base)
+        elif persistent:
+            stream.session = engine.create_session(ttl_s=None)
+        try:
+            stream.handle = engine.generate(stream.session, tokens, options)
+        except BaseException:
+            if stream.session is not None:
+                engine.close_session(stream.session)
+            raise
+        self.done.pop(stream.stream_id, None)
+        self.streams[stream.stream_id] = stream
+        self._watch(stream.handle, stream)
+
+    def _end(self, stream: Stream, event: FinishEvent, error: str | None) -> None:
+        if self.streams.get(stream.stream_id) is stream:
+            del self.streams[stream.stream_id]
+        engine = self._engine()
+        if stream.kind == "buffer":
+            if error is None:
+                self._msg(
+                    {
+                        "stream_id": stream.stream_id,
+                        "buffer": {"name": stream.buffer_name, "length": event.prompt_tokens},
+                    }
+                )
+            else:
+                self._error("MSG", stream.stream_id, f"BUFFER failed: {error}", "engine_error", True)
+        elif error is not None:
+            code = "cancelled" if event.reason == "cancelled" else "engine_error"
+            self._error("TOKEN", stream.stream_id, error, code, code != "cancelled", stream)
+        if stream.session is not None:
+            if error is None and stream.save_as is not None:
+                self._set_buffer(stream.save_as, stream.session)
+            else:
+                engine.close_session(stream.session)
+        if stream.sent is not None:
+            self.done[stream.stream_id] = stream
+            while len(self.done) > self.replay_limit:
+                self.done.popitem(last=False)
+
+    def _resumed(self, sid: StreamId, fingerprint: str, resume_from: int) -> bool:
+        """Retry extension: a resent stream replays what was sent from `resume_from` on (and, if
+        it is still running, goes on streaming). Without it, a live stream_id cannot be reused."""
+        retry = "retry" in self.enabled and fingerprint
+        live = self.streams.get(sid)
+        if live is not None:
+            if retry and live.fingerprint == fingerprint:
+                self._replay(live, resume_from)
+                return True
+            message = f"stream_id {sid!r} is already in use by a live stream"
+            raise RequestError(message, "duplicate_stream", sid)
+        done = self.done.get(sid) if retry else None
+        if done is not None and done.fingerprint == fingerprint:
+            self._replay(done, resume_from)
+            return True
+        return False
+
+    def _replay(self, stream: Stream, resume_from: int) -> None:
+        for record in (stream.sent or [])[resume_from:]:
+            self._out.append(("TOKEN", record))
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def text_mode(self) -> bool:
+        return "text" in self.enabled
+
+    def _engine(self) -> Engine:
+        assert self.engine is not None, "engine not ready"
+        return self.engine
+
+    def _check_model(self, model: str) -> Engine:
+        engine = self._engine()
+        if model != engine.name and model not in self._aliases:
+            message = f"unknown model {model!r}: this server serves {engine.name!r}"
+            raise RequestError(message, "unknown_model")
+        return engine
+
+    def _expand(self, items: list[PromptItem], is_text: bool, starts: bool) -> list[int]:
+        tokenizer = self._engine().tokenizer
+        tokens: list[int] = []
+        for item in items:
+            if isinstance(item, int):
+                tokens.append(item)
+            elif isinstance(item, str):
+                tokens.extend(tokenizer.encode(item, add_special_tokens=is_text and starts))
+            elif isinstance(item, BufferRef):
+                tokens.extend(self._buffer_tokens(item.name))
+        return tokens
+
+    def _buffer_session(self, name: str) -> str:
+        session = self.buffers.get(name)
+        if session is None or not self._engine().has_session(session):
+            raise RequestError(f"unknown buffer {name!r}", "unknown_buffer")
+        return session
+
+    def _buffer_tokens(self, name: str) -> list[int]:
+        try:
+            return self._engine().session_tokens(self._buffer_session(name))
+        except SessionNotFoundError:
+            raise RequestError(f"unknown buffer {name!r}", "unknown_buffer") from None
+
+    def _set_buffer(self, name: str, session: str) -> None:
+        old = self.buffers.get(name)
+        self.buffers[name] = session
+        if old is not None and old != session:
+            self._engine().close_session(old)
+
+    def _token(self, stream: Stream, record: dict[str, Any]) -> None:
+        if stream.sent is not None:  # retry extension: numbered, kept for replay
+            record["seq"] = len(stream.sent)
+            stream.sent.append(record)
+        self._out.append(("TOKEN", record))
+
+    def _msg(self, record: dict[str, Any]) -> None:
+        self._out.append(("MSG", record))
+
+    def _system(self, sid: StreamId | None, event: str, **fields: Any) -> None:
+        self._msg({"stream_id": sid, "system": {"event": event, **fields}})
+
+    def _error(
+        self,
+        kind: str,
+        sid: StreamId | None,
+        message: str,
+        code: str,
+        retryable: bool = False,
+        stream: Stream | None = None,
+    ) -> None:
+        record: dict[str, Any] = {"stream_id": sid, "error": message}
+        if "retry" in self.enabled:
+            record.update(code=code, retryable=retryable)
+            if kind == "TOKEN":
+                record["finish_reason"] = "error"
+        if kind == "TOKEN" and stream is not None:
+            self._token(stream, record)
+        else:
+            self._out.append((kind, record))
+
+
+def _asks_system(payload: Any) -> bool:
+    return isinstance(payload, dict) and "system" in (payload.get("extensions") or ())
+
+
+def _fingerprint(kind: str, payload: dict[str, Any]) -> str:
+    body = {k: v for k, v in payload.items() if k != "resume_from"}
+    return kind + " " + json.dumps(body, sort_keys=True, default=str)
