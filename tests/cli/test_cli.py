@@ -1,0 +1,106 @@
+"""The `tokenwire` command: serve lifecycle, concepts build, model flags, errors."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tokenwire.engine.concepts import ConceptSet
+
+CMD = [sys.executable, "-m", "tokenwire.cli"]
+
+
+def test_serve_logs_and_stops_cleanly_on_sigterm() -> None:
+    proc = subprocess.Popen(
+        [*CMD, "serve", "--kv-cache-mb", "32", "--model-name", "smol"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "tokenwire ready" in line:
+                break
+        log = "".join(lines)
+        assert "model smol (LlamaForCausalLM)" in log and "dtype fp32" in log and "KV cache 32 MiB" in log, log
+        assert "tokenwire ready" in log, log
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[1]
+        assert proc.returncode == 0, rest
+        assert "stopped" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path) -> None:
+    out = subprocess.run(
+        [*CMD, "generate", "hi", "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    assert "missing.gguf" in out.stderr
+
+
+def test_unsupported_architecture_fails_at_load(tmp_path, smollm2_source) -> None:
+    import json
+    import shutil
+
+    model_dir = tmp_path / "gpt2ish"
+    shutil.copytree(smollm2_source.model_dir, model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    out = subprocess.run([*CMD, "generate", "hi", "--model", str(model_dir)], capture_output=True, text=True)
+    assert out.returncode == 2 and "GPT2LMHeadModel" in out.stderr
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_generate_with_hf_directory_and_regex(smollm2_source, raw: bool) -> None:
+    args = [*CMD, "generate", "Give me a year.", "--model", str(smollm2_source.model_dir), "--regex", "[12][0-9]{3}"]
+    out = subprocess.run(args + (["--raw"] if raw else []) + ["--seed", "1", "--kv-cache-mb", "32"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout.strip().replace("<|im_end|>", "")
+    assert len(text) == 4 and text.isdigit() and text[0] in "12", out.stdout
+
+
+def test_concepts_build_then_readouts(tmp_path) -> None:
+    pos = tmp_path / "pos.txt"
+    neg = tmp_path / "neg.txt"
+    pos.write_text("I am so happy today!\nWhat a wonderful, joyful day.\n")
+    neg.write_text("I am so sad today.\nWhat a terrible, miserable day.\n")
+    out_file = tmp_path / "c.safetensors"
+    out = subprocess.run(
+        [*CMD, "concepts", "build", "--name", "joy", "--positive", str(pos), "--negative", str(neg),
+         "--layers", "0,10,30", "-o", str(out_file), "--kv-cache-mb", "16"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    concepts = ConceptSet.load(out_file, hidden_size=576, num_layers=30)
+    assert concepts.names == ["joy"] and concepts.layers == [0, 10, 30]
+    assert concepts.vectors.shape == (3, 1, 576)
+
+    from tokenwire.engine.factory import EngineSettings, build_engine
+    from tokenwire.engine.request import GenerateOptions
+
+    engine = build_engine(EngineSettings(progress=False, kv_cache_mb=16, concepts=out_file))
+    try:
+        def joy(text: str) -> float:
+            tokens = engine.tokenizer.encode(text)
+            opts = GenerateOptions(max_tokens=0, readout_ranges=[(0, len(tokens))])
+            events, _ = engine.generate(None, tokens, opts).result()
+            assert all(e.readout.shape == (3, 1) for e in events)
+            return sum(float(e.readout[1, 0]) for e in events) / len(events)
+
+        assert joy("Such a happy, joyful moment!") > joy("Such a sad, miserable moment.")
+    finally:
+        engine.shutdown()
