@@ -103,50 +103,30 @@ def test_regex_constraint_with_real_model(engine) -> None:
     assert finish.reason in ("eos", "stop")
 
 
-def test_cli_generate_answers_paris(tmp_path) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tokenwire.cli",
-            "generate",
-            PROMPT,
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "40",
-            "--kv-cache-mb",
-            "64",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    assert "Paris" in out.stdout, out.stdout + out.stderr
+def generate_cli(*flags: str) -> str:
+    """`tokenwire generate PROMPT` greedy, as a user runs it; returns stdout."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenwire.cli",
+        "generate",
+        PROMPT,
+        "--temperature",
+        "0",
+        "--kv-cache-mb",
+        "64",
+    ]
+    out = subprocess.run([*cmd, *flags], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_cli_generate_answers_paris() -> None:
+    stdout = generate_cli("--max-tokens", "40")
+    assert "Paris" in stdout, stdout
 
 
 def test_cli_generate_json_events() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tokenwire.cli",
-            "generate",
-            PROMPT,
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "5",
-            "--json",
-            "--kv-cache-mb",
-            "64",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    lines = [json.loads(line) for line in generate_cli("--max-tokens", "5", "--json").splitlines()]
     assert [x["type"] for x in lines] == ["token"] * 5 + ["finish"]
     assert lines[-1]["reason"] == "length" and lines[-1]["completion_tokens"] == 5
