@@ -31,7 +31,9 @@ def test_serve_logs_and_stops_cleanly_on_sigterm() -> None:
             if "tokenwire ready" in line:
                 break
         log = "".join(lines)
-        assert "model smol (LlamaForCausalLM)" in log and "dtype fp32" in log and "KV cache 32 MiB" in log, log
+        assert "model smol (LlamaForCausalLM)" in log and "dtype fp32" in log and "KV cache 32 MiB" in log, (
+            log
+        )
         assert "tokenwire ready" in log, log
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=60)[1]
@@ -65,9 +67,21 @@ def test_unsupported_architecture_fails_at_load(tmp_path, smollm2_source) -> Non
 
 @pytest.mark.parametrize("raw", [False, True])
 def test_generate_with_hf_directory_and_regex(smollm2_source, raw: bool) -> None:
-    args = [*CMD, "generate", "Give me a year.", "--model", str(smollm2_source.model_dir), "--regex", "[12][0-9]{3}"]
-    out = subprocess.run(args + (["--raw"] if raw else []) + ["--seed", "1", "--kv-cache-mb", "32"],
-                         capture_output=True, text=True, timeout=300)
+    args = [
+        *CMD,
+        "generate",
+        "Give me a year.",
+        "--model",
+        str(smollm2_source.model_dir),
+        "--regex",
+        "[12][0-9]{3}",
+    ]
+    out = subprocess.run(
+        args + (["--raw"] if raw else []) + ["--seed", "1", "--kv-cache-mb", "32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout.strip().replace("<|im_end|>", "")
     assert len(text) == 4 and text.isdigit() and text[0] in "12", out.stdout
@@ -80,9 +94,26 @@ def test_concepts_build_then_readouts(tmp_path) -> None:
     neg.write_text("I am so sad today.\nWhat a terrible, miserable day.\n")
     out_file = tmp_path / "c.safetensors"
     out = subprocess.run(
-        [*CMD, "concepts", "build", "--name", "joy", "--positive", str(pos), "--negative", str(neg),
-         "--layers", "0,10,30", "-o", str(out_file), "--kv-cache-mb", "16"],
-        capture_output=True, text=True, timeout=300,
+        [
+            *CMD,
+            "concepts",
+            "build",
+            "--name",
+            "joy",
+            "--positive",
+            str(pos),
+            "--negative",
+            str(neg),
+            "--layers",
+            "0,10,30",
+            "-o",
+            str(out_file),
+            "--kv-cache-mb",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     concepts = ConceptSet.load(out_file, hidden_size=576, num_layers=30)
@@ -94,6 +125,7 @@ def test_concepts_build_then_readouts(tmp_path) -> None:
 
     engine = build_engine(EngineSettings(progress=False, kv_cache_mb=16, concepts=out_file))
     try:
+
         def joy(text: str) -> float:
             tokens = engine.tokenizer.encode(text)
             opts = GenerateOptions(max_tokens=0, readout_ranges=[(0, len(tokens))])

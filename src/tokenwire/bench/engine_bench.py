@@ -158,9 +158,8 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(
-        f"tokenwire bench engine — {engine.name}, {settings.dtype}, {torch.get_num_threads()} threads, median of {reps}"
-    )
+    threads = torch.get_num_threads()
+    print(f"tokenwire bench engine — {engine.name}, {settings.dtype}, {threads} threads, median of {reps}")
     print(f"{'measure':<26}{'tokenwire':>14}{'baseline':>14}{'ratio':>9}")
     for label, row in (
         ("single-stream decode", result["single_stream"]),

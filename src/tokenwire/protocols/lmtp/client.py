@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from tokenwire.protocols.lmtp.messages import EXTENSIONS, StreamId
+from tokenwire.protocols.lmtp.codec import EXTENSIONS, StreamId
 
 log = logging.getLogger("tokenwire.lmtp.client")
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -95,9 +95,13 @@ class ProcessTransport:
         self.proc = proc
 
     @classmethod
-    async def spawn(cls, argv: Sequence[str]) -> ProcessTransport:
+    async def spawn(cls, argv: Sequence[str], env: dict[str, str] | None = None) -> ProcessTransport:
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=MAX_MESSAGE_BYTES
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            limit=MAX_MESSAGE_BYTES,
+            env=env,
         )
         return cls(proc)
 
@@ -157,9 +161,10 @@ class Client:
         model: str | None = None,
         extensions: Iterable[str] = (),
         timeout: float = 300.0,
+        env: dict[str, str] | None = None,
     ) -> Client:
         """Start `argv` (e.g. ["tokenwire", "lmtp", "--stdio"]) and speak LMTP over its stdio."""
-        client = cls(await ProcessTransport.spawn(argv), model)
+        client = cls(await ProcessTransport.spawn(argv, env), model)
         return await client._start(extensions, timeout)
 
     @classmethod
@@ -179,17 +184,15 @@ class Client:
             return self  # the seed's protocol, nothing to negotiate
         try:
             reply = await self.request("HELLO", {"extensions": wanted, "client": "tokenwire"}, timeout)
+            self.hello = hello = reply["hello"]
+            self.extensions = set(hello.get("extensions", ()))
+            if hello.get("status") == "loading":  # the system extension says when it is ready
+                while (event := await asyncio.wait_for(self.system.get(), timeout)).get("event") != "ready":
+                    pass
+                hello["model"] = event.get("model")  # "status" stays as the server said it
         except BaseException:
             await self.close()
             raise
-        self.hello = reply["hello"]
-        self.extensions = set(self.hello.get("extensions", ()))
-        if self.hello.get("status") == "loading":
-            while True:  # the system extension announces when the model is ready
-                event = await asyncio.wait_for(self.system.get(), timeout)
-                if event.get("event") == "ready":
-                    self.hello["model"] = event.get("model")
-                    break
         self.model = self.model or self.hello.get("model")
         return self
 

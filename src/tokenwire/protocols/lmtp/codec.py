@@ -10,6 +10,9 @@ import json
 import math
 from typing import Any
 
+StreamId = int | str
+EXTENSIONS = ("text", "buffers", "system", "retry")  # the opt-in extensions, in HELLO's order
+
 # Records per output frame: keeps frames well under aiohttp's default 4 MiB message limit.
 MAX_RECORDS_PER_FRAME = 2048
 
@@ -48,6 +51,20 @@ def encode_records(kind: str, records: list[dict[str, Any]]) -> list[str]:
     """Frames of `kind` carrying `records` in order, at most MAX_RECORDS_PER_FRAME per frame."""
     step = MAX_RECORDS_PER_FRAME
     return [f"{kind} {_dumps(records[i : i + step])}" for i in range(0, len(records), step)]
+
+
+def encode_outbox(out: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Frames for (TYPE, record) pairs in order: consecutive records of one TYPE share a frame."""
+    frames: list[str] = []
+    i = 0
+    while i < len(out):
+        kind = out[i][0]
+        j = i
+        while j < len(out) and out[j][0] == kind:
+            j += 1
+        frames.extend(encode_records(kind, [record for _, record in out[i:j]]))
+        i = j
+    return frames
 
 
 def finite(value: float) -> float | None:

@@ -1,8 +1,8 @@
 """The sans-IO LMTP core: one object per client connection.
 
-Transports hand it client frames (`feed`) and engine events (`on_events`, delivered by the
-`watch` hook they supply), and take the frames it has ready (`take_frames`). It never touches
-a socket or an event loop; it calls the thread-safe, non-blocking Engine methods directly.
+Transports hand it client frames (`feed`) and engine events (`on_events`, delivered through the
+`watch` hook they supply) and take the frames it has ready (`take_frames`). It never touches a
+socket or an event loop; it calls the thread-safe, non-blocking Engine methods directly.
 Records produced together (one engine step's tokens of every stream) leave as one frame.
 """
 
@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from tokenwire.engine.errors import EngineError, SessionNotFoundError
+from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import (
     BacktrackEvent,
     Event,
     FinishEvent,
     GenerateOptions,
     RequestHandle,
-    SamplingParams,
 )
 from tokenwire.protocols.lmtp import info
-from tokenwire.protocols.lmtp.codec import FrameError, decode_frame, encode_records
+from tokenwire.protocols.lmtp.codec import FrameError, decode_frame, encode_outbox
+from tokenwire.protocols.lmtp.extensions import Buffers, ReplayLog
 from tokenwire.protocols.lmtp.messages import (
     EXTENSIONS,
     BufferRef,
@@ -60,9 +59,8 @@ class LmtpConnection:
         self._aliases = set(aliases)
         self.enabled: set[str] = set()
         self.streams: dict[StreamId, Stream] = {}  # live streams by stream_id
-        self.done: OrderedDict[StreamId, Stream] = OrderedDict()  # retry extension: finished streams
-        self.replay_limit = replay_limit
-        self.buffers: dict[str, str] = {}  # buffers extension: name -> engine session id
+        self.buffers = Buffers()
+        self.replay = ReplayLog(replay_limit)
         self._out: list[tuple[str, dict[str, Any]]] = []
         self._parked: list[str] = []  # frames that arrived before the engine was ready
         self.closed = False
@@ -85,8 +83,9 @@ class LmtpConnection:
         out_kind = "TOKEN" if kind in _STREAM_MESSAGES else "MSG"
         if handler is None or (ext is not None and ext not in self.enabled):
             hint = f" (extension '{ext}' not negotiated: send HELLO first)" if ext else ""
-            message = f"unknown message type {kind!r}{hint}"
-            self._error(out_kind, stream_id_of(payload), message, "unknown_type")
+            self._error(
+                out_kind, stream_id_of(payload), f"unknown message type {kind!r}{hint}", "unknown_type"
+            )
             return
         try:
             handler(payload)
@@ -116,18 +115,9 @@ class LmtpConnection:
                 self._token(stream, record)
 
     def take_frames(self) -> list[str]:
-        """The frames ready to send, in order; consecutive records of one type share a frame."""
+        """The frames ready to send, in order."""
         out, self._out = self._out, []
-        frames: list[str] = []
-        i = 0
-        while i < len(out):
-            kind = out[i][0]
-            j = i
-            while j < len(out) and out[j][0] == kind:
-                j += 1
-            frames.extend(encode_records(kind, [record for _, record in out[i:j]]))
-            i = j
-        return frames
+        return encode_outbox(out)
 
     @property
     def has_output(self) -> bool:
@@ -143,7 +133,7 @@ class LmtpConnection:
             self.feed(text)
 
     def tick(self) -> None:
-        """Periodic (system extension): announce queue positions of streams still waiting."""
+        """Periodic (system extension): announce queue positions of streams not yet running."""
         if "system" not in self.enabled or self.engine is None:
             return
         for stream in list(self.streams.values()):
@@ -156,6 +146,17 @@ class LmtpConnection:
                 elif stream.queue_position is not None:
                     self._system(stream.stream_id, "started")
                 stream.queue_position = position
+
+    def fail_parked(self, message: str) -> None:
+        """The engine never came: answer every frame that waited for it with an error record."""
+        parked, self._parked = self._parked, []
+        for text in parked:
+            try:
+                kind, payload = decode_frame(text)
+            except FrameError:
+                continue
+            out_kind = "TOKEN" if kind in _STREAM_MESSAGES else "MSG"
+            self._error(out_kind, stream_id_of(payload), message, "shutdown", True)
 
     def shutdown(self, message: str = "server shutting down") -> None:
         """The server stops: tell the client, end every live stream with an error, release all."""
@@ -182,13 +183,13 @@ class LmtpConnection:
             if stream.handle is not None:
                 stream.handle.cancel()
         if self.engine is not None:
-            sessions = [s.session for s in streams if s.session] + list(self.buffers.values())
-            for session in sessions:
-                self.engine.close_session(session)
-        self.buffers.clear()
-        self.done.clear()
+            for stream in streams:
+                if stream.session is not None:
+                    self.engine.close_session(stream.session)
+        self.buffers.close(self.engine)
+        self.replay.clear()
 
-    # ------------------------------------------------------------------ handlers
+    # ------------------------------------------------------------------ the seed's messages
     def _handlers(self) -> dict[str, Callable[[Any], None]]:
         return {
             "GENERATE": self._generate,
@@ -199,14 +200,6 @@ class LmtpConnection:
             "DROP": self._buffer_drop,
             "CANCEL": self._cancel,
         }
-
-    def _hello(self, payload: Any) -> None:
-        msg = parse_hello(payload)
-        self.enabled = set(msg.extensions) & set(EXTENSIONS)
-        self._msg({"stream_id": msg.stream_id, "hello": info.hello(self.engine, self.enabled)})
-        if "system" in self.enabled:
-            engine = self.engine
-            self._system(None, "ready" if engine else "loading", model=engine.name if engine else None)
 
     def _model_info(self, payload: Any) -> None:
         msg = parse_model_info(payload, self.enabled)
@@ -220,23 +213,7 @@ class LmtpConnection:
         if self._resumed(msg.stream_id, fingerprint, msg.resume_from):
             return
         tokens = self._expand(msg.prompt, msg.prompt_is_text, starts=msg.buffer is None)
-        sampling = SamplingParams(
-            temperature=msg.temperature,
-            top_k=msg.top_k,
-            top_p=msg.top_p,
-            seed=msg.seed,
-            logit_bias=msg.logit_bias,
-        )
-        options = GenerateOptions(
-            max_tokens=msg.max_tokens,
-            sampling=sampling,
-            stop_token_ids=msg.stop_token_ids,
-            ignore_eos=msg.ignore_eos,
-            logprobs=True,
-            top_logprobs=msg.top_logprobs,
-            logprob_mode="processed",
-            priority=msg.priority,
-        )
+        options = msg.options()
         stream = Stream(
             "generate",
             msg.stream_id,
@@ -244,56 +221,54 @@ class LmtpConnection:
             save_as=msg.save_as,
             max_tokens=msg.max_tokens,
             max_model_len=engine.max_model_len,
-            top_logprobs=msg.top_logprobs,
             eos_ids=frozenset() if msg.ignore_eos else frozenset(engine.eos_ids),
             stop_ids=frozenset(msg.stop_token_ids),
         )
-        persistent = msg.save_as is not None
-        self._start(stream, msg.buffer, tokens, options, persistent, need_room=True)
+        self._start(stream, msg.buffer, tokens, options, persistent=msg.save_as is not None, generates=True)
 
     def _score(self, payload: Any) -> None:
         msg = parse_score(payload, self.enabled)
-        self._check_model(msg.model)
+        engine = self._check_model(msg.model)
         fingerprint = _fingerprint("SCORE", payload)
         if self._resumed(msg.stream_id, fingerprint, msg.resume_from):
             return
         prompt = self._expand(msg.prompt, msg.prompt_is_text, starts=msg.buffer is None)
         scored = self._expand([msg.scored], False, False) if isinstance(msg.scored, str) else msg.scored
         stream = Stream("score", msg.stream_id, fingerprint)
-        base = len(self._buffer_tokens(msg.buffer)) if msg.buffer else 0
+        base = len(self.buffers.tokens(engine, msg.buffer)) if msg.buffer else 0
         stream.score_start = base + len(prompt)
         stream.score_end = stream.score_start + len(scored)
-        options = GenerateOptions(
-            max_tokens=0,
-            logprob_ranges=[(stream.score_start, stream.score_end)],
-            logprob_mode="raw",
-            priority=msg.priority,
-        )
-        self._start(stream, msg.buffer, prompt + list(scored), options, False, need_room=False)
+        options = msg.options(stream.score_start, stream.score_end)
+        self._start(stream, msg.buffer, prompt + list(scored), options, persistent=False, generates=False)
+
+    # ------------------------------------------------------------------ extensions
+    def _hello(self, payload: Any) -> None:
+        msg = parse_hello(payload)
+        self.enabled = set(msg.extensions) & set(EXTENSIONS)
+        self._msg({"stream_id": msg.stream_id, "hello": info.hello(self.engine, self.enabled)})
+        if "system" in self.enabled:
+            engine = self.engine
+            self._system(None, "ready" if engine else "loading", model=engine.name if engine else None)
 
     def _buffer_put(self, payload: Any) -> None:
         msg = parse_buffer(payload, self.enabled)
-        if self._resumed(msg.stream_id, "", 0):
-            return
+        engine = self._engine()
+        self._resumed(msg.stream_id, "", 0)  # only refuses a live stream_id
         tokens = self._expand(msg.prompt, msg.prompt_is_text, starts=msg.base is None)
-        stream = Stream("buffer", msg.stream_id, save_as=msg.name, buffer_name=msg.name)
-        if tokens:
+        if tokens:  # computed now, so every later use finds the KV ready
+            stream = Stream("buffer", msg.stream_id, save_as=msg.name, buffer_name=msg.name)
             self._start(stream, msg.base, tokens, GenerateOptions(max_tokens=0, priority=0), True, False)
             return
-        engine = self._engine()
-        if msg.base is not None:
-            session = engine.fork_session(self._buffer_session(msg.base))
-        else:
-            session = engine.create_session(ttl_s=None)
-        self._set_buffer(msg.name, session)
-        self._msg({"stream_id": msg.stream_id, "buffer": {"name": msg.name, "length": len(tokens)}})
+        base = self.buffers.session(engine, msg.base) if msg.base is not None else None
+        session = engine.fork_session(base) if base is not None else engine.create_session(ttl_s=None)
+        self.buffers.put(engine, msg.name, session)
+        length = len(engine.session_tokens(session))
+        self._msg({"stream_id": msg.stream_id, "buffer": {"name": msg.name, "length": length}})
 
     def _buffer_drop(self, payload: Any) -> None:
         msg = parse_drop(payload, self.enabled)
-        session = self.buffers.pop(msg.name, None)
-        if session is None:
+        if not self.buffers.drop(self._engine(), msg.name):
             raise RequestError(f"DROP: unknown buffer {msg.name!r}", "unknown_buffer", msg.stream_id)
-        self._engine().close_session(session)
         self._msg({"stream_id": msg.stream_id, "buffer": {"name": msg.name, "dropped": True}})
 
     def _cancel(self, payload: Any) -> None:
@@ -301,6 +276,21 @@ class LmtpConnection:
         stream = self.streams.get(msg.stream_id)
         if stream is not None and stream.handle is not None:
             stream.handle.cancel()  # its FinishEvent ends the stream with a "cancelled" error record
+
+    def _resumed(self, sid: StreamId, fingerprint: str, resume_from: int) -> bool:
+        """Retry extension: a resent request replays the stream's records from `resume_from` on
+        (a stream still running then goes on streaming). Otherwise a live stream_id is refused."""
+        retry = "retry" in self.enabled and bool(fingerprint)
+        live = self.streams.get(sid)
+        if live is not None and not (retry and live.fingerprint == fingerprint):
+            raise RequestError(
+                f"stream_id {sid!r} is already in use by a live stream", "duplicate_stream", sid
+            )
+        stream = live or (self.replay.find(sid, fingerprint) if retry else None)
+        if stream is None:
+            return False
+        self._out.extend(("TOKEN", record) for record in ReplayLog.records(stream, resume_from))
+        return True
 
     # ------------------------------------------------------------------ streams
     def _start(
@@ -310,20 +300,19 @@ class LmtpConnection:
         tokens: list[int],
         options: GenerateOptions,
         persistent: bool,
-        need_room: bool,
+        generates: bool,
     ) -> None:
         engine = self._engine()
-        if self.text_mode and stream.kind != "buffer":
+        if "text" in self.enabled and stream.kind != "buffer":
             stream.decoder = engine.tokenizer.incremental_decoder()
         if "retry" in self.enabled and stream.kind != "buffer":
             stream.sent = []
-        base = self._buffer_session(buffer) if buffer is not None else None
-        base_len = len(engine.session_tokens(base)) if base is not None else 0
-        stream.prompt_len = base_len + len(tokens)
-        if need_room and stream.prompt_len >= engine.max_model_len:
+        base = self.buffers.session(engine, buffer) if buffer is not None else None
+        stream.prompt_len = (len(engine.session_tokens(base)) if base is not None else 0) + len(tokens)
+        if generates and stream.prompt_len >= engine.max_model_len:
             raise RequestError(
-                f"prompt of {stream.prompt_len} tokens leaves no room to generate: the context "
-                f"length is {engine.max_model_len}",
+                f"prompt of {stream.prompt_len} tokens leaves no room to generate: the context length is "
+                f"{engine.max_model_len}",
                 "context_overflow",
                 stream.stream_id,
             )
@@ -337,7 +326,7 @@ class LmtpConnection:
             if stream.session is not None:
                 engine.close_session(stream.session)
             raise
-        self.done.pop(stream.stream_id, None)
+        self.replay.forget(stream.stream_id)
         self.streams[stream.stream_id] = stream
         self._watch(stream.handle, stream)
 
@@ -347,12 +336,8 @@ class LmtpConnection:
         engine = self._engine()
         if stream.kind == "buffer":
             if error is None:
-                self._msg(
-                    {
-                        "stream_id": stream.stream_id,
-                        "buffer": {"name": stream.buffer_name, "length": event.prompt_tokens},
-                    }
-                )
+                record = {"name": stream.buffer_name, "length": event.prompt_tokens}
+                self._msg({"stream_id": stream.stream_id, "buffer": record})
             else:
                 self._error("MSG", stream.stream_id, f"BUFFER failed: {error}", "engine_error", True)
         elif error is not None:
@@ -360,40 +345,13 @@ class LmtpConnection:
             self._error("TOKEN", stream.stream_id, error, code, code != "cancelled", stream)
         if stream.session is not None:
             if error is None and stream.save_as is not None:
-                self._set_buffer(stream.save_as, stream.session)
+                self.buffers.put(engine, stream.save_as, stream.session)
             else:
                 engine.close_session(stream.session)
         if stream.sent is not None:
-            self.done[stream.stream_id] = stream
-            while len(self.done) > self.replay_limit:
-                self.done.popitem(last=False)
-
-    def _resumed(self, sid: StreamId, fingerprint: str, resume_from: int) -> bool:
-        """Retry extension: a resent stream replays what was sent from `resume_from` on (and, if
-        it is still running, goes on streaming). Without it, a live stream_id cannot be reused."""
-        retry = "retry" in self.enabled and fingerprint
-        live = self.streams.get(sid)
-        if live is not None:
-            if retry and live.fingerprint == fingerprint:
-                self._replay(live, resume_from)
-                return True
-            message = f"stream_id {sid!r} is already in use by a live stream"
-            raise RequestError(message, "duplicate_stream", sid)
-        done = self.done.get(sid) if retry else None
-        if done is not None and done.fingerprint == fingerprint:
-            self._replay(done, resume_from)
-            return True
-        return False
-
-    def _replay(self, stream: Stream, resume_from: int) -> None:
-        for record in (stream.sent or [])[resume_from:]:
-            self._out.append(("TOKEN", record))
+            self.replay.add(stream)
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def text_mode(self) -> bool:
-        return "text" in self.enabled
-
     def _engine(self) -> Engine:
         assert self.engine is not None, "engine not ready"
         return self.engine
@@ -401,42 +359,27 @@ class LmtpConnection:
     def _check_model(self, model: str) -> Engine:
         engine = self._engine()
         if model != engine.name and model not in self._aliases:
-            message = f"unknown model {model!r}: this server serves {engine.name!r}"
-            raise RequestError(message, "unknown_model")
+            raise RequestError(
+                f"unknown model {model!r}: this server serves {engine.name!r}", "unknown_model"
+            )
         return engine
 
     def _expand(self, items: list[PromptItem], is_text: bool, starts: bool) -> list[int]:
-        tokenizer = self._engine().tokenizer
+        """Token ids of a prompt: ids as they are, text encoded (the tokenizer's special tokens
+        only for a whole-string prompt that starts the sequence), buffers by their tokens."""
+        engine = self._engine()
         tokens: list[int] = []
         for item in items:
             if isinstance(item, int):
                 tokens.append(item)
             elif isinstance(item, str):
-                tokens.extend(tokenizer.encode(item, add_special_tokens=is_text and starts))
+                tokens.extend(engine.tokenizer.encode(item, add_special_tokens=is_text and starts))
             elif isinstance(item, BufferRef):
-                tokens.extend(self._buffer_tokens(item.name))
+                tokens.extend(self.buffers.tokens(engine, item.name))
         return tokens
 
-    def _buffer_session(self, name: str) -> str:
-        session = self.buffers.get(name)
-        if session is None or not self._engine().has_session(session):
-            raise RequestError(f"unknown buffer {name!r}", "unknown_buffer")
-        return session
-
-    def _buffer_tokens(self, name: str) -> list[int]:
-        try:
-            return self._engine().session_tokens(self._buffer_session(name))
-        except SessionNotFoundError:
-            raise RequestError(f"unknown buffer {name!r}", "unknown_buffer") from None
-
-    def _set_buffer(self, name: str, session: str) -> None:
-        old = self.buffers.get(name)
-        self.buffers[name] = session
-        if old is not None and old != session:
-            self._engine().close_session(old)
-
     def _token(self, stream: Stream, record: dict[str, Any]) -> None:
-        if stream.sent is not None:  # retry extension: numbered, kept for replay
+        if stream.sent is not None:  # retry extension: numbered and kept for replay
             record["seq"] = len(stream.sent)
             stream.sent.append(record)
         self._out.append(("TOKEN", record))
@@ -456,6 +399,8 @@ class LmtpConnection:
         retryable: bool = False,
         stream: Stream | None = None,
     ) -> None:
+        """An error record: the seed's {stream_id, error}; with the retry extension also a code,
+        whether a retry may succeed, and (TOKEN) finish_reason "error"."""
         record: dict[str, Any] = {"stream_id": sid, "error": message}
         if "retry" in self.enabled:
             record.update(code=code, retryable=retryable)

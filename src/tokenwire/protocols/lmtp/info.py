@@ -72,7 +72,7 @@ def model_info(engine: Engine, data: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": engine.name,
         "model_type": SERVER,
-        "constructor": f"tokenwire serve (model {engine.name!r})",
+        "constructor": f"tokenwire engine ({engine.name})",
         "vocab_size": engine.vocab_size,
         "logits_size": engine.logits_size,
         "eos_token_id": eos_token_id(engine),

@@ -11,8 +11,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-StreamId = int | str
-EXTENSIONS = ("text", "buffers", "system", "retry")
+from tokenwire.engine.request import GenerateOptions, SamplingParams
+from tokenwire.protocols.lmtp.codec import EXTENSIONS, StreamId
+
+__all__ = ["EXTENSIONS", "StreamId"]
 
 # Decoder keys LMQL's server passes on for GENERATE and ignores for SCORE.
 _SAMPLING = ("max_tokens", "temperature", "logit_bias", "top_logprobs", "top_p", "top_k", "seed")
@@ -20,6 +22,7 @@ _GENERATE = {"stream_id", "model", "prompt", *_SAMPLING, "priority", "stop_token
 _SCORE = {"stream_id", "model", "prompt", "scored", *_SAMPLING, "priority"}
 _EXT_FIELDS = {"buffer": "buffers", "save_as": "buffers", "resume_from": "retry"}
 MAX_TOP_LOGPROBS = 1000
+MAX_BIAS = 1e4  # larger biases only overflow the softmax (LMQL's masks use +-100)
 
 
 class RequestError(Exception):
@@ -67,6 +70,19 @@ class Generate:
     save_as: str | None = None
     resume_from: int = 0
 
+    def options(self) -> GenerateOptions:
+        sampling = SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.logit_bias)
+        return GenerateOptions(
+            max_tokens=self.max_tokens,
+            sampling=sampling,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=True,
+            top_logprobs=self.top_logprobs,
+            logprob_mode="processed",  # after logit_bias, as LMQL's server reports GENERATE
+            priority=self.priority,
+        )
+
 
 @dataclass
 class Score:
@@ -78,6 +94,12 @@ class Score:
     priority: int = 5
     buffer: str | None = None
     resume_from: int = 0
+
+    def options(self, start: int, end: int) -> GenerateOptions:
+        # the model's own distribution, no bias: LMQL's server scores without logit_bias
+        return GenerateOptions(
+            max_tokens=0, logprob_ranges=[(start, end)], logprob_mode="raw", priority=self.priority
+        )
 
 
 @dataclass
@@ -246,7 +268,7 @@ class _Fields:
                 raise self.error(f"{self.kind}: logit_bias key {key!r} is not a token id") from None
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
                 raise self.error(f"{self.kind}: logit_bias[{key!r}] must be a finite number, got {v!r}")
-            bias[token] = float(v)
+            bias[token] = min(max(float(v), -MAX_BIAS), MAX_BIAS)
         return bias
 
 
@@ -267,7 +289,7 @@ def parse_generate(payload: Any, enabled: set[str]) -> Generate:
     if not 0 < msg.top_p <= 1:
         raise f.error(f"GENERATE: top_p must be in (0, 1], got {msg.top_p}")
     msg.top_k = f.integer("top_k", 0, 0)
-    msg.seed = f.integer("seed", 0) if f.has("seed") else None
+    msg.seed = f.integer("seed", 0, 0, 2**63 - 1) if f.has("seed") else None
     msg.priority = f.integer("priority", 5, 0, 10)
     msg.stop_token_ids = f.token_list("stop_token_ids", f.p.get("stop_token_ids") or [])
     msg.ignore_eos = f.boolean("ignore_eos")

@@ -105,6 +105,7 @@ class ConnectionRunner:
 
     async def flush(self, timeout: float = 2.0) -> None:
         """Wait until every frame produced so far has been sent (or sending failed)."""
+        self._kick()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
 

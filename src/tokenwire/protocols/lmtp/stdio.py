@@ -26,30 +26,38 @@ MAX_LINE_BYTES = 64 * 2**20
 async def serve_lines(
     engine: Engine | Awaitable[Engine], recv: Recv, send: Send, *, aliases: Iterable[str] = ()
 ) -> None:
-    """Serve one LMTP connection over a line transport. `engine` may still be loading."""
-    loop = asyncio.get_running_loop()
+    """Serve one LMTP connection over a line transport. `engine` may still be loading; if
+    loading fails, waiting requests get error records and the exception is raised."""
     ready = engine if not isinstance(engine, Awaitable) else None
     runner = ConnectionRunner(ready, send, aliases=aliases)
-    loader: asyncio.Future[Engine] | None = None
-    if ready is None:
-        loader = asyncio.ensure_future(engine)  # type: ignore[arg-type]
-        loader.add_done_callback(
-            lambda f: runner.set_engine(f.result()) if not f.cancelled() and f.exception() is None else None
-        )
+    loader = asyncio.ensure_future(engine) if ready is None else None  # type: ignore[arg-type]
+    reading = asyncio.ensure_future(_read(runner, recv))
     try:
-        while (line := await recv()) is not None:
-            if line.strip():
-                runner.feed(line)
-            if runner.send_failed:
-                return
         if loader is not None:
-            await loader  # requests parked while loading still deserve answers
+            await asyncio.wait({reading, loader}, return_when=asyncio.FIRST_COMPLETED)
+            if not loader.done():
+                await asyncio.wait({loader})
+            if loader.exception() is not None:
+                runner.core.fail_parked(f"model failed to load: {loader.exception()}")
+                runner.core.shutdown(f"model failed to load: {loader.exception()}")
+                await runner.flush()
+                raise loader.exception()  # type: ignore[misc]
+            runner.set_engine(loader.result())
+        await reading  # until end of input, then finish the streams under way
         while (runner.core.streams or runner.core.has_output) and not runner.send_failed:
             await runner.flush(timeout=0.05)
             await asyncio.sleep(0.01 if runner.core.streams else 0)
     finally:
+        reading.cancel()
+        if loader is not None:
+            loader.cancel()
         await runner.close()
-        del loop
+
+
+async def _read(runner: ConnectionRunner, recv: Recv) -> None:
+    while (line := await recv()) is not None and not runner.send_failed:
+        if line.strip():
+            runner.feed(line)
 
 
 async def serve_stdio(load: Callable[[], Engine], *, aliases: Iterable[str] = ()) -> Engine | None:

@@ -42,7 +42,6 @@ class Stream:
     max_model_len: int = 0
     eos_ids: frozenset[int] = field(default_factory=frozenset)
     stop_ids: frozenset[int] = field(default_factory=frozenset)
-    top_logprobs: int = 1
     # SCORE: the scored positions [score_start, score_end)
     score_start: int = 0
     score_end: int = 0
