@@ -93,7 +93,9 @@ def test_many_streams_interleave_share_frames_and_match_greedy(lmtp_server, lmtp
                 "GENERATE", {"stream_id": i, "model": lmtp_engine.name, "prompt": p, "max_tokens": 8}
             )
         await r.until(lambda: all(r.ended(i) for i in range(len(prompts))))
-        assert any(len({rec["stream_id"] for rec in rs}) > 1 for _, rs in r.frames)  # batched together
+        # Whether two streams' records land in one frame here depends on timing (which engine
+        # step each request joins); the sharing itself is pinned deterministically in
+        # test_core.py::test_records_of_streams_ready_together_share_one_frame.
         return [[rec["token"] for rec in r.records(i)] for i in range(len(prompts))]
 
     async def go():
