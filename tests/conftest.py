@@ -14,3 +14,13 @@ def smollm2_source():
     from tokenwire.model.loader import resolve_model
 
     return resolve_model(None, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine():
+    """One engine on the real default model, shared by every test that needs one."""
+    from tokenwire.engine.factory import EngineSettings, build_engine
+
+    engine = build_engine(EngineSettings(progress=False, kv_cache_mb=256))
+    yield engine
+    engine.shutdown()

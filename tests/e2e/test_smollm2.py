@@ -9,17 +9,14 @@ import sys
 import pytest
 import torch
 
-from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.request import GenerateOptions, SamplingParams
 
 PROMPT = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    engine = build_engine(EngineSettings(progress=False, kv_cache_mb=256))
-    yield engine
-    engine.shutdown()
+def engine(smollm2_engine):
+    return smollm2_engine
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from tokenwire.engine.sampling_loop import after_step
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session
 from tokenwire.engine.step import run_step
+from tokenwire.engine.stop import StopStringMatcher
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.llama import LlamaModel
 from tokenwire.model.tokenizer import Tokenizer
@@ -254,8 +255,6 @@ class Engine:
             )
         request.decoder = self.tokenizer.incremental_decoder()
         if opts.stop:
-            from tokenwire.engine.stop import StopStringMatcher
-
             request.stopper = StopStringMatcher(list(opts.stop))
         if opts.constraint is not None:
             opts.constraint.start(list(session.tokens))

@@ -7,6 +7,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,13 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None  # same seed, same prompt -> same output
     logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @cached_property
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (ids, values) tensors, built once: LMQL sends masks of ~50k entries
+        and they are applied at every step."""
+        ids = torch.tensor(list(self.logit_bias.keys()), dtype=torch.long)
+        return ids, torch.tensor(list(self.logit_bias.values()), dtype=torch.float32)
 
     def validate(self) -> None:
         if self.temperature < 0:

@@ -14,9 +14,8 @@ def processed_logits(
     """Logits after logit_bias and the constraint's bias and mask (before temperature)."""
     out = logits
     if params.logit_bias:
-        out = out.clone()
-        ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.long)
-        out.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=out.dtype))
+        ids, values = params.bias_tensors
+        out = out.clone().index_add_(0, ids, values.to(out.dtype))
     if logits.shape[0] > vocab_size:
         # padding rows of the embedding matrix are never real tokens
         out = out.clone() if out is logits else out

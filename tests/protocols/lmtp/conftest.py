@@ -40,12 +40,8 @@ class ServerThread:
 
 
 @pytest.fixture(scope="session")
-def lmtp_engine():
-    from tokenwire.engine.factory import EngineSettings, build_engine
-
-    engine = build_engine(EngineSettings(progress=False, kv_cache_mb=128))
-    yield engine
-    engine.shutdown()
+def lmtp_engine(smollm2_engine):
+    return smollm2_engine
 
 
 @pytest.fixture(scope="session")
