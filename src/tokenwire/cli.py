@@ -1,14 +1,27 @@
-"""The `tokenwire` command: serve, generate, bench, concepts."""
+"""The `tokenwire` command: serve, generate, bench, concepts, and one subcommand per protocol tool.
+
+Protocol packages and benchmarks contribute their own subcommands: each module listed in
+COMMAND_MODULES (top level) or BENCH_MODULES (under `tokenwire bench`) has a
+`register(sub)` that adds its parser and sets `handler=fn(args) -> int` as a default.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
 from pathlib import Path
 
 from tokenwire.engine.factory import EngineSettings
+
+COMMAND_MODULES = [
+    "tokenwire.protocols.lmtp.cli",
+]
+BENCH_MODULES = [
+    "tokenwire.bench.engine_bench",
+]
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -67,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--session-ttl", type=float, default=1800.0, help="idle session lifetime, seconds")
-    serve.add_argument("--lmtp-port", type=int, default=8080, help="LMTP WebSocket port (0 = off)")
+    from tokenwire.server import add_serve_args
+
+    add_serve_args(serve)
 
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
     gen.add_argument("prompt")
@@ -78,20 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    be = bench_sub.add_parser("engine", help="engine vs transformers generate()")
-    add_model_args(be)
-    be.add_argument("--json", action="store_true")
-    be.add_argument("--decode-tokens", type=int, default=64)
-    be.add_argument("--streams", type=int, default=32)
-    be.add_argument("--session-tokens", type=int, default=1000)
-    be.add_argument("--repeats", type=int, default=3)
-    be.add_argument(
-        "--ftz-baseline", action="store_true", help="also run transformers with denormals flushed"
-    )
-
-    from tokenwire.protocols.lmtp.cli import add_lmtp_parser
-
-    add_lmtp_parser(sub, add_model_args)
+    for module in BENCH_MODULES:
+        importlib.import_module(module).register(bench_sub)
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
 
     concepts = sub.add_parser("concepts", help="concept vectors for readouts")
     csub = concepts.add_subparsers(dest="concepts_command", required=True)
@@ -124,14 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             from tokenwire.generate_cmd import run_generate
 
             return run_generate(args, settings_from(args))
-        if args.command == "bench":
-            from tokenwire.bench.engine_bench import run_engine_bench
-
-            return run_engine_bench(args, settings_from(args))
-        if args.command == "lmtp":
-            from tokenwire.protocols.lmtp.cli import run_lmtp
-
-            return run_lmtp(args, settings_from(args))
+        handler = getattr(args, "handler", None)
+        if handler is not None:
+            return int(handler(args))
         if args.command == "concepts":
             from tokenwire.concepts_cmd import run_concepts_build
 

@@ -1,13 +1,16 @@
 """`tokenwire serve`: load the model, start the engine and every enabled protocol server.
 
-Protocol servers register here as they are built (each on its own port flag, bound to
---host). The process runs until SIGINT/SIGTERM, then stops the servers and the engine.
+Each protocol transport listed in SERVE_MODULES offers `add_serve_args(parser)` (its port
+flag and options; port 0 turns it off) and `start_from_args(engine, args)`, which starts serving
+on --host and returns an async function that stops it (or None when turned off). The process
+runs until SIGINT/SIGTERM, then stops the servers in reverse order and then the engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -17,19 +20,23 @@ from tokenwire.engine.factory import EngineSettings, build_engine
 
 log = logging.getLogger("tokenwire.server")
 
+SERVE_MODULES = [
+    "tokenwire.protocols.lmtp.ws_server",
+    "tokenwire.protocols.grpc_server",
+]
+
 # A protocol starter: given the engine and the parsed args, start serving and return an
 # async function that stops it. Returns None when its port flag turned it off.
 Starter = Callable[[Engine, argparse.Namespace], Awaitable[Callable[[], Awaitable[None]] | None]]
-STARTERS: list[Starter] = []
 
 
-def _register_starters() -> None:
-    from tokenwire.protocols.lmtp.ws_server import start_from_args as start_lmtp
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    for module in SERVE_MODULES:
+        importlib.import_module(module).add_serve_args(parser)
 
-    STARTERS.append(start_lmtp)
 
-
-_register_starters()
+def starters() -> list[Starter]:
+    return [importlib.import_module(m).start_from_args for m in SERVE_MODULES]
 
 
 async def _serve(engine: Engine, args: argparse.Namespace) -> None:
@@ -38,7 +45,7 @@ async def _serve(engine: Engine, args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     stoppers = []
-    for starter in STARTERS:
+    for starter in starters():
         stopper = await starter(engine, args)
         if stopper is not None:
             stoppers.append(stopper)

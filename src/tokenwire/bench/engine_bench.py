@@ -181,3 +181,19 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
             f"{hf_ftz['streams_tok_s']:.1f} t/s at {args.streams} streams"
         )
     return 0
+
+
+def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from tokenwire.cli import add_model_args, settings_from
+
+    be = bench_sub.add_parser("engine", help="engine vs transformers generate()")
+    add_model_args(be)
+    be.add_argument("--json", action="store_true")
+    be.add_argument("--decode-tokens", type=int, default=64)
+    be.add_argument("--streams", type=int, default=32)
+    be.add_argument("--session-tokens", type=int, default=1000)
+    be.add_argument("--repeats", type=int, default=3)
+    be.add_argument(
+        "--ftz-baseline", action="store_true", help="also run transformers with denormals flushed"
+    )
+    be.set_defaults(handler=lambda args: run_engine_bench(args, settings_from(args)))

@@ -10,7 +10,9 @@ import sys
 from tokenwire.engine.factory import EngineSettings
 
 
-def add_lmtp_parser(sub: argparse._SubParsersAction, add_model_args) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from tokenwire.cli import add_model_args, settings_from
+
     p = sub.add_parser("lmtp", help="LMTP: serve on stdin/stdout, or stream a completion from a server")
     p.add_argument("prompt", nargs="?", help="text to complete (client mode)")
     p.add_argument("--stdio", action="store_true", help="serve LMTP on stdin/stdout (loads the model)")
@@ -21,6 +23,7 @@ def add_lmtp_parser(sub: argparse._SubParsersAction, add_model_args) -> None:  #
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--seed", type=int)
     g.add_argument("--json", action="store_true", help="print the TOKEN records, one per line")
+    p.set_defaults(handler=lambda args: run_lmtp(args, settings_from(args)))
 
 
 def run_lmtp(args: argparse.Namespace, settings: EngineSettings) -> int:

@@ -82,6 +82,10 @@ class LmtpServer:
             self._runner = None
 
 
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lmtp-port", type=int, default=8080, help="LMTP WebSocket port (0 = off)")
+
+
 async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[[], Awaitable[None]] | None:
     """The `tokenwire serve` starter: LMTP on --host:--lmtp-port (0 = off)."""
     port = getattr(args, "lmtp_port", 8080)
