@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.tokenwire-installed
 SERVE_ARGS ?=
 
-.PHONY: serve test lint bench install clean
+.PHONY: serve test lint bench install clean proto
 
 install: $(STAMP)
 
@@ -31,6 +31,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/tokenwire bench engine
+
+# regenerate the committed protobuf/gRPC code of every protocol with a proto/ directory
+proto: $(STAMP)
+	$(BIN)/python -m tokenwire.protocols.protogen
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
