@@ -46,7 +46,7 @@ T = TypeVar("T")
 class Engine:
     def __init__(
         self,
-        model: LlamaModel | Callable[[], LlamaModel],
+        model: LlamaModel | torch.nn.Module | Callable[[], torch.nn.Module],
         tokenizer: Tokenizer,
         *,
         name: str,
@@ -70,6 +70,7 @@ class Engine:
         self._model_calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._closed = False
         self.steps = 0
+        self.computed_tokens = 0  # positions run through the model (prefill + decode), all steps
         self.source: Any = None  # the ModelSource when built by factory.build_engine
         ready: Future[None] = Future()
         setup = (model, kv_cache_mb, block_size, max_batch_tokens, max_running, max_model_len)
@@ -81,7 +82,7 @@ class Engine:
 
     def _start(
         self,
-        model: LlamaModel | Callable[[], LlamaModel],
+        model: LlamaModel | torch.nn.Module | Callable[[], torch.nn.Module],
         kv_cache_mb: float,
         block_size: int,
         max_batch_tokens: int,
@@ -92,7 +93,7 @@ class Engine:
         each step) happens on this one thread: with a second thread also running OpenMP
         regions, libgomp sees more threads than cores, stops spinning between kernels and a
         decode step gets ~45% slower on a 2-core machine (measured)."""
-        self.model = model if isinstance(model, LlamaModel) else model()
+        self.model = model if isinstance(model, torch.nn.Module) else model()
         self.config: ModelConfig = self.model.config
         self.vocab_size = max(self.tokenizer.vocab_size, 1)
         self.logits_size = self.config.vocab_size
@@ -316,6 +317,7 @@ class Engine:
                 continue
             with self._lock:
                 self.steps += 1
+                self.computed_tokens += sum(item.count for item in items)
                 after_step(self, items, output)
             if time.monotonic() - last_reap > 1.0:
                 with self._lock:
@@ -379,6 +381,7 @@ class Engine:
                 "prefix_cache_blocks": alloc.num_cached,
                 "prefix_cache_hits": alloc.hits,
                 "steps": self.steps,
+                "computed_tokens": self.computed_tokens,
             }
 
     def shutdown(self) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from tokenwire.engine.request import BacktrackEvent, Request, TokenEvent, covers
 from tokenwire.engine.sampler import logprobs_of, processed_logits, sample
-from tokenwire.engine.step import StepItem, StepOutput
+from tokenwire.engine.step import RowStats, StepItem, StepOutput
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -64,10 +64,10 @@ def _after_item(engine: Engine, item: StepItem, output: StepOutput) -> None:
         reason, detail = request.finish_after_compute
         engine._finish(request, reason, detail=detail)
         return
-    _next_token(engine, request, output.logits[(rid, end - 1)])
+    _next_token(engine, request, output.logits[(rid, end - 1)], output.stats.get((rid, end - 1)))
 
 
-def _next_token(engine: Engine, request: Request, logits: torch.Tensor) -> None:
+def _next_token(engine: Engine, request: Request, logits: torch.Tensor, stats: RowStats | None) -> None:
     opts = request.options
     session = request.session
     if request.generated >= opts.max_tokens or len(session.tokens) >= engine.max_model_len:
@@ -100,8 +100,12 @@ def _next_token(engine: Engine, request: Request, logits: torch.Tensor) -> None:
     if step is not None and step.allowed is not None and bool(torch.isinf(scores).all()):
         engine._finish(request, "error", error="constraint allows no token at this position")
         return
-    token = sample(scores, opts.sampling, request.generator)
-    if _append(engine, request, token, logits, scores, forced=False):
+    plain = scores is logits  # no bias, mask or padding rows: the step's row stats apply
+    if plain and stats is not None and opts.sampling.temperature == 0:
+        token = stats.argmax
+    else:
+        token = sample(scores, opts.sampling, request.generator)
+    if _append(engine, request, token, logits, scores, forced=False, stats=stats, plain=plain):
         return
     if constraint is not None:
         constraint.on_token(token)
@@ -115,6 +119,8 @@ def _append(
     processed: torch.Tensor | None,
     *,
     forced: bool,
+    stats: RowStats | None = None,
+    plain: bool = False,
 ) -> bool:
     """Append one generated token; returns True when the request finished."""
     opts = request.options
@@ -126,7 +132,12 @@ def _append(
     wants_lp = opts.logprobs if opts.logprob_ranges is None else covers(opts.logprob_ranges, position)
     if wants_lp:
         source = processed if opts.logprob_mode == "processed" else raw
-        if source is not None:
+        if stats is not None and raw is not None and (plain or source is raw) and opts.top_logprobs <= 1:
+            # the step's reduction of the raw row: no second pass over the vocabulary
+            top_value = stats.max_logit if token == stats.argmax else float(raw[token])
+            logprob = top_value - stats.logsumexp
+            top = [(stats.argmax, stats.max_logit - stats.logsumexp)] if opts.top_logprobs else None
+        elif source is not None:
             logprob, top = logprobs_of(source, token, opts.top_logprobs)
         else:
             logprob, top = 0.0, [(token, 0.0)] if opts.top_logprobs else None  # forced: certain

@@ -21,9 +21,19 @@ class StepItem:
 
 
 @dataclass
+class RowStats:
+    max_logit: float
+    argmax: int
+    logsumexp: float
+
+
+@dataclass
 class StepOutput:
     logits: dict[tuple[int, int], torch.Tensor]  # (request id, position) -> logits [vocab]
+    # (request id, position) -> (max logit, its token, logsumexp): reduced once for the whole
+    # step, so greedy sampling and top-1 logprobs need no per-row pass over the vocabulary
     hidden: dict[tuple[int, int], torch.Tensor]  # (request id, position) -> [n_layers, hidden]
+    stats: dict[tuple[int, int], RowStats] = field(default_factory=dict)
 
 
 def run_step(
@@ -93,8 +103,19 @@ def run_step(
         )
         logits = model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]).cpu()
     out_logits = {key: logits[i] for i, key in enumerate(logit_keys)}
+    stats: dict[tuple[int, int], RowStats] = {}
+    if logit_keys:
+        scores = logits.float()
+        maxima, argmaxes = scores.max(dim=-1)
+        lses = torch.logsumexp(scores, dim=-1)
+        stats = {
+            key: RowStats(m, a, lse)
+            for key, m, a, lse in zip(
+                logit_keys, maxima.tolist(), argmaxes.tolist(), lses.tolist(), strict=True
+            )
+        }
     out_hidden: dict[tuple[int, int], torch.Tensor] = {}
     if capture_rows:
         stacked = torch.stack([captured[layer] for layer in capture_layers], dim=1).float().cpu()
         out_hidden = {key: stacked[i] for i, key in enumerate(capture_keys)}
-    return StepOutput(out_logits, out_hidden)
+    return StepOutput(out_logits, out_hidden, stats)

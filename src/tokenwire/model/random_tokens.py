@@ -1,0 +1,62 @@
+"""A model that skips the forward pass and returns random logits.
+
+It stands in for a real model where only the cost around the model matters: the LMTP
+benchmark uses it to measure transport overhead (like LMQL's `random` backend), with the
+real engine (scheduler, KV blocks, sampler, sessions) still doing all of its work. Logits
+are rows of a fixed random table picked by a hash of the token and its position, so they
+are reproducible and cost a lookup rather than a fresh draw of vocab_size numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenwire.model.config import ModelConfig
+
+TABLE_ROWS = 257  # prime: consecutive (token, position) pairs spread over the table
+
+
+class RandomTokenModel(nn.Module):
+    """LlamaModel's calling convention without its computation: logits ~ N(0, 1).
+
+    The config keeps the vocabulary and context length of the model it imitates but one
+    layer, so the (unused) KV cache costs 1/num_layers of the real one."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None, seed: int = 0) -> None:
+        super().__init__()
+        self.config = dataclasses.replace(config, num_layers=1)
+        self.max_positions = max_positions or config.max_position_embeddings
+        generator = torch.Generator().manual_seed(seed)
+        self.register_buffer("table", torch.randn(TABLE_ROWS, config.vocab_size, generator=generator))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: Any,
+        capture_layers: tuple[int, ...] = (),
+        capture_index: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        # The "hidden state" of a row is the table row its logits come from.
+        hidden = (ids * 31 + positions) % TABLE_ROWS
+        rows = len(hidden) if capture_index is None else len(capture_index)
+        captured = {layer: torch.zeros(rows, self.config.hidden_size) for layer in capture_layers}
+        return hidden, captured
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if len(hidden) == 1:  # a single stream's decode step: a view, no copy of the row
+            row = int(hidden[0])
+            return self.table[row : row + 1]
+        return self.table[hidden]
