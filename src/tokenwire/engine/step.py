@@ -46,6 +46,8 @@ def run_step(
     dtype = kv.k.dtype
     rep = model.config.num_heads // model.config.num_kv_heads
     bs = kv.block_size
+    # a model without attention (the no-model benchmark backend) needs no masks or KV slots
+    attends = getattr(model, "attends", True)
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -66,7 +68,9 @@ def run_step(
             positions.append(p)
             slots.append(table[p // bs] * bs + p % bs)
         rows = list(range(base, base + item.count))
-        if item.count == 1:
+        if not attends:
+            pass
+        elif item.count == 1:
             decode_rows.append(rows)
             decode_starts.append(item.start)
             decode_tables.append(table[: -(-(item.start + 1) // bs)])
@@ -91,7 +95,7 @@ def run_step(
             capture_keys.append((rid, p))
     if decode_rows:
         groups.append(build_group(decode_rows, decode_starts, decode_tables, bs, rep, device, dtype))
-    attention = PagedAttention(kv, torch.tensor(slots, device=device), groups)
+    attention = PagedAttention(kv, torch.tensor(slots, device=device), groups) if attends else None
     capture_index = torch.tensor(capture_rows, dtype=torch.long, device=device) if capture_rows else None
     with torch.inference_mode():
         hidden, captured = model(

@@ -26,6 +26,8 @@ class RandomTokenModel(nn.Module):
     The config keeps the vocabulary and context length of the model it imitates but one
     layer, so the (unused) KV cache costs 1/num_layers of the real one."""
 
+    attends = False  # run_step builds no attention metadata for it
+
     def __init__(self, config: ModelConfig, max_positions: int | None = None, seed: int = 0) -> None:
         super().__init__()
         self.config = dataclasses.replace(config, num_layers=1)
