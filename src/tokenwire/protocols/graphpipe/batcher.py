@@ -1,0 +1,160 @@
+"""Dynamic batching: concurrent requests whose inputs stack are merged into one model call.
+
+One worker per model runs one call at a time. When it is free it takes the oldest waiting
+call and every waiting call with the same batching key (input names, dtypes, trailing shapes,
+outputs, config), up to `max_batch` rows; with a window > 0 it first waits up to that long
+(from the oldest call's arrival) for more to join. Calls that arrive while the model is busy
+form the next batch, so under load batches grow without any added latency at low load.
+Merged outputs are split back by row ranges. If a merged call fails, its calls are retried
+one by one so a bad request fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tokenwire.protocols.graphpipe.models.base import TensorModel
+
+
+@dataclass
+class Call:
+    inputs: dict[str, np.ndarray]
+    outputs: list[str]
+    config: Any
+    key: Hashable
+    rows: int
+    arrived: float = field(default_factory=time.monotonic)
+    future: asyncio.Future[list[np.ndarray]] | None = None
+
+
+def batch_key(model: TensorModel, inputs: dict[str, np.ndarray], outputs: list[str], config: Any) -> Hashable:
+    if not model.stackable or any(a.ndim == 0 for a in inputs.values()):
+        return object()  # unique: never merged
+    shapes = tuple(sorted((n, a.dtype.str, a.shape[1:]) for n, a in inputs.items()))
+    return (shapes, tuple(outputs), config)
+
+
+class Batcher:
+    def __init__(self, model: TensorModel, *, window_s: float = 0.0, max_batch: int = 64) -> None:
+        self.model = model
+        self.window_s = window_s
+        self.max_batch = max(1, max_batch)
+        self.model_calls = 0  # calls into the model (a merged batch counts once)
+        self.requests = 0  # calls submitted
+        self.largest_batch = 0
+        self._waiting: deque[Call] = deque()
+        self._wake = asyncio.Event()
+        self._worker: asyncio.Task[None] | None = None
+
+    async def submit(
+        self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any
+    ) -> list[np.ndarray]:
+        key = batch_key(self.model, inputs, outputs, config)
+        first_input = next(iter(inputs.values()), None)
+        rows = first_input.shape[0] if first_input is not None and first_input.ndim else 1
+        call = Call(inputs, outputs, config, key, rows, future=asyncio.get_running_loop().create_future())
+        self.requests += 1
+        self._waiting.append(call)
+        self._wake.set()
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._work(), name=f"graphpipe-batcher-{self.model.name}")
+        assert call.future is not None
+        return await call.future
+
+    async def _work(self) -> None:
+        while True:
+            if not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            first = self._waiting[0]
+            if self.window_s > 0:
+                await self._wait_window(first)
+            group = self._take_group(first)
+            await self._run(group)
+
+    async def _wait_window(self, first: Call) -> None:
+        while True:
+            if sum(c.rows for c in self._waiting if c.key == first.key) >= self.max_batch:
+                return
+            left = first.arrived + self.window_s - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                return
+
+    def _take_group(self, first: Call) -> list[Call]:
+        group, rest, rows = [], deque(), 0
+        while self._waiting:
+            call = self._waiting.popleft()
+            fits = call.key == first.key and (not group or rows + call.rows <= self.max_batch)
+            if call is first or fits:
+                group.append(call)
+                rows += call.rows
+            else:
+                rest.append(call)
+        self._waiting = rest
+        return group
+
+    async def _run(self, group: list[Call]) -> None:
+        live = [c for c in group if c.future is not None and not c.future.done()]
+        if not live:
+            return
+        if len(live) == 1:
+            await self._run_one(live[0])
+            return
+        merged = {name: np.concatenate([c.inputs[name] for c in live]) for name in live[0].inputs}
+        self.model_calls += 1
+        self.largest_batch = max(self.largest_batch, sum(c.rows for c in live))
+        try:
+            results = await self.model.run(merged, live[0].outputs, live[0].config)
+            total = sum(c.rows for c in live)
+            if any(r.ndim == 0 or r.shape[0] != total for r in results):
+                raise ValueError("an output has no batch dimension")
+        except Exception:
+            for call in live:  # one by one, so only the request that breaks the model fails
+                await self._run_one(call)
+            return
+        start = 0
+        for call in live:
+            end = start + call.rows
+            assert call.future is not None
+            if not call.future.done():
+                call.future.set_result([r[start:end] for r in results])
+            start = end
+
+    async def _run_one(self, call: Call) -> None:
+        assert call.future is not None
+        self.model_calls += 1
+        self.largest_batch = max(self.largest_batch, call.rows)
+        try:
+            result = await self.model.run(call.inputs, call.outputs, call.config)
+        except Exception as exc:
+            if not call.future.done():
+                call.future.set_exception(exc)
+            return
+        if not call.future.done():
+            call.future.set_result(result)
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except asyncio.CancelledError:
+                pass
+            self._worker = None
+        for call in self._waiting:
+            if call.future is not None and not call.future.done():
+                call.future.cancel()
+        self._waiting.clear()

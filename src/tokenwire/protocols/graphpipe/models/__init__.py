@@ -1,0 +1,1 @@
+"""Tensor models served over GraphPipe: ONNX graphs (onnxruntime) and the engine's LM."""

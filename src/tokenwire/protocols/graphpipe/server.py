@@ -1,0 +1,252 @@
+"""GraphPipe over HTTP (aiohttp): POST a flatbuffer Request to a model's path, GET its metadata.
+
+Paths: `/NAME` for each model (`--graphpipe-model NAME=PATH`, and the engine's LM under its
+name), `/` for the default model (the LM), and the lifecycle routes of Oracle's Go server,
+`/control/is_ready` and `/control/is_alive` ("ok" with 200, 503 otherwise), plus
+`/control/stats` (JSON counters: requests, model calls, cache hits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from tokenwire.protocols.graphpipe.cache import ResponseCache
+from tokenwire.protocols.graphpipe.core import ModelEndpoint, Reply, error_reply
+from tokenwire.protocols.graphpipe.errors import ErrorCode, GraphPipeError
+from tokenwire.protocols.graphpipe.models.base import TensorModel
+from tokenwire.protocols.graphpipe.pages import metadata_html, metadata_json
+
+if TYPE_CHECKING:
+    from tokenwire.engine.engine import Engine
+
+log = logging.getLogger("tokenwire.graphpipe")
+FLATBUFFER = "application/octet-stream"
+
+
+class GraphPipeServer:
+    def __init__(
+        self,
+        models: list[TensorModel],
+        host: str = "127.0.0.1",
+        port: int = 9000,
+        *,
+        default: str | None = None,
+        batch_window_ms: float = 0.0,
+        max_batch: int = 64,
+        max_request_mb: float = 256.0,
+        cache_mb: float = 0.0,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
+        if not models:
+            raise ValueError("GraphPipe needs at least one model")
+        self.host, self.port = host, port
+        self.max_request_bytes = int(max_request_mb * 2**20)
+        self.cache = ResponseCache(int(cache_mb * 2**20)) if cache_mb > 0 else None
+        self.endpoints = {
+            m.name: ModelEndpoint(m, window_s=batch_window_ms / 1000, max_batch=max_batch, cache=self.cache)
+            for m in models
+        }
+        self.default = default or models[0].name
+        self.executor = executor
+        self.ready = False
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> GraphPipeServer:
+        app = web.Application(client_max_size=self.max_request_bytes + 1)
+        app.router.add_get("/control/is_ready", self._is_ready)
+        app.router.add_get("/control/is_alive", self._is_alive)
+        app.router.add_get("/control/stats", self._stats)
+        app.router.add_route("*", "/", self._model_route)
+        app.router.add_route("*", "/{name}", self._model_route)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        server = getattr(site, "_server", None)
+        if self.port == 0 and server is not None and server.sockets:
+            self.port = server.sockets[0].getsockname()[1]
+        self.ready = True
+        log.info("GraphPipe listening on %s (models %s)", self.url, ", ".join(self.paths()))
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/"
+
+    def paths(self) -> dict[str, str]:
+        return {name: f"/{name}" for name in self.endpoints} | {f"{self.default} (default)": "/"}
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            name: {
+                "requests": ep.batcher.requests,
+                "model_calls": ep.batcher.model_calls,
+                "largest_batch": ep.batcher.largest_batch,
+            }
+            for name, ep in self.endpoints.items()
+        }
+        if self.cache is not None:
+            out["cache"] = {"entries": len(self.cache), "bytes": self.cache.bytes, "hits": self.cache.hits}
+        return out
+
+    # ------------------------------------------------------------------ routes
+    async def _is_ready(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n") if self.ready else web.Response(status=503, text="not ready\n")
+
+    async def _is_alive(self, request: web.Request) -> web.Response:
+        return (
+            web.Response(text="ok\n")
+            if self._runner is not None
+            else web.Response(status=503, text="not alive\n")
+        )
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats())
+
+    async def _model_route(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info.get("name") or self.default
+        endpoint = self.endpoints.get(name)
+        if request.method == "POST":
+            return await self._post(request, endpoint, name)
+        if request.method not in ("GET", "HEAD"):
+            return web.Response(
+                status=405, text="GraphPipe: POST a flatbuffer Request, or GET the metadata\n"
+            )
+        if endpoint is None:
+            return web.json_response({"error": f"no model {name!r}", "models": self.paths()}, status=404)
+        path = "/" if not request.match_info.get("name") else f"/{name}"
+        if "text/html" in request.headers.get("Accept", ""):
+            return web.Response(
+                text=metadata_html(endpoint.metadata, path, self.paths()), content_type="text/html"
+            )
+        return web.Response(
+            text=json.dumps(metadata_json(endpoint.metadata, path, self.paths()), indent=1),
+            content_type="application/json",
+        )
+
+    async def _post(
+        self, request: web.Request, endpoint: ModelEndpoint | None, name: str
+    ) -> web.StreamResponse:
+        body = await self._read_body(request)
+        if body is None:
+            reply = error_reply(
+                GraphPipeError(
+                    ErrorCode.TOO_LARGE,
+                    f"request body over the {self.max_request_bytes / 2**20:g} MiB limit "
+                    "(--graphpipe-max-request-mb)",
+                )
+            )
+        elif endpoint is None:
+            reply = error_reply(
+                GraphPipeError(
+                    ErrorCode.UNKNOWN_MODEL, f"no model {name!r}; models: {sorted(self.endpoints)}"
+                )
+            )
+        else:
+            reply = await endpoint.handle(body)
+        return self._respond(reply)
+
+    async def _read_body(self, request: web.Request) -> bytes | None:
+        """The whole body, or None (after draining it, so the client reads our answer) when it
+        is over the limit."""
+        length = request.content_length
+        if length is not None and length <= self.max_request_bytes:
+            return await request.content.readexactly(length) if length else b""
+        chunks, size = [], 0
+        async for chunk in request.content.iter_chunked(1 << 20):
+            size += len(chunk)
+            if size <= self.max_request_bytes:
+                chunks.append(chunk)
+            else:
+                chunks.clear()  # keep draining, keep nothing
+        return b"".join(chunks) if size <= self.max_request_bytes else None
+
+    @staticmethod
+    def _respond(reply: Reply) -> web.Response:
+        headers = {"X-GraphPipe-Error-Code": str(reply.error_code)} if reply.error_code is not None else None
+        return web.Response(status=reply.status, body=reply.body, content_type=FLATBUFFER, headers=headers)
+
+    async def stop(self) -> None:
+        self.ready = False
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for endpoint in self.endpoints.values():
+            await endpoint.close()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def parse_model_spec(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path or "/" in name or name == "control":
+        raise argparse.ArgumentTypeError(
+            f"--graphpipe-model wants NAME=PATH (NAME without '/'), got {spec!r}"
+        )
+    return name, path
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("GraphPipe")
+    g.add_argument("--graphpipe-port", type=int, default=9000, help="GraphPipe HTTP port (0 = off)")
+    g.add_argument(
+        "--graphpipe-model",
+        type=parse_model_spec,
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve an ONNX model at /NAME (repeatable); the LM is always at / and /MODEL-NAME",
+    )
+    g.add_argument(
+        "--graphpipe-batch-window-ms",
+        type=float,
+        default=0.0,
+        help="extra wait for more requests to batch once the model is free (default 0: batches form "
+        "from the requests that queue while the model is busy)",
+    )
+    g.add_argument("--graphpipe-max-batch", type=int, default=64, help="rows per merged model call")
+    g.add_argument("--graphpipe-max-request-mb", type=float, default=256.0, help="largest request body")
+    g.add_argument("--graphpipe-cache-mb", type=float, default=0.0, help="response cache size (0 = off)")
+    g.add_argument("--graphpipe-onnx-threads", type=int, default=2, help="onnxruntime intra-op threads")
+
+
+def build_server(engine: Engine | None, args: argparse.Namespace, host: str, port: int) -> GraphPipeServer:
+    from tokenwire.protocols.graphpipe.models.onnx_model import OnnxModel
+
+    models: list[TensorModel] = []
+    if engine is not None:
+        from tokenwire.protocols.graphpipe.models.lm_model import LanguageModel
+
+        models.append(LanguageModel(engine))
+    specs = getattr(args, "graphpipe_model", []) or []
+    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="graphpipe-onnx") if specs else None
+    threads = getattr(args, "graphpipe_onnx_threads", 2)
+    for name, path in specs:
+        assert executor is not None
+        models.append(OnnxModel(name, path, executor, intra_op_threads=threads))
+    return GraphPipeServer(
+        models,
+        host,
+        port,
+        batch_window_ms=getattr(args, "graphpipe_batch_window_ms", 0.0),
+        max_batch=getattr(args, "graphpipe_max_batch", 64),
+        max_request_mb=getattr(args, "graphpipe_max_request_mb", 256.0),
+        cache_mb=getattr(args, "graphpipe_cache_mb", 0.0),
+        executor=executor,
+    )
+
+
+async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[[], Awaitable[None]] | None:
+    """The `tokenwire serve` starter: GraphPipe on --host:--graphpipe-port (0 = off)."""
+    port = getattr(args, "graphpipe_port", 9000)
+    if not port:
+        return None
+    server = await build_server(engine, args, getattr(args, "host", "127.0.0.1"), port).start()
+    return server.stop
