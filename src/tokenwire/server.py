@@ -23,6 +23,8 @@ log = logging.getLogger("tokenwire.server")
 SERVE_MODULES = [
     "tokenwire.protocols.lmtp.ws_server",
     "tokenwire.protocols.grpc_server",
+    "tokenwire.protocols.aici.rest",
+    "tokenwire.protocols.graphpipe.server",
 ]
 
 # A protocol starter: given the engine and the parsed args, start serving and return an

@@ -3,8 +3,15 @@
 One Controller instance runs one sequence. The runtime calls, per step:
 post_process (tokens the engine appended since the last call, after any backtrack), then
 pre_process (may suspend, fork or fast-forward), then mid_process (the logit bias for the
-next sampled token, or fast-forward / backtrack). A fork makes clones: `clone(index)` gives
-the controller of fork `index` (0 keeps the original), with the same state at that moment.
+next sampled token, or fast-forward / backtrack).
+
+Which tokens post_process sees (the engine reports them in post_ops): the sampled token, or
+the ff_tokens (and backtrack) that mid_process asked for. ff_tokens returned by pre_process
+are NOT reported back: the controller already counts them as appended when it returns
+them (the seed's example: pre ff_tokens = the fixed text, next post_ops tokens = [sampled]).
+
+A fork makes clones: `clone(index)` gives the controller of fork `index` (0 keeps the
+original), with the same state at that moment.
 
 Every callback gets a `deadline` (time.monotonic() value): a controller must stop by then
 and raise ControllerTimeout (QuickJS interrupt handler, wasmtime epoch/fuel, ...). Any

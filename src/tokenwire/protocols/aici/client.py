@@ -1,0 +1,171 @@
+"""Engine side of the AICI channels: create them, spawn the runtime, talk to it.
+
+Like an engine written to AICI's comms: creates the shared memory and semaphores, starts
+`tokenwire-aicirt` (a process-group leader, killed as a group on close), checks it with ping and
+tokens, then offers the synchronous main channel (`main`, one command at a time under a lock)
+and the asynchronous side channel (`side`, any number in flight, matched by `$rid`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenwire.protocols.aici.codec import decode_message, encode_message
+from tokenwire.protocols.aici.shm import MIB, MessageChannel, SharedRegion, channel_names, pid_prefix
+
+__all__ = ["AiciClient", "AiciError"]
+
+
+class AiciError(RuntimeError):
+    """The runtime answered with an error reply (or did not answer)."""
+
+
+class AiciClient:
+    def __init__(
+        self,
+        *,
+        tokenizer: str = "default",
+        json_mb: int = 32,
+        bin_mb: int = 64,
+        prefix: str | None = None,
+        runtime_args: list[str] | None = None,
+        runtime_cmd: list[str] | None = None,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self.prefix = prefix or pid_prefix()
+        names = channel_names(self.prefix)
+        self.cmd = MessageChannel(names["cmd"], json_mb * MIB, create=True)
+        self.resp = MessageChannel(names["resp"], json_mb * MIB, create=True)
+        self.side_cmd = MessageChannel(names["cmd_side"], json_mb * MIB, create=True)
+        self.side_resp = MessageChannel(names["resp_side"], json_mb * MIB, create=True)
+        self.bin = SharedRegion(names["bin"], bin_mb * MIB, create=True)
+        exe = runtime_cmd or [str(Path(sys.executable).with_name("tokenwire-aicirt"))]
+        args = [
+            *exe,
+            f"--tokenizer={tokenizer}",
+            f"--json-size={json_mb}",
+            f"--bin-size={bin_mb}",
+            f"--name={self.prefix}",
+            "--server",
+            *(runtime_args or []),
+        ]
+        self.proc = subprocess.Popen(args)
+        self._main_lock = threading.Lock()
+        self._pending: dict[str, concurrent.futures.Future[dict[str, Any]]] = {}
+        self._pending_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._reader = threading.Thread(target=self._read_side, name="aici-side-reader", daemon=True)
+        self._reader.start()
+        try:
+            self.main({"op": "ping"}, timeout=start_timeout_s)
+            info = self.main({"op": "tokens"})
+        except BaseException:
+            self.close()
+            raise
+        self.vocab_size: int = int(info["vocab_size"])
+        self.eos_token_id: int | None = info.get("eos_token_id")
+        self._bias: np.ndarray = np.frombuffer(self.bin.map, dtype=np.float32, count=self.bin.size // 4)
+
+    # ---- main channel ----------------------------------------------------------------------
+
+    def main(self, msg: dict[str, Any], timeout: float | None = 60.0) -> dict[str, Any]:
+        """Send one command and wait for its reply's data; AiciError on an error reply."""
+        with self._main_lock:
+            self.cmd.send(encode_message(msg))
+            while True:
+                payload = self.resp.recv(timeout=min(timeout or 1.0, 1.0))
+                if payload is not None:
+                    break
+                if self.proc.poll() is not None:
+                    raise AiciError(f"runtime exited with status {self.proc.returncode}")
+                if timeout is not None:
+                    timeout -= 1.0
+                    if timeout <= 0:
+                        raise AiciError(f"no reply to {msg.get('op')!r}")
+        reply = decode_message(payload)
+        if reply.get("type") != "ok":
+            raise AiciError(str(reply.get("error") or reply))
+        return reply.get("data") or {}
+
+    def biases(self, n: int) -> np.ndarray:
+        """The [n, vocab] rows of the last mid_process (a view: copy before the next one)."""
+        return self._bias[: n * self.vocab_size].reshape(n, self.vocab_size)
+
+    # ---- side channel ----------------------------------------------------------------------
+
+    def side_future(self, op: str, **fields: Any) -> concurrent.futures.Future[dict[str, Any]]:
+        rid = uuid.uuid4().hex
+        fut: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        with self._pending_lock:
+            self._pending[rid] = fut
+        msg = {"$rid": rid, "$auth": {"user": "localhost", "is_admin": True}, "op": op, **fields}
+        with self._send_lock:
+            self.side_cmd.send(encode_message(msg))
+        return fut
+
+    def side(self, op: str, timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
+        return _unwrap(self.side_future(op, **fields).result(timeout))
+
+    async def side_async(self, op: str, **fields: Any) -> dict[str, Any]:
+        fut = await asyncio.get_running_loop().run_in_executor(None, lambda: self.side_future(op, **fields))
+        return _unwrap(await asyncio.wrap_future(fut))
+
+    def _read_side(self) -> None:
+        while not self._closed:
+            try:
+                payload = self.side_resp.recv(timeout=0.5)
+            except Exception:
+                return
+            if payload is None:
+                continue
+            try:
+                reply = decode_message(payload)
+            except ValueError:
+                continue
+            with self._pending_lock:
+                fut = self._pending.pop(str(reply.get("$rid")), None)
+            if fut is not None:
+                fut.set_result(reply)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self._reader.join(timeout=2)
+        with self._pending_lock:
+            for fut in self._pending.values():
+                fut.set_exception(AiciError("runtime closed"))
+            self._pending.clear()
+        for ch in (self.cmd, self.resp, self.side_cmd, self.side_resp):
+            ch.close()
+        del self._bias  # the numpy view pins the mapping
+        self.bin.close()
+
+
+def _unwrap(reply: dict[str, Any]) -> dict[str, Any]:
+    if reply.get("type") != "ok":
+        raise AiciError(str(reply.get("error") or reply))
+    return reply.get("data") or {}

@@ -1,0 +1,120 @@
+"""AICI framing and message shapes (no I/O).
+
+Frame: a 4-byte little-endian length, then that many bytes of UTF-8 JSON, at offset 0 of the
+channel's shared memory. Replies are ``{"type": "ok", "data": ...}`` or
+``{"type": "error", "data": null, "error": "..."}``; side-channel replies echo ``$rid``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+FRAME_HEADER = 4
+_LEN = struct.Struct("<I")
+
+__all__ = [
+    "FRAME_HEADER",
+    "FrameError",
+    "ProtocolError",
+    "decode_message",
+    "encode_message",
+    "error_reply",
+    "frame_length",
+    "ok_reply",
+    "seq_entry",
+    "write_frame",
+]
+
+
+class FrameError(ValueError):
+    """A frame that does not fit or whose length is impossible."""
+
+
+class ProtocolError(ValueError):
+    """A request the runtime cannot serve (bad JSON, unknown op, bad field...)."""
+
+
+def write_frame(buf: Any, payload: bytes) -> None:
+    buf[0:FRAME_HEADER] = _LEN.pack(len(payload))
+    buf[FRAME_HEADER : FRAME_HEADER + len(payload)] = payload
+
+
+def frame_length(buf: Any, size: int) -> int:
+    (n,) = _LEN.unpack(buf[0:FRAME_HEADER])
+    if n > size - FRAME_HEADER:
+        raise FrameError(f"frame length {n} exceeds the channel size {size}")
+    return n
+
+
+def encode_message(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def decode_message(payload: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"malformed JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def ok_reply(data: Any, rid: str | None = None) -> dict[str, Any]:
+    reply: dict[str, Any] = {"type": "ok", "data": data}
+    if rid is not None:
+        reply["$rid"] = rid
+    return reply
+
+
+def error_reply(message: str, rid: str | None = None) -> dict[str, Any]:
+    reply: dict[str, Any] = {"type": "error", "data": None, "error": message}
+    if rid is not None:
+        reply["$rid"] = rid
+    return reply
+
+
+def seq_entry(
+    result: Any, *, error: str = "", storage: list[Any] | None = None, logs: str = "", micros: int = 0
+) -> dict[str, Any]:
+    """One sequence's entry in post_seqs / pre_seqs / seqs."""
+    return {"error": error, "result": result, "storage": storage or [], "logs": logs, "micros": micros}
+
+
+# ---- field checks (requests come from another process: trust nothing) ----------------------------
+
+
+def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], *, default: Any = ...) -> Any:
+    if name not in msg or msg[name] is None:
+        if default is ...:
+            raise ProtocolError(f"missing field {name!r}")
+        return default
+    value = msg[name]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise ProtocolError(f"field {name!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def int_field(msg: dict[str, Any], name: str, *, default: Any = ..., minimum: int = 0) -> int:
+    value = field(msg, name, int, default=default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ProtocolError(f"field {name!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def int_list(msg: dict[str, Any], name: str, *, default: Any = ...) -> list[int]:
+    value = field(msg, name, list, default=default)
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ProtocolError(f"field {name!r} must be a list of non-negative integers, got {v!r}")
+    return value
+
+
+def obj_list(msg: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    value = field(msg, name, list, default=[])
+    for v in value:
+        if not isinstance(v, dict):
+            raise ProtocolError(f"entries of {name!r} must be objects, got {v!r}")
+    return value

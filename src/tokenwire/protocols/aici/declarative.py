@@ -1,0 +1,264 @@
+"""Declarative controllers on llguidance (built-in tags `llguidance`, `declctrl`, `regex`,
+`json_schema`, `lark`).
+
+The module_arg (JSON text or object) is a small program, run one step after another:
+
+    {"steps": [
+        {"fixed": "The answer: "},                  # fast-forwarded (pre_process ff_tokens)
+        {"gen": {"regex": "\\d\\d", "max_tokens": 4, "store_var": "answer"}},
+        {"fixed": " (final)", "backtrack": 1},      # mid_process splice: drop 1 token, then these
+        {"fork": [[{"fixed": " A"}], [{"fixed": " B"}]]}   # num_forks = 2, one branch per fork
+    ]}
+
+Shortcuts: {"regex": ...}, {"json_schema": ...}, {"lark": ...} (one gen step), and for the
+`llguidance` tag an llguidance grammar object ({"grammars": [...]}) as AICI's llguidance
+controller takes. A `gen` accepts "regex", "json_schema", "lark" or "grammar" (llguidance).
+
+Whenever a grammar forces a unique continuation, pre_process returns it as ff_tokens instead of
+sampling it token by token. EOS ends a gen only in the last step; once the program is done,
+mid_process allows only EOS and the next post_process says stop.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import numpy as np
+
+from tokenwire.engine.grammar import GrammarConstraint
+from tokenwire.protocols.aici.controller import (
+    Controller,
+    ControllerError,
+    ControllerLimits,
+    MidResult,
+    PostResult,
+    PreResult,
+    TokenizerEnv,
+    VariableStore,
+)
+
+__all__ = ["DeclarativeController", "parse_program"]
+
+_GEN_KEYS = ("regex", "json_schema", "lark", "grammar")
+
+
+def parse_program(arg: str | dict[str, Any], *, llguidance_tag: bool = False) -> list[dict[str, Any]]:
+    """Normalize a module_arg into a list of steps; ControllerError names what is wrong."""
+    if isinstance(arg, str):
+        try:
+            arg = json.loads(arg)
+        except json.JSONDecodeError as e:
+            raise ControllerError(f"module_arg is not valid JSON: {e}") from e
+    if not isinstance(arg, dict):
+        raise ControllerError("module_arg must be a JSON object")
+    if llguidance_tag and "grammars" in arg:
+        return [_check_step({"gen": {"grammar": arg}})]
+    if "steps" in arg:
+        steps = arg["steps"]
+        if not isinstance(steps, list) or not steps:
+            raise ControllerError("'steps' must be a non-empty list")
+        return [_check_step(s) for s in steps]
+    for key in _GEN_KEYS:
+        if key in arg:
+            gen = {k: v for k, v in arg.items() if k in (*_GEN_KEYS, "max_tokens", "store_var")}
+            return [_check_step({"gen": gen})]
+    raise ControllerError("module_arg needs 'steps', 'regex', 'json_schema', 'lark' or 'grammars'")
+
+
+def _check_step(step: Any) -> dict[str, Any]:
+    if not isinstance(step, dict):
+        raise ControllerError(f"a step must be an object, got {step!r}")
+    if "fixed" in step:
+        if not isinstance(step["fixed"], str) or not isinstance(step.get("backtrack", 0), int):
+            raise ControllerError("'fixed' takes a string (and an integer 'backtrack')")
+        return step
+    if "gen" in step:
+        gen = step["gen"]
+        if not isinstance(gen, dict) or sum(k in gen for k in _GEN_KEYS) != 1:
+            raise ControllerError(f"'gen' needs exactly one of {', '.join(_GEN_KEYS)}")
+        return step
+    if "fork" in step:
+        branches = step["fork"]
+        if not isinstance(branches, list) or len(branches) < 2:
+            raise ControllerError("'fork' takes a list of at least two branches (lists of steps)")
+        return {"fork": [[_check_step(s) for s in b] for b in branches]}
+    raise ControllerError(f"unknown step {step!r}: use fixed, gen or fork")
+
+
+class DeclarativeController(Controller):
+    def __init__(
+        self,
+        env: TokenizerEnv,
+        variables: VariableStore,
+        limits: ControllerLimits,
+        arg: str | dict[str, Any],
+        *,
+        llguidance_tag: bool = False,
+    ) -> None:
+        super().__init__(env, variables, limits)
+        self.steps = parse_program(arg, llguidance_tag=llguidance_tag)
+        self.idx = 0
+        self.gen: GrammarConstraint | None = None
+        self.gen_tokens: list[int] = []
+        self.pending_splice: list[int] | None = None
+        self.fork_point: tuple[int, list[list[dict[str, Any]]]] | None = None
+        self._compiled: dict[int, GrammarConstraint] = {}  # id(gen spec) -> compiled at init
+        self._eos = {env.eos_token_id, *getattr(env.ll_tokenizer, "eos_tokens", ())}
+
+    @property
+    def done(self) -> bool:
+        return self.idx >= len(self.steps)
+
+    # ---- callbacks -------------------------------------------------------------------------
+
+    def init_prompt(self, prompt: list[int], deadline: float) -> list[int]:
+        for step in self.steps:  # compile every grammar now: a bad one fails instantiate
+            if "gen" in step:
+                self._compiled[id(step["gen"])] = self._grammar(step["gen"])
+        return prompt
+
+    def pre_process(self, deadline: float) -> PreResult:
+        ff: list[int] = []
+        while not self.done:
+            step = self.steps[self.idx]
+            if "fixed" in step:
+                if step.get("backtrack", 0) > 0:
+                    break  # a splice: mid_process does it
+                ff += self.env.tokenize(step["fixed"])
+                self.log(f"FIXED {step['fixed']!r}")
+                self.idx += 1
+            elif "fork" in step:
+                branches = step["fork"]
+                self.fork_point = (self.idx, branches)
+                self._enter_branch(0)
+                self.log(f"FORK {len(branches)}")
+                return PreResult(num_forks=len(branches), ff_tokens=ff)
+            else:
+                gen = self._active_gen()
+                st = gen.next_step()
+                if st.stop:
+                    self._finish_gen()
+                elif st.force:
+                    for t in st.force:
+                        gen.on_token(t)
+                    self.gen_tokens += st.force
+                    ff += st.force
+                    if self._gen_limit_reached():
+                        self._finish_gen()
+                else:
+                    break
+        return PreResult(ff_tokens=ff)
+
+    def mid_process(self, deadline: float) -> MidResult:
+        if self.done:
+            return MidResult(bias=self._only(self._eos))
+        step = self.steps[self.idx]
+        if "fixed" in step:  # a splice, or a fork branch's first text: the engine appends it
+            self.pending_splice = self.env.tokenize(step["fixed"])
+            self.log(f"SPLICE {step['fixed']!r} backtrack {step.get('backtrack', 0)}")
+            return MidResult(ff_tokens=list(self.pending_splice), backtrack=int(step.get("backtrack", 0)))
+        if "fork" in step:
+            raise ControllerError("a fork must follow a generated or fixed token, not another fork")
+        mask = self._active_gen().compute_mask().numpy()
+        if self.idx < len(self.steps) - 1:  # EOS would end the whole sequence, not this step
+            mask = mask.copy()
+            for e in self._eos:
+                if e < mask.size:
+                    mask[e] = False
+        bias = np.zeros(self.env.vocab_size, dtype=np.float32)
+        n = min(mask.size, bias.size)
+        bias[:n][~mask[:n]] = -np.inf
+        bias[n:] = -np.inf
+        return MidResult(bias=bias)
+
+    def post_process(self, backtrack: int, tokens: list[int], deadline: float) -> PostResult:
+        if self.pending_splice is not None:
+            if tokens != self.pending_splice:
+                raise ControllerError(
+                    f"splice expected tokens {self.pending_splice}, engine appended {tokens}"
+                )
+            self.pending_splice = None
+            self.idx += 1
+            return PostResult(stop=False)
+        if backtrack:
+            raise ControllerError(f"backtrack of {backtrack} tokens that this controller did not ask for")
+        for t in tokens:
+            if self.done:
+                return PostResult(stop=True)
+            gen = self._active_gen()
+            if t in self._eos:
+                self._finish_gen()
+                self.idx = len(self.steps)
+                return PostResult(stop=True)
+            gen.on_token(t)
+            self.gen_tokens.append(t)
+            if gen.stop_reason != "NotStopped" or self._gen_limit_reached():
+                self._finish_gen()
+        return PostResult(stop=False)
+
+    def clone(self, fork_index: int) -> DeclarativeController:
+        other = copy.copy(self)
+        other.logs, other.storage = [], []
+        other._compiled = {}
+        other.steps = list(self.steps)
+        other.gen = self.gen.fork() if self.gen is not None else None
+        other.gen_tokens = list(self.gen_tokens)
+        if self.fork_point is not None:
+            at, branches = self.fork_point
+            other.steps = [*self.steps[:at], {"fork": branches}, *self.steps[at + len(branches[0]) :]]
+            other.idx = at
+            other._enter_branch(fork_index)
+        return other
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _enter_branch(self, index: int) -> None:
+        at, branches = self.fork_point  # type: ignore[misc]
+        self.steps = self.steps[:at] + branches[index] + self.steps[at + 1 :]
+
+    def _grammar(self, gen: dict[str, Any]) -> GrammarConstraint:
+        llt, vocab = self.env.ll_tokenizer, self.env.vocab_size
+        try:
+            if "regex" in gen:
+                return GrammarConstraint.regex(llt, vocab, str(gen["regex"]))
+            if "json_schema" in gen:
+                return GrammarConstraint.json_schema(llt, vocab, gen["json_schema"])
+            if "lark" in gen:
+                return GrammarConstraint.lark(llt, vocab, str(gen["lark"]))
+            grammar = gen["grammar"]
+            text = grammar if isinstance(grammar, str) else json.dumps(grammar)
+            return GrammarConstraint(llt, vocab, text)
+        except (ValueError, TypeError) as e:
+            raise ControllerError(f"bad grammar: {e}") from e
+
+    def _active_gen(self) -> GrammarConstraint:
+        if self.gen is None:
+            spec = self.steps[self.idx]["gen"]
+            self.gen = self._compiled.pop(id(spec), None) or self._grammar(spec)
+            self.gen_tokens = []
+            self.log(f"GEN {json.dumps({k: v for k, v in spec.items() if k != 'store_var'})[:200]}")
+        return self.gen
+
+    def _gen_limit_reached(self) -> bool:
+        limit = self.steps[self.idx]["gen"].get("max_tokens")
+        return isinstance(limit, int) and len(self.gen_tokens) >= limit
+
+    def _finish_gen(self) -> None:
+        spec = self.steps[self.idx]["gen"]
+        text = self.env.detokenize(self.gen_tokens)
+        self.log(f"GEN-DONE {text.decode('utf-8', 'replace')!r}")
+        name = spec.get("store_var")
+        if isinstance(name, str):
+            self.storage.append(self.variables.set(name, text))
+        self.gen = None
+        self.gen_tokens = []
+        self.idx += 1
+
+    def _only(self, allowed: set[int]) -> np.ndarray:
+        bias = np.full(self.env.vocab_size, -np.inf, dtype=np.float32)
+        for t in allowed:
+            if 0 <= t < bias.size:
+                bias[t] = 0.0
+        return bias

@@ -1,0 +1,167 @@
+"""AICI's REST API on aiohttp, and `tokenwire serve --aici` (runtime + REST on --aici-port).
+
+POST /v1/controllers        raw Wasm body -> {module_id, wasm_size, compiled_size, time}
+GET  /v1/controllers/tags   -> {tags: [...]}
+POST /v1/controllers/tags   {module_id, tags} -> {tags: [...]}
+POST /v1/run                {controller, controller_arg, prompt?, max_tokens?, temperature?, ...}
+                            -> text/event-stream: initial-run, run objects, `data: [DONE]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from tokenwire.protocols.aici.client import AiciClient, AiciError
+from tokenwire.protocols.aici.engine_bridge import Coordinator
+from tokenwire.protocols.aici.run import RunRequest, run_events
+
+if TYPE_CHECKING:
+    from tokenwire.engine.engine import Engine
+
+log = logging.getLogger("tokenwire.aici")
+MAX_WASM_BYTES = 64 * 2**20
+
+__all__ = ["AiciServer", "add_serve_args", "start_from_args"]
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+class AiciServer:
+    def __init__(self, engine: Engine, client: AiciClient, host: str = "127.0.0.1", port: int = 4242) -> None:
+        self.engine = engine
+        self.client = client
+        self.coord = Coordinator(client, engine.vocab_size)
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> AiciServer:
+        app = web.Application(client_max_size=MAX_WASM_BYTES)
+        app.router.add_post("/v1/controllers", self._upload)
+        app.router.add_get("/v1/controllers/tags", self._get_tags)
+        app.router.add_post("/v1/controllers/tags", self._set_tags)
+        app.router.add_post("/v1/run", self._run)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        server = getattr(site, "_server", None)
+        if self.port == 0 and server is not None and server.sockets:
+            self.port = server.sockets[0].getsockname()[1]
+        log.info(
+            "AICI REST listening on http://%s:%d/v1/ (runtime %s)", self.host, self.port, self.client.prefix
+        )
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def _upload(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        try:
+            data = await self.client.side_async("mk_module", binary=base64.b64encode(body).decode())
+        except AiciError as e:
+            return _error(400, str(e))
+        return web.json_response(data)
+
+    async def _get_tags(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.client.side_async("get_tags"))
+
+    async def _set_tags(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        tags = body.get("tags")
+        try:
+            data = await self.client.side_async("set_tags", module_id=body.get("module_id"), tags=tags)
+        except AiciError as e:
+            return _error(400, str(e))
+        return web.json_response(data)
+
+    async def _run(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            req = RunRequest.from_json(body)
+        except ValueError as e:
+            return _error(400, str(e))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        events = run_events(self.engine, self.client, self.coord, req)
+        try:
+            async for obj in events:
+                await resp.write(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        finally:
+            await events.aclose()  # a client that went away: cancel the forks, free everything
+        return resp
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return _error(400, f"malformed JSON body: {e}")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object")
+    return body
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("AICI")
+    g.add_argument("--aici", action="store_true", help="start the AICI runtime and serve AICI's REST API")
+    g.add_argument(
+        "--aici-port", type=int, default=4242, help="AICI REST port (default %(default)s; 0 = any)"
+    )
+    g.add_argument("--aici-store-dir", type=Path, help="where uploaded controllers and tags persist")
+    g.add_argument(
+        "--aici-runtime-arg", action="append", default=[], help="extra runtime argument (repeatable)"
+    )
+
+
+def runtime_args_from(args: argparse.Namespace) -> list[str]:
+    extra = list(getattr(args, "aici_runtime_arg", []) or [])
+    store = getattr(args, "aici_store_dir", None)
+    if store is not None:
+        extra.append(f"--store-dir={store}")
+    return extra
+
+
+def tokenizer_spec(engine: Engine) -> str:
+    """The runtime must tokenize exactly as the engine: point it at the loaded model's files."""
+    source = getattr(engine, "source", None)
+    return str(source.model_dir) if source is not None else "default"
+
+
+async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[[], Awaitable[None]] | None:
+    if not getattr(args, "aici", False):
+        return None
+    loop = asyncio.get_running_loop()
+    client = await loop.run_in_executor(
+        None, lambda: AiciClient(tokenizer=tokenizer_spec(engine), runtime_args=runtime_args_from(args))
+    )
+    server = await AiciServer(engine, client, args.host, args.aici_port).start()
+
+    async def stop() -> None:
+        await server.stop()
+        await loop.run_in_executor(None, client.close)
+
+    return stop

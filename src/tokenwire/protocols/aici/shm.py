@@ -1,0 +1,155 @@
+"""POSIX shared memory + named semaphores: AICI's message channels and the bias region.
+
+A message channel C is the shared memory object ``C-shm`` plus two semaphores: ``C-wr``
+(1 = the writer may write) and ``C-rd`` (1 = a message is ready). One message at a time lives
+at offset 0 as a frame (codec.py). The engine creates every object; the runtime only opens
+them (``create=False``), so whoever starts first decides the sizes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import posix_ipc
+
+from tokenwire.protocols.aici.codec import FRAME_HEADER, FrameError, frame_length, write_frame
+
+MIB = 2**20
+DEFAULT_PREFIX = "/aici0-"
+
+__all__ = ["DEFAULT_PREFIX", "MIB", "ChannelClosed", "MessageChannel", "SharedRegion", "channel_names"]
+
+
+class ChannelClosed(RuntimeError):
+    """The channel was closed while waiting on it."""
+
+
+def channel_names(prefix: str) -> dict[str, str]:
+    """The five AICI objects of one runtime, by role."""
+    return {
+        "cmd": prefix + "cmd",
+        "resp": prefix + "resp",
+        "cmd_side": prefix + "cmd-side",
+        "resp_side": prefix + "resp-side",
+        "bin": prefix + "bin",
+    }
+
+
+class SharedRegion:
+    """A POSIX shared memory object mapped read-write (``NAME-shm``)."""
+
+    def __init__(self, name: str, size: int, *, create: bool) -> None:
+        self.name = name + "-shm"
+        self.created = create
+        if create:
+            _unlink_shm(self.name)  # a stale object of a crashed run would keep its old size
+            shm = posix_ipc.SharedMemory(self.name, flags=posix_ipc.O_CREX, size=size)
+        else:
+            try:
+                shm = posix_ipc.SharedMemory(self.name)
+            except posix_ipc.ExistentialError as e:
+                raise FileNotFoundError(
+                    f"shared memory {self.name} does not exist (engine not started?)"
+                ) from e
+            size = shm.size
+        try:
+            self.map = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        self.size = size
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:  # a numpy view is still alive: the mapping goes when it does
+            pass
+        if self.created:
+            _unlink_shm(self.name)
+
+
+class MessageChannel:
+    """One direction of one AICI channel. Both ends use the same class."""
+
+    def __init__(self, name: str, size: int = 0, *, create: bool) -> None:
+        self.name = name
+        self.region = SharedRegion(name, size, create=create)
+        wr, rd = name + "-wr", name + "-rd"
+        if create:
+            for sem in (wr, rd):
+                _unlink_sem(sem)
+            self.write_sem = posix_ipc.Semaphore(wr, flags=posix_ipc.O_CREX, initial_value=1)
+            self.read_sem = posix_ipc.Semaphore(rd, flags=posix_ipc.O_CREX, initial_value=0)
+        else:
+            try:
+                self.write_sem = posix_ipc.Semaphore(wr)
+                self.read_sem = posix_ipc.Semaphore(rd)
+            except posix_ipc.ExistentialError as e:
+                raise FileNotFoundError(f"semaphore of channel {name} does not exist") from e
+        self.busy_poll = False  # spin on the read semaphore (low latency, burns a core)
+        self.closed = False
+
+    def send(self, payload: bytes) -> None:
+        if FRAME_HEADER + len(payload) > self.region.size:
+            raise FrameError(
+                f"message of {len(payload)} bytes does not fit channel {self.name} ({self.region.size} bytes)"
+            )
+        self.write_sem.acquire()
+        write_frame(self.region.map, payload)
+        self.read_sem.release()
+
+    def recv(self, timeout: float | None = None) -> bytes | None:
+        """The next message; None when `timeout` (seconds) passes first."""
+        if not self._acquire_read(timeout):
+            return None
+        try:
+            n = frame_length(self.region.map, self.region.size)
+            return bytes(self.region.map[FRAME_HEADER : FRAME_HEADER + n])
+        finally:
+            self.write_sem.release()
+
+    def _acquire_read(self, timeout: float | None) -> bool:
+        if self.busy_poll:
+            end = None if timeout is None else time.monotonic() + timeout
+            while True:
+                try:
+                    self.read_sem.acquire(0)
+                    return True
+                except posix_ipc.BusyError:
+                    if self.closed:
+                        raise ChannelClosed(self.name) from None
+                    if end is not None and time.monotonic() > end:
+                        return False
+        try:
+            self.read_sem.acquire(timeout)
+            return True
+        except posix_ipc.BusyError:
+            return False
+
+    def close(self) -> None:
+        self.closed = True
+        self.region.close()
+        for sem in (self.write_sem, self.read_sem):
+            sem.close()
+            if self.region.created:
+                _unlink_sem(sem.name)
+
+
+def _unlink_shm(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def _unlink_sem(name: str) -> None:
+    try:
+        posix_ipc.unlink_semaphore(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def pid_prefix(base: str = "/tw") -> str:
+    """A short per-process prefix (macOS caps names at 31 characters)."""
+    return f"{base}{os.getpid() % 100000}-{os.urandom(2).hex()}-"

@@ -1,0 +1,85 @@
+"""The runtime core in process: Python-level deadlines (SIGALRM), tag persistence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tokenwire.protocols.aici.controller import Controller, PostResult, PreResult
+from tokenwire.protocols.aici.registry import ModuleRegistry
+from tokenwire.protocols.aici.runtime import AiciRuntime
+from tokenwire.protocols.aici.tokenizer_env import env_for
+
+
+@pytest.fixture(scope="module")
+def env(smollm2_source):
+    return env_for(smollm2_source.tokenizer)
+
+
+class Spinner(Controller):
+    """A Python controller whose mid_process never returns on its own."""
+
+    def init_prompt(self, prompt, deadline):
+        return prompt
+
+    def pre_process(self, deadline):
+        return PreResult()
+
+    def mid_process(self, deadline):
+        while True:
+            pass
+
+    def post_process(self, backtrack, tokens, deadline):
+        return PostResult()
+
+    def clone(self, fork_index):
+        return self
+
+
+def test_python_controller_past_its_deadline_is_interrupted(env, tmp_path):
+    reg = ModuleRegistry(tmp_path)
+    rt = AiciRuntime(env, reg)
+    rt.handle_side(
+        {"$rid": "1", "op": "instantiate", "req_id": "good", "module_id": "regex", "module_arg": "ab"}
+    )
+    from tokenwire.protocols.aici.controller import VariableStore
+    from tokenwire.protocols.aici.runtime import Instance
+
+    rt.instances["spin"] = Instance(Spinner(env, VariableStore(), rt.limits), self_timed=False)
+    reply = rt.handle_main(
+        {
+            "op": "post_pre_process",
+            "post_ops": [],
+            "pre_ops": [{"id": 1, "req_id": "spin"}, {"id": 2, "req_id": "good"}],
+        },
+        np.zeros(1),
+    )
+    assert reply["type"] == "ok"
+    bias = np.zeros(2 * env.vocab_size, dtype=np.float32)
+    reply = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 2}]}, bias)
+    seqs = reply["data"]["seqs"]
+    assert "time limit" in seqs["1"]["error"] and "ERROR" in seqs["1"]["logs"]
+    assert seqs["2"]["error"] == ""
+    row = bias[env.vocab_size :]
+    assert np.isfinite(row).sum() >= 1 and not np.isfinite(row).all()
+    assert (bias[: env.vocab_size] == 0).all()  # the failed sequence's row is neutral
+
+
+def test_tags_persist_across_restarts(tmp_path):
+    import wasmtime
+
+    wasm = wasmtime.wat2wasm(
+        '(module (memory (export "memory") 1)'
+        ' (func (export "tw_alloc") (param i32) (result i32) (i32.const 8))'
+        ' (func (export "init_prompt") (param i32 i32) (result i32) (i32.const 0))'
+        ' (func (export "pre_process") (result i32) (i32.const 0))'
+        ' (func (export "mid_process") (result i32) (i32.const 0))'
+        ' (func (export "post_process") (param i32 i32 i32) (result i32) (i32.const 0)))'
+    )
+    first = ModuleRegistry(tmp_path)
+    mid = first.add_wasm(wasm)["module_id"]
+    first.set_tags(mid, ["persisted"], "me")
+    second = ModuleRegistry(tmp_path)  # a restarted runtime
+    tags = {t["tag"]: t for t in second.get_tags()}
+    assert tags["persisted"]["module_id"] == mid and tags["persisted"]["updated_by"] == "me"
+    assert second.resolve("persisted")[0] == mid

@@ -1,0 +1,143 @@
+"""AICI's REST API on the real default model: /v1/run (SSE), controllers and tags."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+
+import aiohttp
+import pytest
+import wasmtime
+
+from tokenwire.protocols.aici.client import AiciClient
+from tokenwire.protocols.aici.rest import AiciServer, tokenizer_spec
+
+SEED = (
+    "async function main() {\n    await $`Ultimate answer is to the life, universe and everything is `\n"
+    "    await gen({ regex: /\\d\\d/ })\n}\n\nstart(main)\n"
+)
+
+TINY_WAT = """(module (memory (export "memory") 1)
+  (func (export "tw_alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "init_prompt") (param i32 i32) (result i32) (i32.const 0))
+  (func (export "pre_process") (result i32) (i32.const 0))
+  (func (export "mid_process") (result i32) (i32.const 0))
+  (func (export "post_process") (param i32 i32 i32) (result i32) (i32.const %d)))"""
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_engine, tmp_path_factory):
+    loop = asyncio.new_event_loop()
+    client = AiciClient(
+        tokenizer=tokenizer_spec(smollm2_engine),
+        runtime_args=[f"--store-dir={tmp_path_factory.mktemp('aici-rest')}", "--max-pre-ms=50"],
+    )
+    srv = loop.run_until_complete(AiciServer(smollm2_engine, client, port=0).start())
+    yield loop, srv
+    loop.run_until_complete(srv.stop())
+    client.close()
+    loop.close()
+
+
+def _call(server, method, path, **kw):
+    loop, srv = server
+
+    async def go():
+        async with aiohttp.ClientSession() as s, s.request(method, srv.url + path, **kw) as r:
+            return r.status, r.headers.get("Content-Type", ""), await r.read()
+
+    return loop.run_until_complete(go())
+
+
+def _run(server, body):
+    status, ctype, raw = _call(server, "POST", "/v1/run", json=body)
+    assert status == 200 and ctype.startswith("text/event-stream"), raw
+    lines = [ln for ln in raw.decode().split("\n\n") if ln]
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert events[0]["object"] == "initial-run" and events[0]["id"].startswith("run-")
+    runs = events[1:]
+    assert all(
+        e["object"] == "run" and set(e["usage"]) == {"sampled_tokens", "ff_tokens", "cost"} for e in runs
+    )
+    forks: dict[int, dict] = {}
+    for e in runs:
+        for f in e["forks"]:
+            acc = forks.setdefault(f["index"], {"text": "", "logs": "", "error": "", "finish_reason": None})
+            acc["text"] += f["text"]
+            acc["logs"] += f["logs"]
+            acc["error"] += f["error"]
+            acc["finish_reason"] = f["finish_reason"] or acc["finish_reason"]
+    return forks, runs
+
+
+def test_seed_example_end_to_end(server):
+    pytest.importorskip("tokenwire.protocols.aici.jsctrl")
+    forks, runs = _run(server, {"controller": "jsctrl-latest", "controller_arg": SEED})
+    assert list(forks) == [0]
+    f = forks[0]
+    assert f["error"] == "", f
+    assert re.fullmatch(r"Ultimate answer is to the life, universe and everything is \d\d", f["text"]), f[
+        "text"
+    ]
+    assert f["finish_reason"] == "aici-stop"
+    usage = runs[-1]["usage"]
+    assert usage["sampled_tokens"] >= 2 and usage["cost"] == 2 * usage["sampled_tokens"] + usage["ff_tokens"]
+
+
+def test_declarative_fork_and_backtrack(server):
+    prog = {
+        "steps": [
+            {"fixed": "Pick:"},
+            {"fork": [[{"fixed": " A"}], [{"fixed": " B"}, {"fixed": " C", "backtrack": 1}]]},
+            {"gen": {"regex": "[xy]{2}"}},
+        ]
+    }
+    forks, _ = _run(server, {"controller": "declctrl", "controller_arg": prog})
+    assert set(forks) == {0, 1}
+    texts = sorted(f["text"] for f in forks.values())
+    assert re.fullmatch(r"Pick: A[xy]{2}", texts[0]) or re.fullmatch(r" A[xy]{2}", texts[0]), texts
+    assert any(re.fullmatch(r"(Pick:)? B↩ C[xy]{2}", t) for t in texts), texts
+    assert all(f["finish_reason"] == "aici-stop" and f["error"] == "" for f in forks.values())
+
+
+def test_regex_tag_with_prompt(server):
+    forks, _ = _run(
+        server, {"controller": "regex", "controller_arg": "(yes|no)", "prompt": "Is water wet? Answer:"}
+    )
+    assert forks[0]["text"] in ("yes", "no"), forks
+
+
+def test_upload_and_tags(server):
+    wasm = wasmtime.wat2wasm(TINY_WAT % 1)
+    status, _, raw = _call(server, "POST", "/v1/controllers", data=wasm)
+    assert status == 200, raw
+    up = json.loads(raw)
+    assert up["module_id"] == hashlib.sha256(wasm).hexdigest() and up["wasm_size"] == len(wasm)
+    status, _, raw = _call(
+        server, "POST", "/v1/controllers/tags", json={"module_id": up["module_id"], "tags": ["rest-t"]}
+    )
+    assert status == 200 and json.loads(raw)["tags"][0]["tag"] == "rest-t"
+    status, _, raw = _call(server, "GET", "/v1/controllers/tags")
+    tags = {t["tag"]: t for t in json.loads(raw)["tags"]}
+    assert tags["rest-t"]["module_id"] == up["module_id"] and "jsctrl-latest" in tags
+
+
+def test_bad_requests(server):
+    assert _call(server, "POST", "/v1/controllers", data=b"nope")[0] == 400
+    assert (
+        _call(server, "POST", "/v1/run", data=b"{oops", headers={"Content-Type": "application/json"})[0]
+        == 400
+    )
+    status, _, raw = _call(server, "POST", "/v1/run", json={"controller_arg": "x"})
+    assert status == 400 and b"controller" in raw
+    forks, _ = _run(server, {"controller": "no-such-tag", "controller_arg": ""})
+    assert forks[0]["finish_reason"] == "fail" and "no-such-tag" in forks[0]["error"]
+    forks, _ = _run(server, {"controller": "regex", "controller_arg": "(unclosed"})
+    assert forks[0]["finish_reason"] == "fail" and "grammar" in forks[0]["error"]
+    # still serving
+    forks, _ = _run(server, {"controller": "regex", "controller_arg": "ok"})
+    assert forks[0]["text"] == "ok"
