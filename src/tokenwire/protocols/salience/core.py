@@ -1,0 +1,239 @@
+"""Salience's sans-IO core: request checks, the Generate plan, and engine event -> message conversion.
+
+Everything here works on plain values (protobuf messages, token lists, the model's limits) and
+raises SalienceStatus for a request the service refuses; service.py only moves these values
+between grpc.aio and the engine. The order of the Generate checks matters: every check runs
+before the session is changed (truncated or appended to), so a refused call leaves it as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, TokenEvent
+from tokenwire.protocols.salience.gen import salience_pb2 as pb
+from tokenwire.protocols.salience.images import (
+    ImageBlock,
+    VisionTokens,
+    blocks_after_truncate,
+    blocks_for_fork,
+    check_attachments,
+)
+from tokenwire.protocols.salience.status import SalienceStatus
+
+SERVICE_NAME = "salience.v1.Salience"
+READOUT_DTYPE = "float32"  # readouts travel as proto floats
+
+Ranges = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the checks need to know about the loaded model and its engine."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+    kv_blocks: int  # KV budget, in blocks of kv_block_size positions
+    kv_block_size: int
+    has_concepts: bool = False
+    vision: VisionTokens | None = None
+    pad_count: Callable[[ImageBlock], int] | None = None  # the vision encoder's N per image
+
+
+@dataclass
+class GeneratePlan:
+    """What to do for one Generate: rewind, then (unless a no-op) run the engine."""
+
+    truncate_to: int | None  # rewind the session to this length first
+    append: list[int]
+    options: GenerateOptions | None  # None: nothing to run, only refresh the session's TTL
+    prompt_len: int  # session length after the append
+    images: list[ImageBlock] = field(default_factory=list)  # the session's blocks afterwards
+
+
+def _status(code: grpc.StatusCode, message: str) -> SalienceStatus:
+    return SalienceStatus(code, message)
+
+
+def check_model(requested: str, loaded: str) -> None:
+    """OpenSession's safety check: empty means whatever is loaded."""
+    if requested and requested != loaded:
+        raise _status(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"model {requested!r} is not served here: the loaded model is {loaded!r}",
+        )
+
+
+def check_fork(at: int, length: int, images: Sequence[ImageBlock]) -> list[ImageBlock]:
+    """ForkSession's checks; returns the image blocks the fork inherits."""
+    if at > length:
+        raise _status(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"at_position {at} is past the end of the session ({length} tokens)",
+        )
+    return blocks_for_fork(images, at)
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    for i, t in enumerate(ids):
+        if t >= vocab_size:
+            raise _status(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{what}[{i}] = {t} is outside the vocabulary [0, {vocab_size})",
+            )
+
+
+def _ranges(ranges: Sequence[pb.PositionRange], what: str) -> Ranges:
+    """Half-open ranges; parts past the last position simply cover nothing (a client may ask
+    for "every decoded token" without knowing where decoding stops)."""
+    out = []
+    for i, r in enumerate(ranges):
+        if r.start > r.end:
+            raise _status(grpc.StatusCode.INVALID_ARGUMENT, f"{what}[{i}]: start {r.start} > end {r.end}")
+        out.append((int(r.start), int(r.end)))
+    return out
+
+
+def sampling_from(req: pb.GenerateRequest) -> SamplingParams:
+    """The proto's zero defaults: temperature 0 and top_p 0 mean 1.0, top_k 0 means disabled."""
+    temperature = req.temperature if req.temperature != 0 else 1.0
+    top_p = req.top_p if req.top_p != 0 else 1.0
+    if math.isnan(temperature) or temperature < 0:
+        raise _status(grpc.StatusCode.INVALID_ARGUMENT, f"temperature must be >= 0, got {req.temperature}")
+    if math.isnan(top_p) or not 0 < top_p <= 1:
+        raise _status(grpc.StatusCode.INVALID_ARGUMENT, f"top_p must be in (0, 1], got {req.top_p}")
+    if req.top_k == 1:
+        temperature = 0.0  # only the best token survives: plain argmax, no draw
+    return SamplingParams(temperature=float(temperature), top_k=int(req.top_k), top_p=float(top_p))
+
+
+def plan_generate(
+    req: pb.GenerateRequest,
+    session_tokens: Sequence[int],
+    session_images: Sequence[ImageBlock],
+    limits: ModelLimits,
+) -> GeneratePlan:
+    """Check a Generate against the session and the model; raise SalienceStatus or return the plan."""
+    length = len(session_tokens)
+    offset = req.offset
+    truncate_to = None
+    if offset != length:
+        if offset < length and req.truncating:
+            truncate_to = offset
+        else:
+            hint = " (set truncating=true to rewind)" if offset < length else ""
+            raise _status(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"offset {offset} does not match the session length {length}{hint}",
+            )
+    kept = blocks_after_truncate(session_images, offset) if truncate_to is not None else list(session_images)
+    append = list(req.append_tokens)
+    _check_ids(append, limits.vocab_size, "append_tokens")
+    prompt_len = offset + len(append)
+    if prompt_len > limits.max_model_len:
+        raise _status(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"context overflow: {prompt_len} tokens exceed the model's context length {limits.max_model_len}",
+        )
+    blocks = -(-(prompt_len + 1) // limits.kv_block_size)
+    if blocks > limits.kv_blocks:
+        raise _status(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"KV cache budget exhausted: {prompt_len} tokens need {blocks} blocks, the server has "
+            f"{limits.kv_blocks}",
+        )
+    logprob_ranges = _ranges(req.logprobs_ranges, "logprobs_ranges")
+    readout_ranges = _ranges(req.readout_ranges, "readout_ranges")
+    if readout_ranges and not limits.has_concepts:
+        raise _status(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "readout_ranges given but no concept file is loaded (start the server with --concepts)",
+        )
+    sampling = sampling_from(req)
+    _check_ids(req.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    if not 0 <= req.priority <= 10:
+        message = f"priority must be in 0..10 (0 = interactive), got {req.priority}"
+        raise _status(grpc.StatusCode.INVALID_ARGUMENT, message)
+    images = kept
+    if req.images:
+        attached = [ImageBlock(i.pad_range_start, i.pad_range_end, i.mime, i.bytes) for i in req.images]
+        tokens_after = [*session_tokens[:offset], *append]
+        images = kept + check_attachments(attached, tokens_after, kept, limits.vision, limits.pad_count)
+        images.sort(key=lambda b: b.start)
+    if not append and req.max_tokens == 0 and not logprob_ranges and not readout_ranges:
+        # the proto's no-op Generate: only refreshes the session's TTL (after any rewind)
+        return GeneratePlan(truncate_to, append, None, prompt_len, images)
+    options = GenerateOptions(
+        max_tokens=int(req.max_tokens),
+        sampling=sampling,
+        stop_token_ids=[int(t) for t in req.stop_token_ids],
+        logprob_ranges=logprob_ranges,
+        top_logprobs=int(req.logprob_top_k),
+        logprob_mode="raw",
+        readout_ranges=readout_ranges,
+        priority=int(req.priority),
+    )
+    return GeneratePlan(truncate_to, append, options, prompt_len, images)
+
+
+def token_message(event: TokenEvent) -> pb.GenerateEvent:
+    """An engine TokenEvent as a GenerateEvent. Position 0 of a session has no logprob (nothing
+    precedes it), so has_sampled_logprob stays false there even when covered."""
+    token = pb.Token(id=event.token_id, position=event.position, is_prefill=event.is_prefill)
+    if event.logprob is not None:
+        token.sampled_logprob = event.logprob
+        token.has_sampled_logprob = True
+        if event.top_logprobs:
+            token.logprobs.extend(pb.TokenLogprob(id=i, logprob=lp) for i, lp in event.top_logprobs)
+    if event.readout is not None:
+        token.readout.extend(event.readout.reshape(-1).tolist())  # [n_layers][n_concepts], row-major
+    return pb.GenerateEvent(token=token)
+
+
+_FINISH = {
+    "eos": pb.GenerateDone.FINISH_REASON_EOS,
+    "length": pb.GenerateDone.FINISH_REASON_LENGTH,
+    "cancelled": pb.GenerateDone.FINISH_REASON_CANCELLED,
+}
+
+
+def finish_reason(event: FinishEvent) -> int:
+    """Engine finish -> proto FinishReason. A stop token id counts as EOS (the proto's "emitted
+    EOS / stop token"); a stop string (or a constraint's stop) is STOP_STRING."""
+    if event.reason == "stop":
+        if isinstance(event.stop_detail, int):
+            return pb.GenerateDone.FINISH_REASON_EOS
+        return pb.GenerateDone.FINISH_REASON_STOP_STRING
+    return _FINISH.get(event.reason, pb.GenerateDone.FINISH_REASON_UNSPECIFIED)
+
+
+def done_message(prompt_tokens: int, completion_tokens: int, reason: int) -> pb.GenerateEvent:
+    return pb.GenerateEvent(
+        done=pb.GenerateDone(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            finish_reason=reason,  # type: ignore[arg-type]
+        )
+    )
+
+
+def finish_message(event: FinishEvent) -> pb.GenerateEvent:
+    return done_message(event.prompt_tokens, event.completion_tokens, finish_reason(event))
+
+
+def manifest(concepts: object | None, hidden_size: int) -> pb.ReadoutManifest:
+    """The readout manifest: the concept set's names and layers, or empty lists without one."""
+    if concepts is None:
+        return pb.ReadoutManifest(hidden_size=hidden_size, dtype=READOUT_DTYPE)
+    return pb.ReadoutManifest(
+        concepts=list(concepts.names),  # type: ignore[attr-defined]
+        layers=list(concepts.layers),  # type: ignore[attr-defined]
+        hidden_size=hidden_size,
+        dtype=READOUT_DTYPE,
+    )

@@ -1,0 +1,213 @@
+"""The salience.v1.Salience servicer on the shared grpc.aio server (grpc_server.py).
+
+A thin adapter: each RPC checks the bearer token, asks core.py what to do, calls the engine and
+turns engine errors into gRPC statuses (status.py). Sessions live in the engine (tokens, KV,
+idle TTL); this servicer only adds what the engine does not know about: image blocks, and which
+sessions have a Generate stream open here (a second one is ABORTED at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from tokenwire.engine.engine import Engine
+from tokenwire.engine.errors import EngineError
+from tokenwire.engine.request import FinishEvent, RequestHandle, TokenEvent
+from tokenwire.protocols.grpc_server import GrpcRegistration
+from tokenwire.protocols.salience import core
+from tokenwire.protocols.salience.gen import salience_pb2 as pb
+from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc
+from tokenwire.protocols.salience.images import ImageBlock, VisionTokens
+from tokenwire.protocols.salience.status import SalienceStatus, status_for
+
+log = logging.getLogger("tokenwire.salience")
+
+# The vision block tokens of Qwen2-VL-style models; a tokenizer without them has no vision.
+VISION_TOKEN_NAMES = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+
+
+def vision_tokens(engine: Engine) -> VisionTokens | None:
+    hf = getattr(engine.tokenizer, "hf", None)
+    if hf is None:
+        return None
+    vocab = hf.get_vocab()
+    ids = [vocab.get(name) for name in VISION_TOKEN_NAMES]
+    if any(i is None for i in ids):
+        return None
+    return VisionTokens(*ids)  # type: ignore[arg-type]
+
+
+def model_limits(engine: Engine) -> core.ModelLimits:
+    # No vision encoder exists in tokenwire yet: pad_count stays None, so images are refused
+    # (after their ranges are checked) even by a tokenizer that has the vision tokens.
+    return core.ModelLimits(
+        name=engine.name,
+        vocab_size=engine.vocab_size,
+        max_model_len=engine.max_model_len,
+        kv_blocks=engine.kv.num_blocks,
+        kv_block_size=engine.kv.block_size,
+        has_concepts=engine.concepts is not None,
+        vision=vision_tokens(engine),
+        pad_count=None,
+    )
+
+
+class SalienceServicer(pb_grpc.SalienceServicer):
+    def __init__(
+        self, engine: Engine, *, session_ttl_s: float | None = None, auth_token: str | None = None
+    ) -> None:
+        self.engine = engine
+        self.session_ttl_s = session_ttl_s
+        self.limits = model_limits(engine)
+        self._expected_auth = f"Bearer {auth_token}".encode() if auth_token else None
+        self._images: dict[str, list[ImageBlock]] = {}  # only sessions that hold images
+        self._streaming: set[str] = set()  # sessions with a Generate stream open here
+        self._opened: set[str] = set()  # sessions this servicer created (closed on shutdown)
+
+    # ------------------------------------------------------------------ helpers
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self._expected_auth is None:
+            return
+        got = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else bytes(value)
+        if not hmac.compare_digest(got, self._expected_auth):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token: send metadata `authorization: Bearer <token>`",
+            )
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> None:
+        status = status_for(error) if isinstance(error, EngineError) else error
+        assert isinstance(status, SalienceStatus)
+        await context.abort(status.code, status.message)
+
+    def _forget_gone_sessions(self) -> None:
+        """Drop bookkeeping of sessions the engine no longer has (TTL expiry)."""
+        for sid in [s for s in self._opened if not self.engine.has_session(s)]:
+            self._opened.discard(sid)
+            self._images.pop(sid, None)
+
+    # ------------------------------------------------------------------ lifecycle RPCs
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
+        await self._authorize(context)
+        try:
+            core.check_model(request.model, self.engine.name)
+            self._forget_gone_sessions()
+            ttl = -1.0 if self.session_ttl_s is None else self.session_ttl_s
+            sid = self.engine.create_session((), ttl_s=ttl)
+        except (SalienceStatus, EngineError) as exc:
+            await self._abort(context, exc)
+        self._opened.add(sid)
+        return pb.OpenSessionResponse(session_id=sid, max_model_len=self.engine.max_model_len)
+
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
+        await self._authorize(context)
+        self.engine.close_session(request.session_id)  # idempotent: False when already gone
+        self._opened.discard(request.session_id)
+        self._images.pop(request.session_id, None)
+        return pb.CloseSessionResponse()
+
+    async def ForkSession(self, request: pb.ForkSessionRequest, context: Any) -> pb.ForkSessionResponse:
+        await self._authorize(context)
+        src = request.session_id
+        try:
+            length = len(self.engine.session_tokens(src))
+            inherited = core.check_fork(request.at_position, length, self._images.get(src, []))
+            child = self.engine.fork_session(src, request.at_position)
+            self.engine.touch_session(src)
+        except (SalienceStatus, EngineError) as exc:
+            await self._abort(context, exc)
+        self._opened.add(child)
+        if inherited:
+            self._images[child] = inherited
+        return pb.ForkSessionResponse(session_id=child)
+
+    async def DumpSession(self, request: pb.DumpSessionRequest, context: Any) -> pb.DumpSessionResponse:
+        await self._authorize(context)
+        try:
+            tokens = self.engine.session_tokens(request.session_id)
+            self.engine.touch_session(request.session_id)
+        except EngineError as exc:
+            await self._abort(context, exc)
+        return pb.DumpSessionResponse(tokens=tokens)
+
+    async def GetReadoutManifest(
+        self, request: pb.GetReadoutManifestRequest, context: Any
+    ) -> pb.ReadoutManifest:
+        await self._authorize(context)
+        return core.manifest(self.engine.concepts, self.engine.config.hidden_size)
+
+    # ------------------------------------------------------------------ Generate
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateEvent]:
+        await self._authorize(context)
+        sid = request.session_id
+        if sid in self._streaming:
+            await context.abort(grpc.StatusCode.ABORTED, f"session {sid} has a Generate running")
+        self._streaming.add(sid)
+        handle: RequestHandle | None = None
+        try:
+            try:
+                handle, plan = self._start(sid, request)
+            except (SalienceStatus, EngineError) as exc:
+                await self._abort(context, exc)
+            if handle is None:
+                yield core.done_message(plan.prompt_len, 0, pb.GenerateDone.FINISH_REASON_LENGTH)
+                return
+            async for event in handle:
+                if isinstance(event, TokenEvent):
+                    yield core.token_message(event)
+                elif isinstance(event, FinishEvent):
+                    if event.reason == "error":
+                        await context.abort(grpc.StatusCode.INTERNAL, event.error or "generation failed")
+                    yield core.finish_message(event)
+        finally:
+            # A client that cancels the stream lands here (CancelledError at the await above):
+            # stop the engine request at once. Tokens decoded so far stay in the session.
+            if handle is not None:
+                handle.cancel()
+            self._streaming.discard(sid)
+
+    def _start(self, sid: str, request: pb.GenerateRequest) -> tuple[RequestHandle | None, core.GeneratePlan]:
+        """Check, rewind, and submit to the engine. Raises before any change when refused."""
+        engine = self.engine
+        tokens = engine.session_tokens(sid)
+        if engine.session_busy(sid):
+            raise SalienceStatus(grpc.StatusCode.ABORTED, f"session {sid} has a request running")
+        plan = core.plan_generate(request, tokens, self._images.get(sid, []), self.limits)
+        if plan.truncate_to is not None:
+            engine.truncate_session(sid, plan.truncate_to)
+        if plan.images:
+            self._images[sid] = plan.images
+        else:
+            self._images.pop(sid, None)
+        engine.touch_session(sid)
+        if plan.options is None:
+            return None, plan
+        return engine.generate(sid, plan.append, plan.options), plan
+
+    async def close(self) -> None:
+        """Server shutdown: release every session this servicer opened."""
+        for sid in list(self._opened):
+            self.engine.close_session(sid)
+        self._opened.clear()
+        self._images.clear()
+
+
+def add_to_server(server: grpc.aio.Server, engine: Engine, args: argparse.Namespace) -> GrpcRegistration:
+    servicer = SalienceServicer(
+        engine,
+        session_ttl_s=getattr(args, "session_ttl", None),
+        auth_token=getattr(args, "auth_token", None),
+    )
+    pb_grpc.add_SalienceServicer_to_server(servicer, server)
+    server_names = [pb.DESCRIPTOR.services_by_name["Salience"].full_name]
+    return GrpcRegistration(server_names, servicer.close)

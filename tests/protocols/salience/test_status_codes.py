@@ -1,0 +1,136 @@
+"""Each gRPC status code the issue names, with its condition, through the seed-generated client."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from tests.protocols.salience.conftest import ServerThread, openssl_cert
+from tests.protocols.salience.helpers import generate
+
+
+def _code(fn, *args, **kw) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        fn(*args, **kw)
+    return err.value.code(), err.value.details()
+
+
+def test_invalid_argument(stub, pb, smollm2_engine, open_session):
+    code, details = _code(stub.OpenSession, pb.OpenSessionRequest(model="gpt-17"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "gpt-17" in details and smollm2_engine.name in details  # names both
+    sid = open_session()
+    vocab = smollm2_engine.vocab_size
+    code, details = _code(generate, stub, pb, session_id=sid, append_tokens=[1, vocab], offset=0)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(vocab) in details and "append_tokens[1]" in details
+    code, details = _code(generate, stub, pb, session_id=sid, append_tokens=[1], offset=0, top_p=1.5)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in details
+    code, details = _code(generate, stub, pb, session_id=sid, append_tokens=[1], offset=0, priority=11)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "priority" in details
+    code, details = _code(
+        generate, stub, pb, session_id=sid, append_tokens=[1], offset=0, logprobs_ranges=[(3, 1)]
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "logprobs_ranges[0]" in details
+    image = pb.ImageAttachment(bytes=b"\x89PNG", mime="image/png", pad_range_start=0, pad_range_end=4)
+    code, details = _code(
+        generate, stub, pb, session_id=sid, append_tokens=[5, 6, 6, 7], offset=0, images=[image]
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "this model has no vision encoder" in details
+    image.pad_range_end = 9  # past the post-append tokens: the range check comes first
+    code, details = _code(
+        generate, stub, pb, session_id=sid, append_tokens=[5, 6, 6, 7], offset=0, images=[image]
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside" in details
+    assert smollm2_engine.session_tokens(sid) == []  # every refused call left the session alone
+
+
+def test_failed_precondition(stub, pb, open_session):
+    sid = open_session()
+    generate(stub, pb, session_id=sid, append_tokens=[1, 2, 3, 4, 5], offset=0, max_tokens=0)
+    code, details = _code(generate, stub, pb, session_id=sid, append_tokens=[6], offset=7)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "offset 7" in details and "length 5" in details
+    code, details = _code(generate, stub, pb, session_id=sid, append_tokens=[6], offset=3)  # no truncating
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "offset 3" in details and "length 5" in details
+    code, details = _code(generate, stub, pb, session_id=sid, offset=9, truncating=True)  # can't grow
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "offset 9" in details and "length 5" in details
+    code, details = _code(stub.ForkSession, pb.ForkSessionRequest(session_id=sid, at_position=6))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "6" in details and "5 tokens" in details
+    code, details = _code(
+        generate, stub, pb, session_id=sid, offset=5, max_tokens=0, readout_ranges=[(0, 5)]
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "concept" in details
+    assert list(stub.DumpSession(pb.DumpSessionRequest(session_id=sid)).tokens) == [1, 2, 3, 4, 5]
+
+
+def test_not_found(stub, pb):
+    missing = "0" * 32
+    for fn, request in [
+        (stub.ForkSession, pb.ForkSessionRequest(session_id=missing, at_position=0)),
+        (stub.DumpSession, pb.DumpSessionRequest(session_id=missing)),
+        (lambda r: list(stub.Generate(r)), pb.GenerateRequest(session_id=missing, max_tokens=1)),
+    ]:
+        code, details = _code(fn, request)
+        assert code == grpc.StatusCode.NOT_FOUND and missing in details
+    stub.CloseSession(pb.CloseSessionRequest(session_id=missing))  # closing stays idempotent
+
+
+def test_resource_exhausted_on_context_overflow(stub, pb, smollm2_engine, open_session):
+    sid = open_session()
+    too_long = [1] * (smollm2_engine.max_model_len + 1)
+    code, details = _code(generate, stub, pb, session_id=sid, append_tokens=too_long, offset=0)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and str(smollm2_engine.max_model_len) in details
+    assert smollm2_engine.session_tokens(sid) == []
+
+
+def test_aborted_while_a_generate_runs(stub, pb, smollm2_engine, open_session):
+    sid = open_session()
+    request = pb.GenerateRequest(session_id=sid, append_tokens=[1, 2, 3], offset=0, max_tokens=300)
+    call = stub.Generate(request)
+    next(call)  # the first token: the request is running
+    length = len(smollm2_engine.session_tokens(sid))
+    code, details = _code(generate, stub, pb, session_id=sid, offset=length, max_tokens=1)
+    assert code == grpc.StatusCode.ABORTED and sid in details
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while smollm2_engine.session_busy(sid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not smollm2_engine.session_busy(sid)
+
+
+def test_unauthenticated_without_the_bearer_token(smollm2_engine, seed_proto):
+    pb, pb_grpc = seed_proto
+    server = ServerThread(smollm2_engine, auth_token="s3cret")
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.SalienceStub(channel)
+            for metadata in (None, [("authorization", "Bearer wrong")], [("authorization", "s3cret")]):
+                code, details = _code(stub.OpenSession, pb.OpenSessionRequest(), metadata=metadata)
+                assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in details
+            code, _ = _code(lambda: list(stub.Generate(pb.GenerateRequest(session_id="x"))))
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+            good = [("authorization", "Bearer s3cret")]
+            sid = stub.OpenSession(pb.OpenSessionRequest(), metadata=good).session_id
+            assert stub.DumpSession(pb.DumpSessionRequest(session_id=sid), metadata=good).tokens == []
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=good)
+    finally:
+        server.stop()
+
+
+def test_tls(smollm2_engine, seed_proto, tmp_path):
+    pb, pb_grpc = seed_proto
+    cert, key = openssl_cert(tmp_path)
+    server = ServerThread(smollm2_engine, tls_cert=str(cert), tls_key=str(key))
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with grpc.secure_channel(server.target, creds) as channel:
+            stub = pb_grpc.SalienceStub(channel)
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        with grpc.insecure_channel(server.target) as plain:  # plaintext is refused
+            code, _ = _code(pb_grpc.SalienceStub(plain).OpenSession, pb.OpenSessionRequest(), timeout=5)
+            assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        server.stop()
