@@ -17,10 +17,19 @@ from pathlib import Path
 from tokenwire.engine.factory import EngineSettings
 
 COMMAND_MODULES = [
+    "tokenwire.protocols.salience.cli",
     "tokenwire.protocols.lmtp.cli",
+    "tokenwire.protocols.evergreen.cli",
+    "tokenwire.protocols.graphpipe.cli",
+    "tokenwire.protocols.aici.aicirt",
 ]
 BENCH_MODULES = [
+    "tokenwire.bench.salience_bench",
     "tokenwire.bench.engine_bench",
+    "tokenwire.bench.graphpipe_bench",
+    "tokenwire.bench.lmtp_bench",
+    "tokenwire.bench.evergreen_bench",
+    "tokenwire.bench.aici_bench",
 ]
 
 

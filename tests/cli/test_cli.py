@@ -12,11 +12,13 @@ import pytest
 from tokenwire.engine.concepts import ConceptSet
 
 CMD = [sys.executable, "-m", "tokenwire.cli"]
+# the lifecycle test serves no protocol (tests/e2e/test_serve_all.py starts them all)
+NO_PROTOCOLS = ["--lmtp-port", "0", "--grpc-port", "0", "--graphpipe-port", "0"]
 
 
 def test_serve_logs_and_stops_cleanly_on_sigterm() -> None:
     proc = subprocess.Popen(
-        [*CMD, "serve", "--kv-cache-mb", "32", "--model-name", "smol"],
+        [*CMD, "serve", "--kv-cache-mb", "32", "--model-name", "smol", *NO_PROTOCOLS],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -34,7 +36,7 @@ def test_serve_logs_and_stops_cleanly_on_sigterm() -> None:
         assert "model smol (LlamaForCausalLM)" in log and "dtype fp32" in log and "KV cache 32 MiB" in log, (
             log
         )
-        assert "tokenwire ready" in log, log
+        assert "tokenwire ready" in log and "(0 protocol servers)" in log, log
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=60)[1]
         assert proc.returncode == 0, rest

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -22,7 +23,10 @@ from tokenwire.engine.engine import Engine
 
 log = logging.getLogger("tokenwire.grpc")
 
-GRPC_SERVICE_MODULES: list[str] = []
+GRPC_SERVICE_MODULES: list[str] = [
+    "tokenwire.protocols.salience.service",
+    "tokenwire.protocols.evergreen.servicer",
+]
 
 # Big enough for long prompts and readout-heavy streams; gRPC's default is 4 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -69,7 +73,13 @@ class GrpcServer:
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server,
         )
-        self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        address = f"{self.host}:{self.requested_port}"
+        credentials = server_credentials(self.args)
+        self.port = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
         if self.port == 0:
             raise OSError(f"gRPC: cannot bind {self.host}:{self.requested_port}")
         await server.start()
@@ -98,6 +108,28 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grpc-port", type=int, default=50051, help="gRPC port for Salience and Evergreen (0 = off)"
     )
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--auth-token",
+        default=os.environ.get("TOKENWIRE_AUTH_TOKEN") or None,
+        help="require `authorization: Bearer <token>` on Salience RPCs (default: $TOKENWIRE_AUTH_TOKEN)",
+    )
+    for module in GRPC_SERVICE_MODULES:  # a service's own options (e.g. Evergreen's --allow-ref-root)
+        service_args = getattr(importlib.import_module(module), "add_serve_args", None)
+        if service_args is not None:
+            service_args(parser)
+
+
+def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | None:
+    """TLS credentials from --tls-cert/--tls-key, or None for plaintext."""
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    with open(cert, "rb") as c, open(key, "rb") as k:
+        return grpc.ssl_server_credentials([(k.read(), c.read())])
 
 
 async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[[], Awaitable[None]] | None:

@@ -1,0 +1,268 @@
+"""The node store of one session: fragments keyed by (id, seq), the DAG they form, and limits.
+
+Rules enforced here (each violation aborts the session naming the node and the rule):
+the first fragment for an (id, seq) wins and duplicates are ignored; no seq past the node's
+final one (the fragment with continued=false); metadata only on seq 0 (a later fragment may
+repeat seq 0's metadata unchanged, as the seed's own first example does); child_ids and
+chunk_fragment never both in one node; a leaf's seq 0 carries metadata; no cycles; nesting
+depth, node count and bytes per session stay under the configured limits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from tokenwire.protocols.evergreen.errors import SessionAbort, exhausted, invalid
+from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
+
+
+@dataclass
+class SessionLimits:
+    max_depth: int = 32  # edges on the longest parent -> child chain
+    max_nodes: int = 10_000
+    max_bytes: int = 64 * 2**20  # inline data, refs and child ids, plus generated output
+    max_actions: int = 1_000
+
+
+@dataclass(eq=False)
+class Node:
+    id: str
+    fragments: dict[int, pb.NodeFragment] = field(default_factory=dict)
+    final_seq: int | None = None
+    kind: str | None = None  # "leaf" | "inner" once a fragment shows it
+    produced_by: str | None = None  # the action name when the server writes this node
+    token_ids: list[int] = field(default_factory=list)  # server outputs: the exact tokens
+    contiguous: int = 0  # fragments 0 .. contiguous-1 are present
+    nbytes: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.final_seq is not None and self.contiguous == self.final_seq + 1
+
+    @property
+    def metadata(self) -> pb.ChunkMetadata | None:
+        first = self.fragments.get(0)
+        if first is None or not first.HasField("chunk_fragment"):
+            return None
+        return first.chunk_fragment.metadata
+
+    def children(self) -> list[str]:
+        """child ids of the contiguous fragments, in seq order."""
+        return [c for seq in range(self.contiguous) for c in self.fragments[seq].child_ids]
+
+    def all_children(self) -> list[str]:
+        return [c for f in self.fragments.values() for c in f.child_ids]
+
+
+def _fragment_bytes(fragment: pb.NodeFragment) -> int:
+    size = sum(len(c) for c in fragment.child_ids)
+    if fragment.HasField("chunk_fragment"):
+        chunk = fragment.chunk_fragment
+        size += len(chunk.data) + len(chunk.ref)
+    return size
+
+
+class NodeStore:
+    def __init__(self, limits: SessionLimits | None = None) -> None:
+        self.limits = limits or SessionLimits()
+        self.nodes: dict[str, Node] = {}
+        self.dropped: set[str] = set()
+        self.parents: dict[str, set[str]] = {}  # child id -> ids of nodes naming it
+        self.total_bytes = 0
+
+    # ------------------------------------------------------------------ intake
+    def add(self, fragment: pb.NodeFragment) -> bool:
+        """Store a client fragment. Returns False for an ignored duplicate."""
+        nid = fragment.id
+        if not nid:
+            raise invalid("node fragment without an id: every NodeFragment needs a node id")
+        if nid in self.dropped:
+            raise SessionAbort(
+                grpc.StatusCode.NOT_FOUND, f"node {nid!r}: fragment for a node that was dropped"
+            )
+        node = self.nodes.get(nid)
+        if node is not None and node.produced_by is not None:
+            raise invalid(
+                f"node {nid!r} is the output of a {node.produced_by} action: only the server writes it"
+            )
+        seq = fragment.seq
+        if seq < 0:
+            raise invalid(f"node {nid!r}: seq {seq} is negative")
+        if node is not None and seq in node.fragments:
+            return False  # the first fragment with this (id, seq) wins; retries are not errors
+        has_chunk = fragment.HasField("chunk_fragment")
+        if has_chunk and fragment.child_ids:
+            raise invalid(
+                f"node {nid!r} seq {seq}: a fragment cannot carry both child_ids and chunk_fragment"
+            )
+        if node is None:
+            node = self._new_node(nid)
+        self._check_final(node, fragment)
+        self._check_kind(node, fragment)
+        self._check_metadata(node, fragment)
+        self._charge(node, _fragment_bytes(fragment))
+        node.fragments[seq] = fragment
+        if not fragment.continued:
+            node.final_seq = seq
+        while node.contiguous in node.fragments:
+            node.contiguous += 1
+        for child in fragment.child_ids:
+            self._add_edge(node, child)
+        return True
+
+    def _new_node(self, nid: str) -> Node:
+        if len(self.nodes) >= self.limits.max_nodes:
+            raise exhausted(f"node {nid!r}: session node limit max_nodes={self.limits.max_nodes} reached")
+        node = Node(nid)
+        self.nodes[nid] = node
+        return node
+
+    def _charge(self, node: Node, size: int) -> None:
+        if self.total_bytes + size > self.limits.max_bytes:
+            raise exhausted(
+                f"node {node.id!r}: session byte limit max_bytes={self.limits.max_bytes} exceeded"
+            )
+        self.total_bytes += size
+        node.nbytes += size
+
+    def _check_final(self, node: Node, fragment: pb.NodeFragment) -> None:
+        seq = fragment.seq
+        if node.final_seq is not None and seq > node.final_seq:
+            raise invalid(
+                f"node {node.id!r}: fragment seq {seq} is past the node's final seq {node.final_seq} "
+                "(the fragment with continued=false)"
+            )
+        if not fragment.continued:
+            later = [s for s in node.fragments if s > seq]
+            if later:
+                raise invalid(
+                    f"node {node.id!r}: fragment seq {max(later)} is past the node's final seq {seq} "
+                    "(the fragment with continued=false)"
+                )
+
+    def _check_kind(self, node: Node, fragment: pb.NodeFragment) -> None:
+        kind = "leaf" if fragment.HasField("chunk_fragment") else "inner" if fragment.child_ids else None
+        if kind is None:
+            return
+        if node.kind is not None and node.kind != kind:
+            raise invalid(
+                f"node {node.id!r}: child_ids and chunk_fragment are exclusive within a node "
+                f"(seq {fragment.seq} makes a {kind} of a {node.kind} node)"
+            )
+        node.kind = kind
+
+    def _check_metadata(self, node: Node, fragment: pb.NodeFragment) -> None:
+        chunk = fragment.chunk_fragment if fragment.HasField("chunk_fragment") else None
+        if fragment.seq == 0:
+            if chunk is not None and not chunk.HasField("metadata"):
+                raise invalid(f"node {node.id!r}: seq 0 of a leaf must carry the chunk metadata (mimetype)")
+            for seq, other in node.fragments.items():
+                self._same_metadata(node, seq, other, chunk)
+        elif 0 in node.fragments:
+            first = node.fragments[0]
+            self._same_metadata(node, fragment.seq, fragment, first.chunk_fragment)
+
+    @staticmethod
+    def _same_metadata(node: Node, seq: int, fragment: pb.NodeFragment, first: pb.Chunk | None) -> None:
+        if not fragment.HasField("chunk_fragment") or not fragment.chunk_fragment.HasField("metadata"):
+            return
+        if first is None or fragment.chunk_fragment.metadata != first.metadata:
+            raise invalid(
+                f"node {node.id!r}: metadata on seq {seq}: only seq 0 carries metadata "
+                "(a later fragment may only repeat seq 0's metadata unchanged)"
+            )
+
+    # ------------------------------------------------------------------ DAG
+    def _add_edge(self, parent: Node, child: str) -> None:
+        if child in self.dropped:
+            raise SessionAbort(grpc.StatusCode.NOT_FOUND, f"node {parent.id!r}: child {child!r} was dropped")
+        if child == parent.id or self._reaches(child, parent.id):
+            raise invalid(
+                f"node {parent.id!r}: child {child!r} makes a cycle (nodes cannot contain themselves)"
+            )
+        depth = self._depth_above(parent.id, {}) + 1 + self._height(child, {})
+        if depth > self.limits.max_depth:
+            raise exhausted(
+                f"node {parent.id!r}: nesting depth {depth} through child {child!r} exceeds "
+                f"the limit max_depth={self.limits.max_depth}"
+            )
+        self.parents.setdefault(child, set()).add(parent.id)
+
+    def _reaches(self, start: str, target: str) -> bool:
+        seen: set[str] = set()
+        stack = [start]
+        while stack:
+            nid = stack.pop()
+            if nid == target:
+                return True
+            if nid in seen:
+                continue
+            seen.add(nid)
+            node = self.nodes.get(nid)
+            if node is not None:
+                stack.extend(node.all_children())
+        return False
+
+    def _height(self, nid: str, memo: dict[str, int]) -> int:
+        if nid in memo:
+            return memo[nid]
+        node = self.nodes.get(nid)
+        memo[nid] = 0
+        if node is not None:
+            kids = node.all_children()
+            memo[nid] = 1 + max((self._height(c, memo) for c in kids), default=-1) if kids else 0
+        return memo[nid]
+
+    def _depth_above(self, nid: str, memo: dict[str, int]) -> int:
+        if nid in memo:
+            return memo[nid]
+        memo[nid] = 0
+        best = 0
+        for parent in self.parents.get(nid, ()):
+            best = max(best, 1 + self._depth_above(parent, memo))
+        memo[nid] = best
+        return best
+
+    # ------------------------------------------------------------------ server outputs, drop
+    def reserve_output(self, nid: str, action: str) -> Node:
+        if nid in self.nodes or nid in self.dropped:
+            raise invalid(f"action {action}: output id {nid!r} is not new (output node ids must be new)")
+        node = self._new_node(nid)
+        node.produced_by = action
+        node.kind = "leaf"
+        return node
+
+    def add_output(self, node: Node, fragment: pb.NodeFragment, token_ids: list[int]) -> None:
+        """Record a fragment the server sends for one of its output nodes."""
+        self._charge(node, _fragment_bytes(fragment))
+        node.fragments[fragment.seq] = fragment
+        node.token_ids.extend(token_ids)
+        if not fragment.continued:
+            node.final_seq = fragment.seq
+        while node.contiguous in node.fragments:
+            node.contiguous += 1
+
+    def drop(self, nid: str) -> Node | None:
+        node = self.nodes.pop(nid, None)
+        if node is None:
+            return None
+        self.dropped.add(nid)
+        self.total_bytes -= node.nbytes
+        return node
+
+    def descendants(self, nid: str) -> list[str]:
+        out: list[str] = []
+        seen: set[str] = set()
+        stack = [nid]
+        while stack:
+            cur = stack.pop()
+            if cur in seen:
+                continue
+            seen.add(cur)
+            out.append(cur)
+            node = self.nodes.get(cur)
+            if node is not None:
+                stack.extend(node.all_children())
+        return out

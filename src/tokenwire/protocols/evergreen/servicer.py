@@ -1,0 +1,146 @@
+"""The thin grpc.aio adapter: `/evergreen.v2.EvergreenService/StartSession` on the shared server.
+
+One SessionRunner per RPC. Client messages feed it; its outgoing messages are written back;
+an abort becomes the RPC's status (code + message naming the node/action and the rule).
+When the client closes its side the running actions finish, then the RPC ends OK; when the
+client cancels, everything of the session is released.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tokenwire.engine.engine import Engine
+from tokenwire.protocols.evergreen.content import ChatLayout, PromptBuilder
+from tokenwire.protocols.evergreen.errors import SessionAbort
+from tokenwire.protocols.evergreen.executor import DEFAULT_MAX_TOKENS
+from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
+from tokenwire.protocols.evergreen.gen import evergreen_service_pb2_grpc as spb_grpc
+from tokenwire.protocols.evergreen.nodes import SessionLimits
+from tokenwire.protocols.evergreen.refs import RefSandbox
+from tokenwire.protocols.evergreen.runner import SessionRunner
+
+log = logging.getLogger("tokenwire.evergreen")
+SERVICE_NAME = "evergreen.v2.EvergreenService"
+
+
+class EvergreenServicer(spb_grpc.EvergreenServiceServicer):
+    def __init__(
+        self,
+        engine: Engine,
+        sandbox: RefSandbox,
+        limits: SessionLimits | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        reuse: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.reuse = reuse
+        self.default_max_tokens = default_max_tokens
+        self.sandbox = sandbox
+        self.limits = limits or SessionLimits()
+        self.layout = ChatLayout.from_tokenizer(engine.tokenizer)
+        self.runners: set[SessionRunner] = set()
+
+    def new_runner(self) -> SessionRunner:
+        builder = PromptBuilder(self.engine.tokenizer, self.layout)
+        return SessionRunner(
+            self.engine, builder, self.sandbox, self.limits, self.default_max_tokens, reuse=self.reuse
+        )
+
+    async def StartSession(
+        self, request_iterator: AsyncIterator[spb.SessionMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spb.SessionMessage]:
+        runner = self.new_runner()
+        self.runners.add(runner)
+        reader = asyncio.create_task(self._read(request_iterator, runner))
+        try:
+            while True:
+                if runner.finished:
+                    return
+                item = await runner.next_message()
+                if isinstance(item, SessionAbort):
+                    log.info("evergreen session aborted: %s %s", item.code.name, item.message)
+                    await context.abort(item.code, item.message)
+                if isinstance(item, spb.SessionMessage):
+                    yield item
+        finally:
+            # The reader is not cancelled here: cancelling a pending read while the abort
+            # status is on its way can make the client see INTERNAL instead of that status.
+            # It ends by itself when the call ends (or at its next message, after a failure).
+            reader.add_done_callback(_consume_result)
+            await runner.close()
+            self.runners.discard(runner)
+
+    @staticmethod
+    async def _read(request_iterator: AsyncIterator[spb.SessionMessage], runner: SessionRunner) -> None:
+        try:
+            async for message in request_iterator:
+                runner.feed(message)
+                if runner.failure is not None:
+                    return
+        finally:
+            runner.close_input()
+
+    async def close(self) -> None:
+        for runner in list(self.runners):
+            runner.abort(SessionAbort(grpc.StatusCode.UNAVAILABLE, "server shutting down"))
+            await runner.close()
+
+
+def _consume_result(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("evergreen reader ended: %r", task.exception())
+
+
+def limits_from_args(args: argparse.Namespace) -> SessionLimits:
+    d = SessionLimits()
+    return SessionLimits(
+        max_depth=getattr(args, "evergreen_max_depth", None) or d.max_depth,
+        max_nodes=getattr(args, "evergreen_max_nodes", None) or d.max_nodes,
+        max_bytes=getattr(args, "evergreen_max_bytes", None) or d.max_bytes,
+        max_actions=getattr(args, "evergreen_max_actions", None) or d.max_actions,
+    )
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("evergreen")
+    g.add_argument(
+        "--allow-ref-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="Evergreen: read file:// refs under this directory (repeatable; none by default)",
+    )
+    d = SessionLimits()
+    g.add_argument("--evergreen-max-depth", type=int, default=d.max_depth, help="node nesting depth limit")
+    g.add_argument("--evergreen-max-nodes", type=int, default=d.max_nodes, help="nodes per session")
+    g.add_argument("--evergreen-max-bytes", type=int, default=d.max_bytes, help="bytes per session")
+    g.add_argument("--evergreen-max-actions", type=int, default=d.max_actions, help="actions per session")
+    g.add_argument(
+        "--evergreen-max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="GENERATE's max_tokens when its GenerateConfig sets none",
+    )
+    g.add_argument(
+        "--evergreen-no-reuse",
+        dest="evergreen_reuse",
+        action="store_false",
+        help="benchmarks/debugging: never extend earlier engine sessions, prefix cache off",
+    )
+
+
+def add_to_server(server: grpc.aio.Server, engine: Engine, args: argparse.Namespace):  # -> GrpcRegistration
+    from tokenwire.protocols.grpc_server import GrpcRegistration
+
+    sandbox = RefSandbox(getattr(args, "allow_ref_root", None) or [])
+    max_tokens = getattr(args, "evergreen_max_tokens", None) or DEFAULT_MAX_TOKENS
+    reuse = getattr(args, "evergreen_reuse", True)
+    servicer = EvergreenServicer(engine, sandbox, limits_from_args(args), max_tokens, reuse=reuse)
+    spb_grpc.add_EvergreenServiceServicer_to_server(servicer, server)
+    return GrpcRegistration([SERVICE_NAME], servicer.close)
