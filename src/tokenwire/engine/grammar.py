@@ -211,6 +211,12 @@ class GrammarConstraint(Constraint):
 
     # ---- introspection ---------------------------------------------------------------------------
 
+    @property
+    def matcher(self) -> llguidance.LLMatcher:
+        """The underlying matcher, for batched mask computation (llguidance.LLExecutor); read
+        its state only: feed tokens through on_token/on_backtrack."""
+        return self._matcher
+
     def is_accepting(self) -> bool:
         """True when the output so far is a complete match (ending here would be valid)."""
         return self._matcher.is_accepting()

@@ -187,6 +187,8 @@ class Request:
         self.finished = False
         self.sync_queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
+        self._async_pending: list[Event] = []
+        self._async_scheduled = False
         self._sink: Callable[[Event], None] | None = None
         self._lock = threading.Lock()
         self._backlog: list[Event] = []
@@ -234,8 +236,23 @@ class Request:
             if self._async is None:
                 self.sync_queue.put(event)
                 return
-            loop, q = self._async
+            loop, _ = self._async
+            # One wake-up of the consumer's loop per batch: the events of one engine step (a
+            # prefill burst of many logprob positions) cross threads together.
+            self._async_pending.append(event)
+            if self._async_scheduled:
+                return
+            self._async_scheduled = True
         try:
-            loop.call_soon_threadsafe(q.put_nowait, event)
+            loop.call_soon_threadsafe(self._deliver_async)
         except RuntimeError:
             pass  # the consumer's loop is closed; nobody is listening
+
+    def _deliver_async(self) -> None:
+        with self._lock:
+            batch, self._async_pending = self._async_pending, []
+            self._async_scheduled = False
+        assert self._async is not None
+        q = self._async[1]
+        for event in batch:
+            q.put_nowait(event)

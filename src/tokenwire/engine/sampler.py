@@ -48,15 +48,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]] | None]:
-    """log-softmax at `token` and the `top` best, without materialising the whole log-softmax
-    (one reduction instead of a [vocab] temporary: this runs for every streamed token)."""
-    scores = logits.float()
-    lse = torch.logsumexp(scores, dim=-1)
-    chosen = float(scores[token] - lse)
+    """log-softmax at `token` and the `top` best (max instead of topk for the common top-1)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # one row stays on one thread (see step.py)
+    chosen = float(logp[token])
     if top <= 0:
         return chosen, None
     if top == 1:
-        value, index = torch.max(scores, dim=-1)
-        return chosen, [(int(index), float(value - lse))]
-    values, ids = torch.topk(scores, min(top, scores.shape[0]))
-    return chosen, list(zip(ids.tolist(), (values - lse).tolist(), strict=True))
+        value, index = torch.max(logp, dim=-1)
+        return chosen, [(int(index), float(value))]
+    values, ids = torch.topk(logp, min(top, logp.shape[0]))
+    return chosen, list(zip(ids.tolist(), values.tolist(), strict=True))

@@ -83,3 +83,30 @@ def test_tags_persist_across_restarts(tmp_path):
     tags = {t["tag"]: t for t in second.get_tags()}
     assert tags["persisted"]["module_id"] == mid and tags["persisted"]["updated_by"] == "me"
     assert second.resolve("persisted")[0] == mid
+
+
+@pytest.mark.parametrize("vocab", [64, 61, 100])
+def test_bias_rows_expand_masks_like_a_per_token_loop(vocab):
+    from tokenwire.protocols.aici.bias_rows import BiasWriter
+    from tokenwire.protocols.aici.controller import MidResult
+
+    rng = np.random.default_rng(vocab)
+    n_words = (vocab + 31) // 32
+    masks = [rng.integers(0, 2**32, size=n_words, dtype=np.uint64).astype(np.uint32) for _ in range(3)]
+    writer = BiasWriter(vocab, vocab)
+    writer.begin(4)
+    writer.add(0, MidResult(mask=masks[0]))
+    writer.add(1, MidResult(mask=masks[1], disallow=(3, 5)))
+    writer.add(2, MidResult(bias=np.arange(vocab, dtype=np.float32)))
+    # row 3: nothing = neutral
+    out = np.full(4 * vocab + 7, 42.0, dtype=np.float32)
+    assert writer.finish(out) == {}
+    rows = out[: 4 * vocab].reshape(4, vocab)
+    for r in (0, 1):
+        want = [
+            0.0 if (int(masks[r][t // 32]) >> (t % 32)) & 1 and not (r == 1 and t in (3, 5)) else -np.inf
+            for t in range(vocab)
+        ]
+        assert rows[r].tolist() == want
+    assert rows[2].tolist() == list(range(vocab)) and (rows[3] == 0).all()
+    assert (out[4 * vocab :] == 42.0).all()  # nothing written past the step's rows

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import re
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -141,3 +142,73 @@ def test_bad_requests(server):
     # still serving
     forks, _ = _run(server, {"controller": "regex", "controller_arg": "ok"})
     assert forks[0]["text"] == "ok"
+
+
+# ---- published jsctrl samples, unchanged, on the real model -------------------------------------------
+
+SAMPLES = Path(__file__).parent / "js_samples"
+SCHEMA_HEAD = "Here is JSON objects for five European cities:\n["
+# strings are cut at maxTokens: 50; \d is Unicode-aware (Rust regex)
+SCHEMA_CITY = r'\{\n    "name": "[^\n]*,\n    "population": \d+,\n    "url": "[^\n]*\n'
+
+
+def _sample_run(server, name: str, max_tokens: int = 256) -> dict:
+    program = (SAMPLES / name).read_text(encoding="utf-8")
+    forks, _ = _run(
+        server, {"controller": "jsctrl-latest", "controller_arg": program, "max_tokens": max_tokens}
+    )
+    assert list(forks) == [0]
+    f = forks[0]
+    assert f["error"] == "" and f["finish_reason"] == "aici-stop", f
+    return f
+
+
+def test_sample_hello_js(server):
+    f = _sample_run(server, "hello.js")
+    assert re.fullmatch(r"Ultimate answer is to the life, universe and everything is \d\d", f["text"]), f
+
+
+def test_sample_hellots_ts(server):
+    f = _sample_run(server, "hellots.ts")
+    assert re.fullmatch(r"Hello [A-Z]+", f["text"]), f
+
+
+def test_sample_schema_js(server):
+    # up to three cities: fixed JSON keys, a JSON-string regex, \d+, and gen({options: [...]}) choosing
+    # between another object and the closing bracket; console.log(start.textSince()) goes to the logs
+    f = _sample_run(server, "schema.js", max_tokens=1000)
+    text = f["text"]
+    assert text.startswith(SCHEMA_HEAD + "{\n"), text
+    body = text[len(SCHEMA_HEAD) :]
+    assert re.fullmatch(rf"(?:{SCHEMA_CITY}}},\n){{0,2}}{SCHEMA_CITY}(?:\]|}},\n)", body), body
+    assert body in f["logs"]  # Label.textSince() printed by the program
+
+
+# ---- controller work overlaps the model forward -------------------------------------------------------
+
+
+def test_rounds_overlap_the_forward_and_change_nothing(server):
+    _, srv = server
+    coord = srv.coord
+    body = {
+        "controller": "regex",
+        "controller_arg": "[a-z]+( [a-z]+){5}",
+        "prompt": "A poem:",
+        "max_tokens": 12,
+    }
+    coord.overlap = False
+    try:
+        before = coord.stats.json()
+        plain, _ = _run(server, body)
+        assert coord.stats.early_rounds == before["early_rounds"]
+    finally:
+        coord.overlap = True
+    before = coord.stats.json()
+    overlapped, runs = _run(server, body)
+    after = coord.stats.json()
+    assert overlapped == plain and len(plain[0]["text"]) > 0  # greedy: the same text either way
+    sampled = runs[-1]["usage"]["sampled_tokens"]
+    assert sampled >= 10
+    # every sampled token's round but the last went out from on_token and was consumed after the next forward
+    assert after["early_rounds"] - before["early_rounds"] >= sampled - 1
+    assert after["overlapped"] - before["overlapped"] >= sampled - 1

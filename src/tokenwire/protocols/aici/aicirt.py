@@ -122,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError:
         pass  # already a group leader
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    import torch
+
+    # one thread: an OpenMP team here stalls ~8 ms per op whenever the CPU is shared (measured)
+    torch.set_num_threads(1)
     from tokenwire.protocols.aici.tokenizer_env import env_for, load_tokenizer
 
     try:

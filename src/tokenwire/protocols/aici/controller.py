@@ -82,12 +82,29 @@ class PreResult:
 
 @dataclass
 class MidResult:
-    """The next token's constraint. `bias` is float32 [vocab_size] added to the logits
-    (large negative = disallowed); None = no bias (all zeros)."""
+    """The next token's constraint, in one of three forms (first that is set wins):
+
+    * `matcher`: an llguidance LLMatcher whose next-token mask is the constraint. The runtime
+      computes the masks of all such sequences of a step in one parallel llguidance call and
+      expands them straight into the bin region (allowed 0, else -inf), minus `disallow` ids;
+    * `mask`: the allowed tokens as 32-bit words (bit i of word w = token 32w+i), expanded alike;
+    * `bias`: float32 [vocab_size] added to the logits (large negative = disallowed).
+    None of them = no bias (all zeros). `ff_tokens`/`backtrack` = a splice instead of sampling.
+    """
 
     bias: np.ndarray | None = None
     ff_tokens: list[int] = field(default_factory=list)
     backtrack: int = 0
+    mask: np.ndarray | None = None  # int32/uint32 words [ceil(vocab/32)]
+    matcher: Any = None  # llguidance.LLMatcher, mask computed by the runtime in a batch
+    disallow: tuple[int, ...] = ()  # ids cleared from `mask`/`matcher`'s mask (e.g. EOS mid-program)
+
+    def dense_bias(self, vocab_size: int) -> np.ndarray | None:
+        """The float32 [vocab_size] row this result stands for (None = all zeros); for callers
+        that run a controller without the runtime (tests, simulators)."""
+        from tokenwire.protocols.aici.bias_rows import dense_row
+
+        return dense_row(self, vocab_size)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 jsctrl (QuickJS interrupt handler) and Wasm (wasmtime epochs/fuel) stop themselves at the
 deadline they are given. A Python-level controller (the declarative ones) cannot be trusted
-to, so on the main thread the runtime arms a one-shot SIGALRM timer: Python checks signals
+to, so on the main thread the runtime arms SIGALRM: a one-shot timer per call, or for a whole
+main-channel op one periodic timer (`ticker`, ~0.5 ms resolution). Python checks signals
 between bytecodes, so even `while True: pass` is interrupted with ControllerTimeout. Time
 spent inside one long C call (e.g. a single llguidance mask) is only measured, not cut.
 Off the main thread (side-channel instantiate) the limit is checked when the call returns.
@@ -10,44 +11,80 @@ Off the main thread (side-channel instantiate) the limit is checked when the cal
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from tokenwire.protocols.aici.controller import ControllerTimeout
 
 T = TypeVar("T")
 
-__all__ = ["call_with_deadline"]
+__all__ = ["call_with_deadline", "ticker"]
 
-_armed = False
+TICK_S = 0.0005  # the ticker's period: deadlines are enforced to within about this
+
+_armed = False  # a controller call is running under a deadline
+_deadline = 0.0
+_installed = False
+_ticking = 0  # nesting depth of ticker() scopes
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
-    if _armed:
+    if _armed and (not _ticking or time.monotonic() >= _deadline):
         raise ControllerTimeout("controller ran past its time limit (interrupted)")
+
+
+def _install() -> None:
+    global _installed
+    if not _installed:  # signal.getsignal costs microseconds (enum lookups): remember instead
+        signal.signal(signal.SIGALRM, _on_alarm)
+        _installed = True
+
+
+@contextlib.contextmanager
+def ticker() -> Iterator[None]:
+    """A periodic SIGALRM for a batch of calls (one main-channel op): each call under it only
+    sets its deadline instead of arming and disarming a one-shot timer (two syscalls a call)."""
+    global _ticking
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _install()
+    _ticking += 1
+    if _ticking == 1:
+        signal.setitimer(signal.ITIMER_REAL, TICK_S, TICK_S)
+    try:
+        yield
+    finally:
+        _ticking -= 1
+        if _ticking == 0:
+            signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def call_with_deadline(fn: Callable[[], T], deadline: float, what: str, *, self_timed: bool) -> T:
     """Run `fn`; raise ControllerTimeout when it runs past `deadline` (time.monotonic())."""
-    global _armed
+    global _armed, _deadline
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise ControllerTimeout(f"{what}: no time left before the call started")
     use_alarm = not self_timed and threading.current_thread() is threading.main_thread()
+    one_shot = use_alarm and not _ticking
     if use_alarm:
-        if signal.getsignal(signal.SIGALRM) is not _on_alarm:
-            signal.signal(signal.SIGALRM, _on_alarm)
+        _install()
+        _deadline = deadline
         _armed = True
-        signal.setitimer(signal.ITIMER_REAL, remaining)
+        if one_shot:
+            signal.setitimer(signal.ITIMER_REAL, remaining)
     try:
         result = fn()
     finally:
         if use_alarm:
             _armed = False
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            if one_shot:
+                signal.setitimer(signal.ITIMER_REAL, 0)
     if not self_timed and time.monotonic() > deadline:
         raise ControllerTimeout(f"{what} ran past its time limit")
     return result

@@ -25,6 +25,8 @@ import copy
 import json
 from typing import Any
 
+import llguidance
+import llguidance.numpy
 import numpy as np
 
 from tokenwire.engine.grammar import GrammarConstraint
@@ -106,6 +108,7 @@ class DeclarativeController(Controller):
         self.fork_point: tuple[int, list[list[dict[str, Any]]]] | None = None
         self._compiled: dict[int, GrammarConstraint] = {}  # id(gen spec) -> compiled at init
         self._eos = {env.eos_token_id, *getattr(env.ll_tokenizer, "eos_tokens", ())}
+        self._new_buffers()
 
     @property
     def done(self) -> bool:
@@ -137,23 +140,39 @@ class DeclarativeController(Controller):
                 return PreResult(num_forks=len(branches), ff_tokens=ff)
             else:
                 gen = self._active_gen()
-                st = gen.next_step()
-                if st.stop:
+                m = gen.matcher
+                self._check(m)
+                if m.is_stopped():
                     self._finish_gen()
-                elif st.force:
-                    for t in st.force:
+                    continue
+                force = m.compute_ff_tokens()
+                self._check(m)
+                if force:
+                    for t in force:
                         gen.on_token(t)
-                    self.gen_tokens += st.force
-                    ff += st.force
+                    self.gen_tokens += force
+                    ff += force
                     if self._gen_limit_reached():
                         self._finish_gen()
-                else:
+                elif m.is_accepting():
+                    # the grammar may be complete: only the mask tells whether anything but EOS
+                    # may follow. Computed here once and handed to mid_process (same state).
+                    words = self._mask_buf
+                    llguidance.numpy.fill_next_token_bitmask(m, words)
+                    self._check(m)
+                    rest = words[0].view(np.uint32) & self._not_eos_words
+                    if m.is_stopped() or not rest.any():
+                        self._finish_gen()
+                        continue
+                    self._pre_mask = words[0]
                     break
+                else:
+                    break  # mid_process hands the matcher to the runtime's batched mask
         return PreResult(ff_tokens=ff)
 
     def mid_process(self, deadline: float) -> MidResult:
         if self.done:
-            return MidResult(bias=self._only(self._eos))
+            return MidResult(mask=self._eos_words.view(np.int32))
         step = self.steps[self.idx]
         if "fixed" in step:  # a splice, or a fork branch's first text: the engine appends it
             self.pending_splice = self.env.tokenize(step["fixed"])
@@ -161,19 +180,15 @@ class DeclarativeController(Controller):
             return MidResult(ff_tokens=list(self.pending_splice), backtrack=int(step.get("backtrack", 0)))
         if "fork" in step:
             raise ControllerError("a fork must follow a generated or fixed token, not another fork")
-        mask = self._active_gen().compute_mask().numpy()
-        if self.idx < len(self.steps) - 1:  # EOS would end the whole sequence, not this step
-            mask = mask.copy()
-            for e in self._eos:
-                if e < mask.size:
-                    mask[e] = False
-        bias = np.zeros(self.env.vocab_size, dtype=np.float32)
-        n = min(mask.size, bias.size)
-        bias[:n][~mask[:n]] = -np.inf
-        bias[n:] = -np.inf
-        return MidResult(bias=bias)
+        # EOS would end the whole sequence, not this step
+        disallow = tuple(self._eos) if self.idx < len(self.steps) - 1 else ()
+        if self._pre_mask is not None:
+            mask, self._pre_mask = self._pre_mask, None
+            return MidResult(mask=mask, disallow=disallow)
+        return MidResult(matcher=self._active_gen().matcher, disallow=disallow)
 
     def post_process(self, backtrack: int, tokens: list[int], deadline: float) -> PostResult:
+        self._pre_mask = None
         if self.pending_splice is not None:
             if tokens != self.pending_splice:
                 raise ControllerError(
@@ -202,6 +217,11 @@ class DeclarativeController(Controller):
         other = copy.copy(self)
         other.logs, other.storage = [], []
         other._compiled = {}
+        pre_mask = self._pre_mask
+        other._new_buffers()  # own mask buffer: the parent refills its own next step
+        if pre_mask is not None:
+            other._mask_buf[0] = pre_mask
+            other._pre_mask = other._mask_buf[0]
         other.steps = list(self.steps)
         other.gen = self.gen.fork() if self.gen is not None else None
         other.gen_tokens = list(self.gen_tokens)
@@ -256,9 +276,17 @@ class DeclarativeController(Controller):
         self.gen_tokens = []
         self.idx += 1
 
-    def _only(self, allowed: set[int]) -> np.ndarray:
-        bias = np.full(self.env.vocab_size, -np.inf, dtype=np.float32)
-        for t in allowed:
-            if 0 <= t < bias.size:
-                bias[t] = 0.0
-        return bias
+    def _check(self, m: llguidance.LLMatcher) -> None:
+        if m.is_error():
+            raise ControllerError(f"grammar failed: {m.get_error()}")
+
+    def _new_buffers(self) -> None:
+        llt = self.env.ll_tokenizer
+        n_words = ((llt.vocab_size if llt is not None else self.env.vocab_size) + 31) // 32
+        self._mask_buf = llguidance.numpy.allocate_token_bitmask(1, 32 * n_words)
+        self._pre_mask: np.ndarray | None = None  # the mask pre_process computed for mid_process
+        self._eos_words = np.zeros(n_words, dtype=np.uint32)
+        for t in self._eos:
+            if 0 <= t < 32 * n_words:
+                self._eos_words[t >> 5] |= np.uint32(1 << (t & 31))
+        self._not_eos_words = ~self._eos_words

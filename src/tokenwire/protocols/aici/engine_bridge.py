@@ -1,12 +1,20 @@
 """Our engine drives the runtime: one Coordinator per runtime, one AiciConstraint per sequence.
 
 The engine consults a sequence's Constraint at each of its sampling points (model thread, in
-step order). AICI wants one post_pre_process + mid_process per step for all sequences, so the
-first sequence that needs a step result starts a *round*: post_pre_process with every
-sequence's pending post op (its sampled token, or the spliced tokens + backtrack), new
-assignments and freed ids, then mid_process for every live, non-suspended sequence (plus the
-clones a fork asked for). Each sequence's result is cached; the others of the same step take
-theirs from the cache instead of starting another round.
+step order). AICI wants one post_pre_process + mid_process per step for all sequences (a
+*round*): post_pre_process with every sequence's pending post op (its sampled token, or the
+spliced tokens + backtrack), new assignments and freed ids, then mid_process for every live,
+non-suspended sequence (plus the clones a fork asked for). Each sequence's result is cached
+until its next sampling point takes it.
+
+Overlap with the model forward. A round depends only on the tokens the sequences appended,
+not on the next logits. So as soon as every live sequence has reported its token(s)
+(`on_token`), and none still holds an unconsumed result, the round is submitted to a worker
+thread; the runtime (another process) computes while the engine runs the next forward, and
+`next_step` only waits for the reply. When that condition is not met (a sequence finished
+without reporting, a new sequence joins, a sequence took pre ff_tokens and still holds its
+mid result), the first sequence that needs a result runs the round itself, as without
+overlap. Rounds never run concurrently, so the runtime sees the same sequence of commands.
 
 A fork or suspend cannot be expressed through the Constraint hook, so the constraint ends its
 request (stop) with `outcome` set; the run (run.py) forks the session / waits and resumes.
@@ -14,8 +22,11 @@ request (stop) with `outcome` set; the run (run.py) forks the session / waits an
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +36,7 @@ import torch
 from tokenwire.engine.constraints import Constraint, ConstraintStep
 from tokenwire.protocols.aici.client import AiciClient
 
-__all__ = ["AiciConstraint", "Coordinator", "SeqOutcome", "SeqState"]
+__all__ = ["AiciConstraint", "Coordinator", "RoundStats", "SeqOutcome", "SeqState"]
 
 
 @dataclass
@@ -43,23 +54,53 @@ class SeqState:
     post_tokens: list[int] = field(default_factory=list)
     post_backtrack: int = 0
     has_post: bool = False
+    owed: int = 0  # tokens the engine still has to report (on_token) for this step's post op
     pre: dict[str, Any] | None = None
-    mid: dict[str, Any] | None = None  # {"bias": row copy | None, "ff_tokens", "backtrack"}
+    mid: dict[str, Any] | None = None  # {"bias": row copy, "ff_tokens", "backtrack"}
+    round_step: int | None = None  # engine step count when the round of `pre`/`mid` was submitted early
     clone_of: int | None = None  # mid op must carry clone_id (first round after a fork)
     entries: list[dict[str, Any]] = field(default_factory=list)  # runtime entries, for logs
     stopped: bool = False
     error: str = ""
 
 
+@dataclass
+class RoundStats:
+    rounds: int = 0
+    early_rounds: int = 0  # submitted from on_token, before the next forward
+    round_s: float = 0.0  # wall time of all rounds (both round trips, the runtime's work included)
+    wait_s: float = 0.0  # time sampling points spent waiting for rounds (or running them)
+    overlapped: int = 0  # results taken after at least one engine step ran since their round started
+
+    def json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
 class Coordinator:
-    def __init__(self, client: AiciClient, vocab_size: int) -> None:
+    def __init__(
+        self,
+        client: AiciClient,
+        vocab_size: int,
+        *,
+        overlap: bool = True,
+        step_count: Callable[[], int] | None = None,
+    ) -> None:
         self.client = client
         self.vocab_size = vocab_size  # the engine's logits width used for sampling
+        self.overlap = overlap
+        self.step_count = step_count or (lambda: 0)  # the engine's step counter (for stats)
         self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._ids = itertools.count(1)
         self.seqs: dict[int, SeqState] = {}
         self._freed: list[int] = []
-        self.rounds = 0
+        self._inflight = False
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aici-round")
+        self.stats = RoundStats()
+
+    @property
+    def rounds(self) -> int:
+        return self.stats.rounds
 
     def new_seq(self, req_id: str) -> SeqState:
         with self._lock:
@@ -72,6 +113,7 @@ class Coordinator:
             state = self.seqs.pop(seq_id, None)
             if state is not None and state.req_id is None:  # the runtime knows it
                 self._freed.append(seq_id)
+            self.maybe_start_early()  # it may have been the one everybody waited for
 
     def drain_entries(self, seq_id: int) -> list[dict[str, Any]]:
         with self._lock:
@@ -81,23 +123,79 @@ class Coordinator:
             out, state.entries = state.entries, []
             return out
 
-    def run_round(self) -> None:
-        """One AICI step for every sequence (called with the lock held by a constraint)."""
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    # ---- rounds ----------------------------------------------------------------------------
+
+    def maybe_start_early(self) -> None:
+        """Lock held. Submit the next round now if every live sequence has reported."""
+        if not self.overlap or self._inflight:
+            return
+        any_post = False
+        for s in self.seqs.values():
+            if s.stopped:
+                continue
+            if s.owed or s.pre is not None or s.mid is not None:
+                return  # still sampling, or holds a result it has not used yet
+            any_post = any_post or s.has_post
+        if not any_post:
+            return
+        msg = self._begin_round()
+        self.stats.early_rounds += 1
+        self._worker.submit(self._run_round, msg, self.step_count())
+
+    def run_round_now(self) -> None:
+        """Lock held, nothing in flight: one round, on the calling thread."""
+        self._run_round(self._begin_round(), None)
+
+    def wait_idle(self) -> None:
+        """Lock held: wait until no round is in flight."""
+        while self._inflight:
+            self._cond.wait()
+
+    def _begin_round(self) -> dict[str, Any]:
         pre_ops, post_ops = [], []
         for s in self.seqs.values():
             if s.req_id is not None:
                 pre_ops.append({"id": s.seq_id, "req_id": s.req_id})
             elif s.has_post and not s.stopped:
                 post_ops.append({"id": s.seq_id, "tokens": s.post_tokens, "backtrack": s.post_backtrack})
-        freed, self._freed = self._freed, []
-        data = self.client.main(
-            {"op": "post_pre_process", "post_ops": post_ops, "pre_ops": pre_ops, "freed": freed}
-        )
-        self.rounds += 1
-        for s in self.seqs.values():
             s.req_id = None
-            s.post_tokens, s.post_backtrack, s.has_post = [], 0, False
+            s.post_tokens, s.post_backtrack, s.has_post, s.owed = [], 0, False, 0
             s.pre = s.mid = None
+        freed, self._freed = self._freed, []
+        self._inflight = True
+        return {"op": "post_pre_process", "post_ops": post_ops, "pre_ops": pre_ops, "freed": freed}
+
+    def _run_round(self, msg: dict[str, Any], early_step: int | None) -> None:
+        t0 = time.perf_counter()
+        involved = [op["id"] for op in msg["post_ops"] + msg["pre_ops"]]
+        try:
+            data = self.client.main(msg)
+            with self._lock:
+                mid_ops = self._apply_post_pre(data, early_step)
+                involved += [op["id"] for op in mid_ops]
+            if mid_ops:
+                data = self.client.main({"op": "mid_process", "ops": mid_ops})
+                rows = self.client.biases(len(mid_ops))
+                with self._lock:
+                    self._apply_mid(mid_ops, data, rows)
+        except Exception as e:  # the runtime failed or died: fail this round's sequences
+            with self._lock:
+                for sid in involved:
+                    s = self.seqs.get(sid)
+                    if s is not None:
+                        s.stopped = True
+                        s.error = s.error or f"AICI runtime: {type(e).__name__}: {e}"
+        finally:
+            with self._lock:
+                self.stats.rounds += 1
+                self.stats.round_s += time.perf_counter() - t0
+                self._inflight = False
+                self._cond.notify_all()
+
+    def _apply_post_pre(self, data: dict[str, Any], early_step: int | None) -> list[dict[str, Any]]:
         for key, entry in data.get("post_seqs", {}).items():
             s = self.seqs.get(int(key))
             if s is not None:
@@ -111,29 +209,29 @@ class Coordinator:
                 continue
             self._note(s, entry)
             s.pre = entry.get("result")
+            s.round_step = early_step
             if s.stopped or s.pre is None:
                 continue
             if s.pre.get("suspend") or s.pre.get("num_forks", 1) == 0:
                 continue
             mid_ops.append({"id": s.seq_id})
             for _ in range(int(s.pre.get("num_forks", 1)) - 1):  # forks: clones in the same mid
-                child = SeqState(next(self._ids), None, clone_of=s.seq_id)
+                child = SeqState(next(self._ids), None, clone_of=s.seq_id, round_step=early_step)
                 self.seqs[child.seq_id] = child
                 s.pre.setdefault("clone_ids", []).append(child.seq_id)
                 mid_ops.append({"id": child.seq_id, "clone_id": s.seq_id})
-        if not mid_ops:
-            return
-        data = self.client.main({"op": "mid_process", "ops": mid_ops})
-        rows = self.client.biases(len(mid_ops))
+        return mid_ops
+
+    def _apply_mid(self, mid_ops: list[dict[str, Any]], data: dict[str, Any], rows: np.ndarray) -> None:
         for i, op in enumerate(mid_ops):
-            s = self.seqs[op["id"]]
+            s = self.seqs.get(op["id"])
             entry = data.get("seqs", {}).get(str(op["id"]))
-            if entry is None:
-                continue
+            if s is None or entry is None:
+                continue  # freed meanwhile
             self._note(s, entry)
             result = entry.get("result") or {}
             s.mid = {
-                "bias": rows[i, : self.vocab_size].copy(),
+                "bias": rows[i, : self.vocab_size].copy(),  # the next round rewrites the region
                 "ff_tokens": list(result.get("ff_tokens") or []),
                 "backtrack": int(result.get("backtrack") or 0),
             }
@@ -168,11 +266,14 @@ class AiciConstraint(Constraint):
                 self._reporting = True
                 self.forced += len(ff)
                 return ConstraintStep(force=ff)
-            if (s.pre is None and s.mid is None) or s.has_post or s.req_id is not None:
-                self.coord.run_round()
+            self._await_results()
             if s.stopped:
                 self.outcome = SeqOutcome("error" if s.error else "stop", s.error)
                 return ConstraintStep(stop=True)
+            if s.round_step is not None and (s.pre is not None or s.mid is not None):
+                if self.coord.step_count() > s.round_step:
+                    self.coord.stats.overlapped += 1  # a forward ran while the runtime worked
+                s.round_step = None
             pre, s.pre = s.pre, None
             if pre is not None:
                 clones = pre.get("clone_ids") or []
@@ -199,11 +300,14 @@ class AiciConstraint(Constraint):
             self._reporting = True
             if mid["backtrack"] > 0:
                 self._splice, self._splice_backtrack = mid["ff_tokens"], mid["backtrack"]
+                s.owed = max(1, len(mid["ff_tokens"]))
                 return ConstraintStep(backtrack=mid["backtrack"])
             if mid["ff_tokens"]:
                 s.has_post = True
+                s.owed = len(mid["ff_tokens"])
                 self.forced += len(mid["ff_tokens"])
                 return ConstraintStep(force=list(mid["ff_tokens"]))
+            s.owed = 1
             bias = mid["bias"]
             finite = np.isfinite(bias)
             allowed = None if finite.all() else torch.from_numpy(finite)
@@ -214,8 +318,26 @@ class AiciConstraint(Constraint):
     def on_token(self, token: int) -> None:
         with self.coord._lock:
             if self._reporting:
-                self.state.post_tokens.append(token)
-                self.state.has_post = True
+                s = self.state
+                s.post_tokens.append(token)
+                s.has_post = True
+                if s.owed > 0:
+                    s.owed -= 1
+                if s.owed == 0:  # this step's post op is complete: maybe everyone's is
+                    self.coord.maybe_start_early()
+
+    def _await_results(self) -> None:
+        """Lock held. Make sure this sequence has its step result: wait for the round in
+        flight (started early, overlapping the forward), or run one now."""
+        coord, s = self.coord, self.state
+        t0 = time.perf_counter()
+        waited = coord._inflight
+        coord.wait_idle()
+        if not s.stopped and ((s.pre is None and s.mid is None) or s.has_post or s.req_id is not None):
+            coord.run_round_now()
+            waited = True
+        if waited:
+            coord.stats.wait_s += time.perf_counter() - t0
 
     def on_backtrack(self, n: int) -> None:
         with self.coord._lock:

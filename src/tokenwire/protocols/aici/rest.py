@@ -41,7 +41,7 @@ class AiciServer:
     def __init__(self, engine: Engine, client: AiciClient, host: str = "127.0.0.1", port: int = 4242) -> None:
         self.engine = engine
         self.client = client
-        self.coord = Coordinator(client, engine.vocab_size)
+        self.coord = Coordinator(client, engine.vocab_size, step_count=lambda: engine.steps)
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
@@ -113,6 +113,7 @@ class AiciServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self.coord.close()
 
 
 async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenwire.protocols.aici.bias_rows import BiasWriter
 from tokenwire.protocols.aici.codec import (
     ProtocolError,
     error_reply,
@@ -39,7 +40,7 @@ from tokenwire.protocols.aici.controller import (
     TokenizerEnv,
     VariableStore,
 )
-from tokenwire.protocols.aici.deadline import call_with_deadline
+from tokenwire.protocols.aici.deadline import call_with_deadline, ticker
 from tokenwire.protocols.aici.registry import ModuleRegistry, UnknownModule
 
 log = logging.getLogger("tokenwire.aicirt")
@@ -100,6 +101,8 @@ class AiciRuntime:
         self.instances: dict[str, Instance] = {}
         self._lock = threading.Lock()  # guards `instances` (side threads add, main takes)
         self.stats = RuntimeStats()
+        mask_vocab = env.ll_tokenizer.vocab_size if env.ll_tokenizer is not None else env.vocab_size
+        self._writer = BiasWriter(env.vocab_size, mask_vocab)
 
     # ---- main channel ----------------------------------------------------------------------
 
@@ -111,9 +114,11 @@ class AiciRuntime:
             if op == "tokens":
                 return ok_reply({"vocab_size": self.env.vocab_size, "eos_token_id": self.env.eos_token_id})
             if op == "post_pre_process":
-                return ok_reply(self._post_pre(msg))
+                with ticker():
+                    return ok_reply(self._post_pre(msg))
             if op == "mid_process":
-                return ok_reply(self._mid(msg, bias))
+                with ticker():
+                    return ok_reply(self._mid(msg, bias))
             if op == "stop":
                 raise StopRuntime
             raise ProtocolError(f"unknown op {op!r} on the main channel")
@@ -210,9 +215,9 @@ class AiciRuntime:
                 new_ids.add(sid)
             plan.append((sid, clone_id))
         seqs: dict[str, Any] = {}
+        writer = self._writer
+        writer.begin(len(plan))
         for row, (sid, clone_id) in enumerate(plan):
-            out_row = bias[row * vocab : (row + 1) * vocab]
-            out_row[:] = 0.0
             if clone_id is not None:
                 parent = self.seqs[clone_id]
                 parent.clones_made += 1
@@ -231,15 +236,23 @@ class AiciRuntime:
             out = self._call(seq, "mid_process", self.limits.mid_s, lambda c, d: c.mid_process(d))
             if not out.failed:
                 r = out.value
-                if r.bias is not None:
-                    b = np.asarray(r.bias, dtype=np.float32).reshape(-1)
-                    out_row[: min(b.size, vocab)] = b[:vocab]
                 if r.ff_tokens or r.backtrack:
                     out.entry["result"] = {
                         "ff_tokens": [int(t) for t in r.ff_tokens],
                         "backtrack": int(r.backtrack),
                     }
+                else:
+                    writer.add(row, r)
             seqs[str(sid)] = out.entry
+        # every mask of the step at once (parallel llguidance), then all rows into the bin region
+        for row, error in writer.finish(bias).items():
+            sid, _ = plan[row]
+            seq = self.seqs[sid]
+            seq.dead = True
+            self.stats.failures += 1
+            entry = seqs[str(sid)]
+            entry["error"] = f"mid_process: {error}"
+            entry["logs"] += f"ERROR mid_process: {error}\n"
         return {"seqs": seqs, "num_seqs": len(plan)}
 
     def _call(
