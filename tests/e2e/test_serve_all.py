@@ -49,7 +49,8 @@ def _get_json(url: str) -> object:
 
 def _grpc_services(port: int) -> set[str]:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
         assert check.status == health_pb2.HealthCheckResponse.SERVING
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
