@@ -71,7 +71,8 @@ def _session(path: Path) -> Any:
     from tokenwire.protocols.graphpipe.models.onnx_model import session_options
 
     return ort.InferenceSession(
-        str(path), sess_options=session_options(2), providers=["CPUExecutionProvider"]
+        # the in-process baseline alone on the machine: onnxruntime's default (spinning) pool
+        str(path), sess_options=session_options(2, spinning=True), providers=["CPUExecutionProvider"]
     )
 
 

@@ -23,6 +23,7 @@ from aiohttp import web
 from tokenwire.protocols.aici.client import AiciClient, AiciError
 from tokenwire.protocols.aici.engine_bridge import Coordinator
 from tokenwire.protocols.aici.run import RunRequest, run_events
+from tokenwire.protocols.http_site import start_site
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -52,13 +53,7 @@ class AiciServer:
         app.router.add_get("/v1/controllers/tags", self._get_tags)
         app.router.add_post("/v1/controllers/tags", self._set_tags)
         app.router.add_post("/v1/run", self._run)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        server = getattr(site, "_server", None)
-        if self.port == 0 and server is not None and server.sockets:
-            self.port = server.sockets[0].getsockname()[1]
+        self._runner, self.port = await start_site(app, self.host, self.port)
         log.info(
             "AICI REST listening on http://%s:%d/v1/ (runtime %s)", self.host, self.port, self.client.prefix
         )

@@ -22,6 +22,7 @@ from tokenwire.protocols.graphpipe.core import ModelEndpoint, Reply, error_reply
 from tokenwire.protocols.graphpipe.errors import ErrorCode, GraphPipeError
 from tokenwire.protocols.graphpipe.models.base import TensorModel
 from tokenwire.protocols.graphpipe.pages import metadata_html, metadata_json
+from tokenwire.protocols.http_site import start_site
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -65,13 +66,7 @@ class GraphPipeServer:
         app.router.add_get("/control/stats", self._stats)
         app.router.add_route("*", "/", self._model_route)
         app.router.add_route("*", "/{name}", self._model_route)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        server = getattr(site, "_server", None)
-        if self.port == 0 and server is not None and server.sockets:
-            self.port = server.sockets[0].getsockname()[1]
+        self._runner, self.port = await start_site(app, self.host, self.port)
         self.ready = True
         log.info("GraphPipe listening on %s (models %s)", self.url, ", ".join(self.paths()))
         return self

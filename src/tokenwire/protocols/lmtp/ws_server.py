@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import WSMsgType, web
 
+from tokenwire.protocols.http_site import start_site
 from tokenwire.protocols.lmtp.runner import ConnectionRunner
 
 if TYPE_CHECKING:
@@ -32,13 +33,7 @@ class LmtpServer:
     async def start(self) -> LmtpServer:
         app = web.Application()
         app.router.add_get("/", self._handle)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        server = getattr(site, "_server", None)
-        if self.port == 0 and server is not None and server.sockets:
-            self.port = server.sockets[0].getsockname()[1]
+        self._runner, self.port = await start_site(app, self.host, self.port)
         log.info("LMTP listening on ws://%s:%d/ (model %s)", self.host, self.port, self.engine.name)
         return self
 

@@ -40,10 +40,10 @@ def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCred
     return grpc.ssl_channel_credentials(root_certificates=root_certificates)
 
 
-# ---------------------------------------------------------------------------------------- async
-class AsyncSession:
-    def __init__(self, client: AsyncClient, view: SessionView) -> None:
-        self._client = client
+class _SessionState:
+    """What both session handles read from their local view (no I/O)."""
+
+    def __init__(self, view: SessionView) -> None:
         self.view = view
 
     @property
@@ -60,6 +60,13 @@ class AsyncSession:
 
     def truncate(self, length: int) -> None:
         self.view.truncate(length)
+
+
+# ---------------------------------------------------------------------------------------- async
+class AsyncSession(_SessionState):
+    def __init__(self, client: AsyncClient, view: SessionView) -> None:
+        super().__init__(view)
+        self._client = client
 
     async def resync(self) -> None:
         self.view.resync(await self.dump())
@@ -160,25 +167,10 @@ class AsyncClient:
 
 
 # ----------------------------------------------------------------------------------------- sync
-class Session:
+class Session(_SessionState):
     def __init__(self, client: Client, view: SessionView) -> None:
+        super().__init__(view)
         self._client = client
-        self.view = view
-
-    @property
-    def id(self) -> str:
-        return self.view.session_id
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.view.tokens
-
-    @property
-    def last_done(self) -> pb.GenerateDone | None:
-        return self.view.last_done
-
-    def truncate(self, length: int) -> None:
-        self.view.truncate(length)
 
     def resync(self) -> None:
         self.view.resync(self.dump())

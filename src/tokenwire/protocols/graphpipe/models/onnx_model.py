@@ -30,13 +30,16 @@ ORT_TYPES: dict[str, Type] = {
 }
 
 
-def session_options(intra_op_threads: int) -> ort.SessionOptions:
+def session_options(intra_op_threads: int, spinning: bool = False) -> ort.SessionOptions:
     opts = ort.SessionOptions()
     # sized for the machine's cores; one call at a time per model keeps them busy without
     # oversubscription, and batching (not parallel calls) gives the throughput
     opts.intra_op_num_threads = intra_op_threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # In a server the pool's threads must not busy-wait between calls: they would take the
+    # cores from the event loop that reads the next request (and from the engine's thread).
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     return opts
 
 
