@@ -159,3 +159,36 @@ def test_cli_multi_turn_chat(evergreen_server, smollm2_engine, monkeypatch, caps
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == greedy_text(smollm2_engine, "Name a fruit.")
     assert len(lines) == 2 and lines[1]
+
+
+def test_generate_stop_strings_and_logprobs_output_match_the_engine(evergreen_server, smollm2_engine):
+    user = "List five fruits, one per line."
+    prompt = smollm2_engine.tokenizer.apply_chat_template([{"role": "user", "content": user}])
+    free = "".join(
+        t.text
+        for t in smollm2_engine.generate(
+            None, prompt, GenerateOptions(max_tokens=24, sampling=SamplingParams(temperature=0))
+        ).result()[0]
+    )
+    stop = free[len(free) // 2 : len(free) // 2 + 3]  # a piece from the middle of the free answer
+    assert stop.strip(), free
+    tokens, finish = smollm2_engine.generate(
+        None,
+        prompt,
+        GenerateOptions(max_tokens=24, stop=[stop], logprobs=True, sampling=SamplingParams(temperature=0)),
+    ).result()
+    assert finish.reason == "stop"
+
+    async def main():
+        async with await EvergreenSession.connect(evergreen_server.target) as session:
+            config = GenerateConfig(temperature=0, max_tokens=24, stop=[stop], logprobs=True)
+            node = session.text(user)
+            outs = session.action("GENERATE", {"prompt": node}, ["response", "logprobs"], [config])
+            return await outs["response"].text(), await outs["logprobs"].json()
+
+    text, logprobs = run(main())
+    assert text == "".join(t.text for t in tokens) and stop in text and len(text) < len(free)
+    assert logprobs["finish_reason"] == "stop"
+    assert [r["id"] for r in logprobs["tokens"]] == [t.token_id for t in tokens]
+    assert logprobs["tokens"][0]["logprob"] == pytest.approx(tokens[0].logprob, abs=1e-4)
+    assert all(r["logprob"] <= 0 for r in logprobs["tokens"])
