@@ -3,7 +3,8 @@
 One ONNX MLP (calibrated to about 2 ms per single-row call in onnxruntime, 2 intra-op
 threads) served three ways and driven by the same load generator (asyncio + aiohttp, one
 request = one row, `concurrency` requests in flight):
-  (a) tokenwire: aiohttp server, zero-copy codec, dynamic batching (subprocess);
+  (a) tokenwire: aiohttp server, zero-copy codec, dynamic batching, a lone request run inline
+      (subprocess, default options);
   (b) http.server: Python's ThreadingHTTPServer (HTTP/1.1 keep-alive) with Oracle's
       `graphpipe.convert` for the flatbuffers, what a graphpipe-py user would write (subprocess);
   (c) in-process: onnxruntime `session.run` one request at a time (the unbatched limit),
@@ -72,7 +73,9 @@ def _session(path: Path) -> Any:
 
     return ort.InferenceSession(
         # the in-process baseline alone on the machine: onnxruntime's default (spinning) pool
-        str(path), sess_options=session_options(2, spinning=True), providers=["CPUExecutionProvider"]
+        str(path),
+        sess_options=session_options(2, spin_us=None),
+        providers=["CPUExecutionProvider"],
     )
 
 

@@ -16,6 +16,7 @@ from tokenwire.protocols.graphpipe.codec import (
     IOMetadata,
     MetadataRequest,
     MetadataResponse,
+    build_infer_response,
     decode_infer_response,
     decode_metadata_response,
     decode_request,
@@ -210,3 +211,45 @@ def test_encoding_writes_payload_into_the_builder() -> None:
     assert isinstance(view, memoryview) and view.obj is b.Bytes.obj  # no final copy of the buffer
     body = bytes(encode_infer_response([x]))
     assert decode_infer_response(body).outputs[0].tolist() == x.tolist()
+
+
+# ------------------------------------------------------------------ the fast response writer
+def _views(arr: np.ndarray) -> st.SearchStrategy[np.ndarray]:
+    """The array itself, a strided view of it, or a byte-swapped copy: all must encode alike."""
+    swapped = arr.astype(arr.dtype.newbyteorder(">" if arr.dtype.byteorder != ">" else "<"))
+    return st.sampled_from([arr, arr[::-1] if arr.ndim else arr, arr.T, swapped])
+
+
+@settings(max_examples=150, deadline=None)
+@given(arrays=st.lists(numeric_arrays.flatmap(_views), min_size=0, max_size=4))
+def test_fast_response_writer_round_trips_and_oracle_reads_it(arrays: list[np.ndarray]) -> None:
+    body = encode_infer_response(arrays)
+    assert isinstance(body, bytearray)  # the precomputed-layout writer, not the Builder
+    message = bytes(body)
+    ours = decode_infer_response(message)
+    oracle, errors = convert.deserialize_infer_response(message)
+    generic = decode_infer_response(bytes(build_infer_response(arrays)))
+    assert errors == [] and ours.errors == []
+    start = np.frombuffer(message, np.uint8).ctypes.data
+    for sent, back, theirs, built in zip(arrays, ours.outputs, oracle, generic.outputs, strict=True):
+        want = sent.astype(sent.dtype.newbyteorder("<"), order="C")  # what the wire must carry
+        assert _same(want, back) and _same(want, built)
+        assert theirs.shape == sent.shape and theirs.tobytes() == want.tobytes()
+        if back.size:  # a view on the message, its payload 16-byte aligned within it
+            assert (back.ctypes.data - start) % 16 == 0
+
+
+def test_fast_response_writer_large_message() -> None:
+    x = np.random.default_rng(3).standard_normal((3, 200_000)).astype(np.float32)  # 2.4 MB
+    ids = np.arange(10, dtype=np.int64).reshape(2, 5)
+    body = encode_infer_response([x, ids])
+    assert isinstance(body, memoryview)  # large: written into uninitialised memory, no zero pass
+    got = decode_infer_response(bytes(body))
+    assert _same(x, got.outputs[0]) and _same(ids, got.outputs[1])
+    oracle, _ = convert.deserialize_infer_response(bytes(body))
+    assert np.array_equal(oracle[0], x) and oracle[1].tolist() == ids.tolist()
+
+
+def test_fast_response_writer_refuses_types_without_a_wire_type() -> None:
+    with pytest.raises(TypeError, match="no GraphPipe type"):
+        encode_infer_response([np.zeros(3, dtype=bool)])

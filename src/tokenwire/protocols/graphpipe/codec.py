@@ -2,7 +2,7 @@
 
 Requests: `Request { req: Req }` with the union InferRequest (1) / MetadataRequest (2).
 Responses carry no union: an InferRequest is answered with an InferResponse root, a
-MetadataRequest with a MetadataResponse root. Encoders return a memoryview on the builder's
+MetadataRequest with a MetadataResponse root. Encoders return a memoryview on the message's
 buffer (the payload is copied into it once and not again).
 """
 
@@ -14,6 +14,7 @@ import flatbuffers
 import numpy as np
 
 from tokenwire.protocols.graphpipe.flatreader import CodecError, Table
+from tokenwire.protocols.graphpipe.response_writer import encode_numeric_response
 from tokenwire.protocols.graphpipe.tensor_codec import (
     DEFAULT_DATA_ALIGNMENT,
     add_string_vector,
@@ -23,7 +24,7 @@ from tokenwire.protocols.graphpipe.tensor_codec import (
     finish,
     new_builder,
 )
-from tokenwire.protocols.graphpipe.types import Type
+from tokenwire.protocols.graphpipe.types import STRING_KINDS, Type
 
 REQ_INFER, REQ_METADATA = 1, 2
 
@@ -35,6 +36,7 @@ __all__ = [
     "InferResponse",
     "MetadataRequest",
     "MetadataResponse",
+    "build_infer_response",
     "decode_infer_response",
     "decode_metadata_response",
     "decode_request",
@@ -159,12 +161,27 @@ def _finish_request(b: flatbuffers.Builder, kind: int, body: int) -> memoryview:
 
 # ------------------------------------------------------------------ responses
 def encode_infer_response(
+    outputs: list[np.ndarray] | None = None, errors: list[ErrorInfo] | None = None
+) -> memoryview:
+    """An InferResponse with outputs, or (the spec allows only one of the two) with errors.
+
+    Numeric outputs (the hot path) go through the precomputed-layout writer; String tensors
+    and errors through the generic flatbuffers Builder."""
+    if errors:
+        return build_infer_response(errors=errors)
+    arrays = [np.asarray(a) for a in outputs or []]
+    if any(a.dtype.kind in STRING_KINDS for a in arrays):
+        return build_infer_response(arrays)
+    return encode_numeric_response(arrays)
+
+
+def build_infer_response(
     outputs: list[np.ndarray] | None = None,
     errors: list[ErrorInfo] | None = None,
     *,
     data_alignment: int = DEFAULT_DATA_ALIGNMENT,
 ) -> memoryview:
-    """An InferResponse with outputs, or (the spec allows only one of the two) with errors."""
+    """encode_infer_response on the generic Builder (any tensor type, errors)."""
     if errors:
         b = new_builder(256 + sum(64 + len(e.message.encode()) for e in errors))
         built = []

@@ -36,7 +36,7 @@ VERSION = "1.0"
 @dataclass
 class Reply:
     status: int
-    body: bytes | memoryview
+    body: bytes | bytearray | memoryview
     error_code: int | None = None
 
 
@@ -116,14 +116,16 @@ class ModelEndpoint:
         window_s: float = 0.0,
         max_batch: int = 64,
         cache: ResponseCache | None = None,
+        inline_max_s: float = 0.0,
     ) -> None:
         self.model = model
-        self.batcher = Batcher(model, window_s=window_s, max_batch=max_batch)
+        self.batcher = Batcher(model, window_s=window_s, max_batch=max_batch, inline_max_s=inline_max_s)
         self.cache = cache
         self.metadata = model.metadata(VERSION)
         self._metadata_bytes = bytes(encode_metadata_response(self.metadata))
 
-    async def handle(self, body: bytes | memoryview) -> Reply:
+    async def handle(self, body: bytes | memoryview, *, alone: bool = False) -> Reply:
+        """`alone`: no other request is in flight (the batcher may run a short call inline)."""
         key = ResponseCache.key(self.model.name, body) if self.cache is not None else None
         if key is not None and self.cache is not None:
             hit = self.cache.get(key)
@@ -140,7 +142,7 @@ class ModelEndpoint:
         except GraphPipeError as err:
             return error_reply(err)
         try:
-            results = await self.batcher.submit(inputs, outputs, config)
+            results = await self.batcher.submit(inputs, outputs, config, alone=alone)
         except GraphPipeError as err:
             return error_reply(err)
         except Exception as exc:  # the model broke on this request; keep serving the others

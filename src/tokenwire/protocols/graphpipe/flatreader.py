@@ -82,10 +82,16 @@ class Table:
         off = self.field(slot)
         if not off:
             return None
-        vec = self._indirect(off)
-        self._need(vec, 4)
-        n = _U32(self.buf, vec)[0]
-        self._need(vec + 4, n * elem_size)
+        # the checks of _indirect and _need, inlined: this runs for every tensor field
+        buf, size = self.buf, self.size
+        if off + 4 > size:
+            self._need(off, 4)
+        vec = off + _U32(buf, off)[0]
+        if vec + 4 > size:
+            self._need(vec, 4)
+        n = _U32(buf, vec)[0]
+        if vec + 4 + n * elem_size > size:
+            self._need(vec + 4, n * elem_size)
         return vec + 4, n
 
     def string_at(self, off: int) -> bytes:

@@ -20,6 +20,7 @@ from aiohttp import web
 from tokenwire.protocols.graphpipe.cache import ResponseCache
 from tokenwire.protocols.graphpipe.core import ModelEndpoint, Reply, error_reply
 from tokenwire.protocols.graphpipe.errors import ErrorCode, GraphPipeError
+from tokenwire.protocols.graphpipe.models import DEFAULT_SPIN_US
 from tokenwire.protocols.graphpipe.models.base import TensorModel
 from tokenwire.protocols.graphpipe.pages import metadata_html, metadata_json
 from tokenwire.protocols.http_site import start_site
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokenwire.graphpipe")
 FLATBUFFER = "application/octet-stream"
+# A lone request (one client connection, nothing else in flight) to a model whose recent calls
+# took under this long runs on the event loop thread: no thread hand-off there and back
+DEFAULT_INLINE_MS = 5.0
 
 
 class GraphPipeServer:
@@ -43,6 +47,7 @@ class GraphPipeServer:
         max_batch: int = 64,
         max_request_mb: float = 256.0,
         cache_mb: float = 0.0,
+        inline_ms: float = DEFAULT_INLINE_MS,
         executor: ThreadPoolExecutor | None = None,
     ) -> None:
         if not models:
@@ -51,13 +56,20 @@ class GraphPipeServer:
         self.max_request_bytes = int(max_request_mb * 2**20)
         self.cache = ResponseCache(int(cache_mb * 2**20)) if cache_mb > 0 else None
         self.endpoints = {
-            m.name: ModelEndpoint(m, window_s=batch_window_ms / 1000, max_batch=max_batch, cache=self.cache)
+            m.name: ModelEndpoint(
+                m,
+                window_s=batch_window_ms / 1000,
+                max_batch=max_batch,
+                cache=self.cache,
+                inline_max_s=inline_ms / 1000,
+            )
             for m in models
         }
         self.default = default or models[0].name
         self.executor = executor
         self.ready = False
         self._runner: web.AppRunner | None = None
+        self._posts_in_flight = 0  # POSTs being served, for ModelEndpoint.handle(alone=...)
 
     async def start(self) -> GraphPipeServer:
         app = web.Application(client_max_size=self.max_request_bytes + 1)
@@ -129,24 +141,35 @@ class GraphPipeServer:
     async def _post(
         self, request: web.Request, endpoint: ModelEndpoint | None, name: str
     ) -> web.StreamResponse:
-        body = await self._read_body(request)
-        if body is None:
-            reply = error_reply(
+        self._posts_in_flight += 1
+        try:
+            body = await self._read_body(request)
+            if body is None or endpoint is None:
+                return self._respond(self._refusal(body is None, name))
+            return self._respond(await endpoint.handle(body, alone=self._alone()))
+        finally:
+            self._posts_in_flight -= 1
+
+    def _alone(self) -> bool:
+        """This is the only request in flight and its connection the only one open, so no
+        other GraphPipe request can arrive before it is answered (HTTP/1.1: one request at a
+        time per connection). Then no batch can form, and the batcher skips its queue."""
+        if self._posts_in_flight != 1 or self._runner is None or self._runner.server is None:
+            return False
+        return len(self._runner.server.connections) == 1
+
+    def _refusal(self, too_large: bool, name: str) -> Reply:
+        if too_large:
+            return error_reply(
                 GraphPipeError(
                     ErrorCode.TOO_LARGE,
                     f"request body over the {self.max_request_bytes / 2**20:g} MiB limit "
                     "(--graphpipe-max-request-mb)",
                 )
             )
-        elif endpoint is None:
-            reply = error_reply(
-                GraphPipeError(
-                    ErrorCode.UNKNOWN_MODEL, f"no model {name!r}; models: {sorted(self.endpoints)}"
-                )
-            )
-        else:
-            reply = await endpoint.handle(body)
-        return self._respond(reply)
+        return error_reply(
+            GraphPipeError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}; models: {sorted(self.endpoints)}")
+        )
 
     async def _read_body(self, request: web.Request) -> bytes | None:
         """The whole body, or None (after draining it, so the client reads our answer) when it
@@ -210,6 +233,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--graphpipe-max-request-mb", type=float, default=256.0, help="largest request body")
     g.add_argument("--graphpipe-cache-mb", type=float, default=0.0, help="response cache size (0 = off)")
     g.add_argument("--graphpipe-onnx-threads", type=int, default=2, help="onnxruntime intra-op threads")
+    g.add_argument(
+        "--graphpipe-onnx-spin-us",
+        type=int,
+        default=DEFAULT_SPIN_US,
+        help="how long an idle onnxruntime worker thread spins before it sleeps (0 = never spins)",
+    )
+    g.add_argument(
+        "--graphpipe-inline-ms",
+        type=float,
+        default=DEFAULT_INLINE_MS,
+        help="run a lone request on the event loop thread when the model's recent calls took under "
+        "this long (0 = always in the thread pool)",
+    )
 
 
 def build_server(engine: Engine | None, args: argparse.Namespace, host: str, port: int) -> GraphPipeServer:
@@ -223,9 +259,10 @@ def build_server(engine: Engine | None, args: argparse.Namespace, host: str, por
     specs = getattr(args, "graphpipe_model", []) or []
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="graphpipe-onnx") if specs else None
     threads = getattr(args, "graphpipe_onnx_threads", 2)
+    spin_us = getattr(args, "graphpipe_onnx_spin_us", DEFAULT_SPIN_US)
     for name, path in specs:
         assert executor is not None
-        models.append(OnnxModel(name, path, executor, intra_op_threads=threads))
+        models.append(OnnxModel(name, path, executor, intra_op_threads=threads, spin_us=spin_us))
     return GraphPipeServer(
         models,
         host,
@@ -234,6 +271,7 @@ def build_server(engine: Engine | None, args: argparse.Namespace, host: str, por
         max_batch=getattr(args, "graphpipe_max_batch", 64),
         max_request_mb=getattr(args, "graphpipe_max_request_mb", 256.0),
         cache_mb=getattr(args, "graphpipe_cache_mb", 0.0),
+        inline_ms=getattr(args, "graphpipe_inline_ms", DEFAULT_INLINE_MS),
         executor=executor,
     )
 

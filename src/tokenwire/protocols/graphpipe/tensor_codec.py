@@ -10,6 +10,8 @@ Python object per element by nature) decode to object arrays of `bytes`.
 from __future__ import annotations
 
 import math
+import struct
+from functools import lru_cache
 
 import flatbuffers
 import numpy as np
@@ -36,10 +38,12 @@ def decode_tensor(t: Table, what: str = "tensor") -> np.ndarray:
         shape: tuple[int, ...] = ()
     else:
         start, n = shape_vec
-        dims = np.frombuffer(t.buf, "<i8", n, start)
-        if n and dims.min() < 0:
-            raise CodecError(f"{what}: negative dimension in shape {_shape_str(tuple(dims.tolist()))}")
-        shape = tuple(dims.tolist())
+        if n <= 16:  # the usual ranks: one cached struct call beats numpy's per-call overhead
+            shape = _shape_struct(n).unpack_from(t.buf, start)
+        else:
+            shape = tuple(np.frombuffer(t.buf, "<i8", n, start).tolist())
+        if n and min(shape) < 0:
+            raise CodecError(f"{what}: negative dimension in shape {_shape_str(shape)}")
     count = math.prod(shape)
     data_vec = t.vector(DATA, 1)
     strings_vec = t.vector(STRING_VAL, 4)
@@ -55,7 +59,7 @@ def decode_tensor(t: Table, what: str = "tensor") -> np.ndarray:
                 f"{what}: shape {_shape_str(shape)} needs {count} strings, string_val has {strings_len}"
             )
         return _decode_strings(t, strings_vec).reshape(shape)
-    dtype = NUMERIC_DTYPES.get(Type(type_id)) if type_id in Type._value2member_map_ else None
+    dtype = _DTYPE_BY_ID.get(type_id)
     if dtype is None:
         raise CodecError(f"{what}: unsupported tensor type {type_name(type_id)}")
     if strings_len:
@@ -70,6 +74,14 @@ def decode_tensor(t: Table, what: str = "tensor") -> np.ndarray:
         return np.empty(shape, dtype)
     assert data_vec is not None
     return np.frombuffer(t.buf, dtype, count, data_vec[0]).reshape(shape)
+
+
+_DTYPE_BY_ID = {int(t): dtype for t, dtype in NUMERIC_DTYPES.items()}
+
+
+@lru_cache(maxsize=17)
+def _shape_struct(rank: int) -> struct.Struct:
+    return struct.Struct(f"<{rank}q")
 
 
 def _decode_strings(t: Table, vec: tuple[int, int] | None) -> np.ndarray:

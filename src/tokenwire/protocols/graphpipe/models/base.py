@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -33,8 +34,18 @@ class TensorModel(ABC):
         return None
 
     @abstractmethod
+    def start(
+        self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any
+    ) -> asyncio.Future[list[np.ndarray]]:
+        """Begin one model call over (possibly stacked) inputs; the future gives the outputs in
+        order. The call runs to its end even if nobody awaits the future any more."""
+
     async def run(self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any) -> list[np.ndarray]:
-        """One model call over (possibly stacked) inputs; returns the outputs in order."""
+        return await self.start(inputs, outputs, config)
+
+    # Models whose call is cheap CPU work that may run on the event loop thread itself (a
+    # lone request then skips two thread hand-offs; see Batcher). None: never inline.
+    run_inline: Callable[[dict[str, np.ndarray], list[str], Any], list[np.ndarray]] | None = None
 
     def metadata(self, version: str) -> MetadataResponse:
         return MetadataResponse(

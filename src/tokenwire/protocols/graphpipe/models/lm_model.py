@@ -109,10 +109,12 @@ class LanguageModel(TensorModel):
                 f"outputs {outputs} would be {size / 2**20:.0f} MiB, over the 1024 MiB limit",
             )
 
-    async def run(self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any) -> list[np.ndarray]:
+    def start(
+        self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any
+    ) -> asyncio.Future[list[np.ndarray]]:
         ids = np.array(inputs[INPUT], dtype=np.int64)  # token ids are small: a writable copy for torch
         future = self.engine.call_on_model_thread(lambda: self.forward(ids, outputs, config))
-        return await asyncio.wrap_future(future)
+        return asyncio.wrap_future(future)
 
     @torch.inference_mode()
     def forward(self, ids: np.ndarray, outputs: list[str], layer: int) -> list[np.ndarray]:

@@ -11,6 +11,7 @@ import numpy as np
 import onnxruntime as ort
 
 from tokenwire.protocols.graphpipe.codec import IOMetadata
+from tokenwire.protocols.graphpipe.models import DEFAULT_SPIN_US
 from tokenwire.protocols.graphpipe.models.base import TensorModel
 from tokenwire.protocols.graphpipe.types import Type
 
@@ -30,16 +31,17 @@ ORT_TYPES: dict[str, Type] = {
 }
 
 
-def session_options(intra_op_threads: int, spinning: bool = False) -> ort.SessionOptions:
+def session_options(intra_op_threads: int, spin_us: int | None = DEFAULT_SPIN_US) -> ort.SessionOptions:
+    """`spin_us`: 0 = workers never spin, N = spin up to N us, None = onnxruntime's default."""
     opts = ort.SessionOptions()
     # sized for the machine's cores; one call at a time per model keeps them busy without
     # oversubscription, and batching (not parallel calls) gives the throughput
     opts.intra_op_num_threads = intra_op_threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # In a server the pool's threads must not busy-wait between calls: they would take the
-    # cores from the event loop that reads the next request (and from the engine's thread).
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0" if spin_us == 0 else "1")
+    if spin_us:
+        opts.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
     return opts
 
 
@@ -52,12 +54,22 @@ def _io(arg: Any) -> IOMetadata:
 
 
 class OnnxModel(TensorModel):
-    def __init__(self, name: str, path: str | Path, executor: Executor, *, intra_op_threads: int = 2) -> None:
+    def __init__(
+        self,
+        name: str,
+        path: str | Path,
+        executor: Executor,
+        *,
+        intra_op_threads: int = 2,
+        spin_us: int = DEFAULT_SPIN_US,
+    ) -> None:
         self.name = name
         self.path = Path(path)
         self.executor = executor
         self.session = ort.InferenceSession(
-            str(path), sess_options=session_options(intra_op_threads), providers=["CPUExecutionProvider"]
+            str(path),
+            sess_options=session_options(intra_op_threads, spin_us),
+            providers=["CPUExecutionProvider"],
         )
         self.inputs = [_io(a) for a in self.session.get_inputs()]
         self.outputs = [_io(a) for a in self.session.get_outputs()]
@@ -78,6 +90,10 @@ class OnnxModel(TensorModel):
     def _run_sync(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
         return [np.asarray(o) for o in self.session.run(outputs, self._feed(inputs))]
 
-    async def run(self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any) -> list[np.ndarray]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._run_sync, inputs, outputs)
+    def start(
+        self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any
+    ) -> asyncio.Future[list[np.ndarray]]:
+        return asyncio.get_running_loop().run_in_executor(self.executor, self._run_sync, inputs, outputs)
+
+    def run_inline(self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any) -> list[np.ndarray]:
+        return self._run_sync(inputs, outputs)
