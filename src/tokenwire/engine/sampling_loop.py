@@ -132,7 +132,13 @@ def _append(
     wants_lp = opts.logprobs if opts.logprob_ranges is None else covers(opts.logprob_ranges, position)
     if wants_lp:
         source = processed if opts.logprob_mode == "processed" else raw
-        if stats is not None and raw is not None and (plain or source is raw) and opts.top_logprobs <= 1:
+        if (
+            stats is not None
+            and stats.logsumexp is not None
+            and raw is not None
+            and (plain or source is raw)
+            and opts.top_logprobs <= 1
+        ):
             # the step's reduction of the raw row: no second pass over the vocabulary
             top_value = stats.max_logit if token == stats.argmax else float(raw[token])
             logprob = top_value - stats.logsumexp

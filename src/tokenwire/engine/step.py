@@ -24,7 +24,7 @@ class StepItem:
 class RowStats:
     max_logit: float
     argmax: int
-    logsumexp: float
+    logsumexp: float | None  # only for rows that report logprobs
 
 
 @dataclass
@@ -57,6 +57,7 @@ def run_step(
     groups: list[AttentionGroup] = []
     logit_rows: list[int] = []
     logit_keys: list[tuple[int, int]] = []
+    stat_rows: list[tuple[int, bool]] = []  # (index into logit rows, wants logprobs)
     capture_rows: list[int] = []
     capture_keys: list[tuple[int, int]] = []
     for item in items:
@@ -68,13 +69,11 @@ def run_step(
             positions.append(p)
             slots.append(table[p // bs] * bs + p % bs)
         rows = list(range(base, base + item.count))
-        if not attends:
-            pass
-        elif item.count == 1:
+        if attends and item.count == 1:
             decode_rows.append(rows)
             decode_starts.append(item.start)
             decode_tables.append(table[: -(-(item.start + 1) // bs)])
-        else:
+        elif attends:
             groups.append(
                 build_group(
                     [rows],
@@ -87,7 +86,11 @@ def run_step(
                 )
             )
         rid = item.request.id
+        last = item.start + item.count - 1
+        opts = item.request.options
         for p in item.logit_positions:
+            if p == last and (opts.sampling.temperature == 0 or opts.logprobs):
+                stat_rows.append((len(logit_rows), opts.logprobs))
             logit_rows.append(base + p - item.start)
             logit_keys.append((rid, p))
         for p in item.capture_positions:
@@ -107,23 +110,40 @@ def run_step(
         )
         logits = model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]).cpu()
     out_logits = {key: logits[i] for i, key in enumerate(logit_keys)}
-    stats: dict[tuple[int, int], RowStats] = {}
-    if logit_keys:
-        scores = logits.float()
-        maxima, argmaxes = scores.max(dim=-1)
-        # logsumexp = max - log_softmax at the max. Not torch.logsumexp: it splits one row's
-        # reduction over the OpenMP threads, and on a busy 2-core machine a descheduled thread
-        # stalls that barrier for milliseconds (measured 0.08 -> 30 ms); log_softmax keeps a
-        # row on one thread.
-        lses = maxima - torch.log_softmax(scores, dim=-1).gather(-1, argmaxes[:, None])[:, 0]
-        stats = {
-            key: RowStats(m, a, lse)
-            for key, m, a, lse in zip(
-                logit_keys, maxima.tolist(), argmaxes.tolist(), lses.tolist(), strict=True
-            )
-        }
     out_hidden: dict[tuple[int, int], torch.Tensor] = {}
     if capture_rows:
         stacked = torch.stack([captured[layer] for layer in capture_layers], dim=1).float().cpu()
         out_hidden = {key: stacked[i] for i, key in enumerate(capture_keys)}
-    return StepOutput(out_logits, out_hidden, stats)
+    return StepOutput(out_logits, out_hidden, _row_stats(logits, logit_keys, stat_rows))
+
+
+def _row_stats(
+    logits: torch.Tensor, keys: list[tuple[int, int]], rows: list[tuple[int, bool]]
+) -> dict[tuple[int, int], RowStats]:
+    """Max and argmax of the rows that sample greedily or report logprobs, and logsumexp of
+    those reporting logprobs: one batched reduction per step instead of one per sequence."""
+    if not rows:
+        return {}
+    every_row = len(rows) == len(keys)  # rows are in logit order: no gather needed
+    scores = (logits if every_row else logits[torch.tensor([i for i, _ in rows])]).float()
+    maxima, argmaxes = scores.max(dim=-1)
+    lp = [j for j, (_, wants) in enumerate(rows) if wants]
+    lses: list[float | None] = [None] * len(rows)
+    if lp:
+        # logsumexp = max - log_softmax at the max. Not torch.logsumexp: it splits one row's
+        # reduction over the OpenMP threads, and on a busy 2-core machine a descheduled thread
+        # stalls that barrier for milliseconds (measured 0.08 -> 30 ms); log_softmax keeps a
+        # row on one thread.
+        if len(lp) < len(rows):
+            sel = torch.tensor(lp)
+            scores, maxima_lp, argmaxes_lp = scores[sel], maxima[sel], argmaxes[sel]
+        else:
+            maxima_lp, argmaxes_lp = maxima, argmaxes
+        values = maxima_lp - torch.log_softmax(scores, dim=-1).gather(-1, argmaxes_lp[:, None])[:, 0]
+        for j, v in zip(lp, values.tolist(), strict=True):
+            lses[j] = v
+    return {
+        keys[i]: RowStats(m, a, lse)
+        for (i, _), m, a, lse in zip(rows, maxima.tolist(), argmaxes.tolist(), lses, strict=True)
+    }
+

@@ -34,10 +34,12 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
-def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+def _channel(api: Any, target: str, tls: bool, root_certificates: bytes | None) -> Any:
+    """A channel from `api` (grpc or grpc.aio: same constructors), TLS when asked for."""
     if not tls and root_certificates is None:
-        return None
-    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+        return api.insecure_channel(target, options=_OPTIONS)
+    creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return api.secure_channel(target, creds, options=_OPTIONS)
 
 
 class _SessionState:
@@ -134,12 +136,7 @@ class AsyncClient:
         tls: bool = False,
         root_certificates: bytes | None = None,
     ) -> None:
-        creds = _credentials(tls, root_certificates)
-        self.channel = (
-            grpc.aio.secure_channel(target, creds, options=_OPTIONS)
-            if creds is not None
-            else grpc.aio.insecure_channel(target, options=_OPTIONS)
-        )
+        self.channel = _channel(grpc.aio, target, tls, root_certificates)
         self.stub = pb_grpc.SalienceStub(self.channel)
         self.metadata = _metadata(auth_token)
 
@@ -229,12 +226,7 @@ class Client:
         tls: bool = False,
         root_certificates: bytes | None = None,
     ) -> None:
-        creds = _credentials(tls, root_certificates)
-        self.channel = (
-            grpc.secure_channel(target, creds, options=_OPTIONS)
-            if creds is not None
-            else grpc.insecure_channel(target, options=_OPTIONS)
-        )
+        self.channel = _channel(grpc, target, tls, root_certificates)
         self.stub = pb_grpc.SalienceStub(self.channel)
         self.metadata = _metadata(auth_token)
 
