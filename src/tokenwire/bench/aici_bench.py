@@ -3,7 +3,10 @@
 Rows (medians, milliseconds):
 - raw shm round trip (ping): the baseline every main-channel op pays twice per step;
 - post_pre_process + mid_process for 1, 10 and 40 sequences of a declarative regex
-  controller (engine-side wall time of both round trips, the runtime's work included);
+  controller, engine-side: on the critical path the way AICI measures it (mid_process runs
+  while a simulated accelerator forward does, post_pre_process does not), the same with
+  tokenwire's engine order (both run during the forward), and serially with nothing to hide
+  behind (both round trips and all the runtime's work counted);
 - mask time for a regex and for a C-subset Lark grammar on the 49k-token vocabulary
   (llguidance via GrammarConstraint, in process, one mask per token of a sample text).
 AICI's published numbers (AMD EPYC 7V13, 32k vocabulary) are shown beside them.
@@ -67,9 +70,24 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("aici", help="AICI: step overhead through shared memory, grammar mask times")
     p.add_argument("--steps", type=int, default=40, help="steps measured per batch size")
     p.add_argument("--seqs", default="1,10,40", help="batch sizes (comma-separated)")
+    p.add_argument("--overlap-tokens", type=int, default=24, help="tokens per sequence in the overlap runs")
+    p.add_argument(
+        "--forward-ms",
+        type=float,
+        default=20.0,
+        help="simulated accelerator forward per step (AICI: 20-50 ms)",
+    )
+    p.add_argument(
+        "--busy-wait-ms",
+        type=float,
+        default=200.0,
+        help="the runtime's spin for the next command (AICI's default)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
-        "--overlap-seqs", type=int, default=4, help="sequences in the engine overlap run (0 = skip it)"
+        "--overlap-seqs",
+        default="1,10,40",
+        help="sequence counts of the real-engine overlap runs (comma-separated; empty or 0 = skip)",
     )
     p.set_defaults(handler=run_bench)
 
@@ -102,23 +120,40 @@ def bench_masks() -> dict[str, Any]:
     return out
 
 
-def bench_steps(seq_counts: list[int], steps: int) -> dict[str, Any]:
-    from tokenwire.protocols.aici.client import AiciClient
+def bench_steps(seq_counts: list[int], steps: int, forward_ms: float, busy_wait_ms: float) -> dict[str, Any]:
+    """Per step, for each batch size, three engine-side timings of the same two commands:
 
-    client = AiciClient(tokenizer="default")
+    - serial: post_pre_process then mid_process back to back, nothing to hide behind;
+    - critical path, AICI's order: post_pre_process blocks, mid_process is sent before a
+      simulated accelerator forward of `forward_ms` (a sleep: a GPU forward leaves the CPU
+      free) and its reply awaited after it; counted: the post_pre_process round trip plus the
+      wait for mid_process's reply after the forward. This is what AICI's README reports;
+    - critical path, tokenwire's order (the Coordinator's): both commands are sent as soon as
+      the step's tokens are known, before the forward; counted: the wait after the forward.
+    """
+    import concurrent.futures
+
+    from tokenwire.protocols.aici.client import AiciClient
+    from tokenwire.protocols.aici.tokenizer_env import load_tokenizer
+
+    # AICI's default spin (aicirt --busy-wait-time 200): its figures were taken beside a GPU
+    client = AiciClient(tokenizer="default", busy_wait_ms=busy_wait_ms)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    forward_s = forward_ms / 1000
     try:
         pings = []
         for _ in range(200):
             t0 = time.perf_counter()
             client.main({"op": "ping"})
             pings.append(time.perf_counter() - t0)
-        a_token = client.side("instantiate", req_id="probe", prompt="", module_id="regex", module_arg="a")
-        del a_token
-        out: dict[str, Any] = {"ping_ms": _ms(pings), "steps": {}}
+        out: dict[str, Any] = {
+            "ping_ms": _ms(pings),
+            "forward_ms": forward_ms,
+            "busy_wait_ms": busy_wait_ms,
+            "steps": {},
+        }
         next_id = 1
         prog = {"steps": [{"gen": {"regex": "a*", "max_tokens": 100000}}]}
-        from tokenwire.protocols.aici.tokenizer_env import load_tokenizer
-
         a = load_tokenizer("default").encode("a", add_special_tokens=False)[0]
         for n in seq_counts:
             ids = list(range(next_id, next_id + n))
@@ -134,47 +169,104 @@ def bench_steps(seq_counts: list[int], steps: int) -> dict[str, Any]:
                 }
             )
             client.main({"op": "mid_process", "ops": [{"id": s} for s in ids]})
-            times, pp, mp = [], [], []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                client.main(
-                    {
-                        "op": "post_pre_process",
-                        "pre_ops": [],
-                        "freed": [],
-                        "post_ops": [{"id": s, "tokens": [a], "backtrack": 0} for s in ids],
-                    }
-                )
-                t1 = time.perf_counter()
-                data = client.main({"op": "mid_process", "ops": [{"id": s} for s in ids]})
-                t2 = time.perf_counter()
-                bias = client.biases(n)
-                assert data["num_seqs"] == n and bias[0, a] == 0.0
-                times.append(t2 - t0)
-                pp.append(t1 - t0)
-                mp.append(t2 - t1)
+
+            out["steps"][str(n)] = _measure_batch(client, pool, ids, a, steps, forward_s)
             client.main({"op": "post_pre_process", "post_ops": [], "pre_ops": [], "freed": ids})
-            out["steps"][str(n)] = {"step_ms": _ms(times), "post_pre_ms": _ms(pp), "mid_ms": _ms(mp)}
         return out
     finally:
+        pool.shutdown()
         client.close()
 
 
-def bench_overlap(tokens: int, seqs: int) -> dict[str, Any]:
+def _measure_batch(
+    client: Any, pool: Any, ids: list[int], a: int, steps: int, forward_s: float
+) -> dict[str, float]:
+    n = len(ids)
+
+    def post_pre() -> dict[str, Any]:
+        post_ops = [{"id": s, "tokens": [a], "backtrack": 0} for s in ids]
+        return client.main({"op": "post_pre_process", "pre_ops": [], "freed": [], "post_ops": post_ops})
+
+    def mid_msg() -> dict[str, Any]:
+        return {"op": "mid_process", "ops": [{"id": s} for s in ids]}
+
+    def check(data: dict[str, Any]) -> None:
+        bias = client.biases(n)
+        if data["num_seqs"] != n or bias[0, a] != 0.0 or bias[0, a + 1] != float("-inf"):
+            raise RuntimeError(f"unexpected mid_process result for {n} sequences")
+
+    def round_trip() -> None:
+        post_pre()
+        check(client.main(mid_msg()))
+
+    serial, pp, mp, aici_cp, tw_cp = [], [], [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        post_pre()
+        t1 = time.perf_counter()
+        check(client.main(mid_msg()))
+        t2 = time.perf_counter()
+        serial.append(t2 - t0)
+        pp.append(t1 - t0)
+        mp.append(t2 - t1)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        post_pre()
+        t1 = time.perf_counter()
+        client.send_main(mid_msg())
+        time.sleep(forward_s)
+        t2 = time.perf_counter()
+        data = client.recv_main()
+        t3 = time.perf_counter()
+        check(data)
+        aici_cp.append((t1 - t0) + (t3 - t2))
+    for _ in range(steps):
+        fut = pool.submit(round_trip)
+        time.sleep(forward_s)
+        t2 = time.perf_counter()
+        fut.result()
+        tw_cp.append(time.perf_counter() - t2)
+    return {
+        "serial_ms": _ms(serial),
+        "post_pre_ms": _ms(pp),
+        "mid_ms": _ms(mp),
+        "critical_aici_order_ms": _ms(aici_cp),
+        "critical_tokenwire_order_ms": _ms(tw_cp),
+    }
+
+
+def bench_overlap(tokens: int, seq_counts: list[int]) -> dict[str, Any]:
     """The real default model driving the runtime through /v1/run's code path: per engine step,
     how long sampling waited for the runtime, with rounds run after the forward (baseline) and
-    submitted as soon as every sequence reported its token (overlapping the next forward)."""
-    import asyncio
-
+    submitted as soon as every sequence reported its token (overlapping the next forward).
+    The runtime does not spin here (--busy-wait-time 0): the forward needs both CPU cores."""
     from tokenwire.engine.factory import EngineSettings, build_engine
     from tokenwire.protocols.aici.client import AiciClient
     from tokenwire.protocols.aici.engine_bridge import Coordinator
     from tokenwire.protocols.aici.rest import tokenizer_spec
     from tokenwire.protocols.aici.run import RunRequest, run_events
 
-    engine = build_engine(EngineSettings(kv_cache_mb=256, progress=False))
+    engine = build_engine(EngineSettings(kv_cache_mb=512, progress=False))
     client = AiciClient(tokenizer=tokenizer_spec(engine))
     coord = Coordinator(client, engine.vocab_size, step_count=lambda: engine.steps)
+    out: dict[str, Any] = {"tokens": tokens, "seqs": {}}
+    try:
+        for seqs in seq_counts:
+            out["seqs"][str(seqs)] = _overlap_runs(
+                engine, client, coord, tokens, seqs, run_events, RunRequest
+            )
+    finally:
+        coord.close()
+        client.close()
+        engine.shutdown()
+    return out
+
+
+def _overlap_runs(
+    engine: Any, client: Any, coord: Any, tokens: int, seqs: int, run_events: Any, request_type: Any
+) -> dict[str, Any]:
+    import asyncio
+
     # `seqs` forks, each generating lowercase words under a regex (a mask every step)
     branches = [
         [{"fixed": f" {i}:"}, {"gen": {"regex": "( [a-z]+)+", "max_tokens": tokens}}] for i in range(seqs)
@@ -183,33 +275,26 @@ def bench_overlap(tokens: int, seqs: int) -> dict[str, Any]:
     body = {"controller": "declctrl", "controller_arg": prog, "max_tokens": tokens + 8}
 
     async def one_run() -> None:
-        async for _ in run_events(engine, client, coord, RunRequest.from_json(body)):
+        async for _ in run_events(engine, client, coord, request_type.from_json(body)):
             pass
 
-    out: dict[str, Any] = {"tokens": tokens, "seqs": seqs}
-    try:
-        asyncio.run(one_run())  # warm-up
-        for label, overlap in (
-            ("after_forward", False),
-            ("overlapped", True),
-            ("after_forward", False),
-            ("overlapped", True),
-        ):
-            coord.overlap = overlap
-            s0, steps0, t0 = coord.stats.json(), engine.steps, time.perf_counter()
-            asyncio.run(one_run())
-            wall, steps, s1 = time.perf_counter() - t0, engine.steps - steps0, coord.stats.json()
-            row = out.setdefault(label, {"wait_ms": [], "round_ms": [], "step_ms": []})
-            row["wait_ms"].append((s1["wait_s"] - s0["wait_s"]) / steps * 1000)
-            row["round_ms"].append((s1["round_s"] - s0["round_s"]) / steps * 1000)
-            row["step_ms"].append(wall / steps * 1000)
-        for label in ("after_forward", "overlapped"):
-            out[label] = {k: statistics.median(v) for k, v in out[label].items()}
-    finally:
-        coord.close()
-        client.close()
-        engine.shutdown()
-    return out
+    out: dict[str, Any] = {}
+    asyncio.run(one_run())  # warm-up
+    for label, overlap in (
+        ("after_forward", False),
+        ("overlapped", True),
+        ("after_forward", False),
+        ("overlapped", True),
+    ):
+        coord.overlap = overlap
+        s0, steps0, t0 = coord.stats.json(), engine.steps, time.perf_counter()
+        asyncio.run(one_run())
+        wall, steps, s1 = time.perf_counter() - t0, engine.steps - steps0, coord.stats.json()
+        row = out.setdefault(label, {"wait_ms": [], "round_ms": [], "step_ms": []})
+        row["wait_ms"].append((s1["wait_s"] - s0["wait_s"]) / steps * 1000)
+        row["round_ms"].append((s1["round_s"] - s0["round_s"]) / steps * 1000)
+        row["step_ms"].append(wall / steps * 1000)
+    return {label: {k: statistics.median(v) for k, v in row.items()} for label, row in out.items()}
 
 
 AICI_REPORTED = {"1": None, "10": 0.3, "40": 0.7, "regex": 0.3, "c_grammar": 2.0}
@@ -217,33 +302,48 @@ AICI_REPORTED = {"1": None, "10": 0.3, "40": 0.7, "regex": 0.3, "c_grammar": 2.0
 
 def run_bench(args: argparse.Namespace) -> int:
     counts = [int(x) for x in args.seqs.split(",") if x]
-    steps = bench_steps(counts, args.steps)
+    steps = bench_steps(counts, args.steps, args.forward_ms, args.busy_wait_ms)
     masks = bench_masks()
-    n_overlap = getattr(args, "overlap_seqs", 4)
-    overlap = bench_overlap(32, n_overlap) if n_overlap > 0 else None
+    n_overlap = [int(x) for x in str(getattr(args, "overlap_seqs", "") or "").split(",") if x.strip()]
+    n_overlap = [n for n in n_overlap if n > 0]
+    overlap = bench_overlap(args.overlap_tokens, n_overlap) if n_overlap else None
     result = {"shm": steps, "masks": masks, "engine_overlap": overlap, "aici_reported_ms": AICI_REPORTED}
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    print(f"{'measure':<46} {'tokenwire ms':>12} {'AICI ms':>8} {'ratio':>6}")
-    print(f"{'raw shm round trip (ping), baseline':<46} {steps['ping_ms']:>12.3f} {'-':>8} {'-':>6}")
-    for n, row in steps["steps"].items():
-        ref = AICI_REPORTED.get(n)
-        ratio = f"{row['step_ms'] / ref:.2f}" if ref else "-"
-        label = f"post_pre+mid, {n} seqs (pp {row['post_pre_ms']:.2f} / mid {row['mid_ms']:.2f})"
-        print(f"{label:<46} {row['step_ms']:>12.3f} {ref if ref else '-':>8} {ratio:>6}")
-        base = f"  = {row['step_ms'] / steps['ping_ms']:.1f} x 1 ping"
-        print(f"{base:<46}")
+    print(f"{'measure (medians)':<52} {'tokenwire ms':>12} {'AICI ms':>8} {'ratio':>6}")
+    print(f"{'raw shm round trip (ping), baseline':<52} {steps['ping_ms']:>12.3f} {'-':>8} {'-':>6}")
+    sections = (
+        (
+            "critical_aici_order_ms",
+            f"critical path, AICI's order (mid during a {args.forward_ms:g} ms forward):",
+        ),
+        ("critical_tokenwire_order_ms", "critical path, tokenwire's order (both during the forward):"),
+        ("serial_ms", "serial post_pre_process + mid_process, no forward:"),
+    )
+    for key, title in sections:
+        print(title)
+        for n, row in steps["steps"].items():
+            ref = AICI_REPORTED.get(n)
+            ratio = f"{row[key] / ref:.2f}" if ref else "-"
+            label = f"  {n} seqs"
+            if key == "serial_ms":
+                label += f" (pp {row['post_pre_ms']:.3f} / mid {row['mid_ms']:.3f})"
+            print(f"{label:<52} {row[key]:>12.3f} {ref if ref else '-':>8} {ratio:>6}")
     for name, row in masks.items():
         ref = AICI_REPORTED[name]
         label = f"mask {name} ({row['vocab']} vocab, {row['masks']} masks)"
-        print(f"{label:<46} {row['median_ms']:>12.3f} {ref:>8} {row['median_ms'] / ref:>6.2f}")
+        print(f"{label:<52} {row['median_ms']:>12.3f} {ref:>8} {row['median_ms'] / ref:>6.2f}")
     if overlap is not None:
         print(
-            f"\nengine + runtime, {overlap['seqs']} seqs x {overlap['tokens']} tokens, per engine step (ms):"
+            f"\nreal engine (SmolLM2, this CPU) + runtime, {overlap['tokens']} tokens a sequence, per step:"
         )
-        print(f"{'rounds':<26} {'engine waits':>12} {'runtime round':>13} {'step':>8}")
-        for label in ("after_forward", "overlapped"):
-            r = overlap[label]
-            print(f"{label:<26} {r['wait_ms']:>12.3f} {r['round_ms']:>13.3f} {r['step_ms']:>8.2f}")
+        print(f"{'seqs  rounds':<26} {'engine waits':>12} {'runtime round':>13} {'step':>8}")
+        for n, runs in overlap["seqs"].items():
+            for label in ("after_forward", "overlapped"):
+                r = runs[label]
+                ref = AICI_REPORTED.get(n) if label == "overlapped" else None
+                note = f"  (AICI {ref} ms)" if ref else ""
+                times = f"{r['wait_ms']:>12.3f} {r['round_ms']:>13.3f} {r['step_ms']:>8.2f}"
+                print(f"{n:>4}  {label:<20} {times}{note}")
     return 0

@@ -146,4 +146,3 @@ def _row_stats(
         keys[i]: RowStats(m, a, lse)
         for (i, _), m, a, lse in zip(rows, maxima.tolist(), argmaxes.tolist(), lses, strict=True)
     }
-

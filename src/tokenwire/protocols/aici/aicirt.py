@@ -18,6 +18,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,7 +46,6 @@ _CAPABILITY_FLAGS = [
     "--cap-ff-tokens",
     "--cap-fork",
     "--shm-prefix",
-    "--busy-wait-time",
     "--module-upload",
     "--bench",
     "--save-tokenizer",
@@ -81,6 +81,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="scheduling slack added to every limit (a shared CPU preempts)",
     )
     p.add_argument("--max-memory-mb", type=float, default=64.0, help="memory per jsctrl/Wasm controller")
+    p.add_argument(
+        "--busy-wait-time",
+        type=float,
+        default=200.0,
+        help="ms to spin for the next main-channel command before sleeping (AICI's default; "
+        "0 when the engine computes on the same CPU cores)",
+    )
     p.add_argument("--side-workers", type=int, default=2, help="threads serving the side channel")
     for flag in _CAPABILITY_FLAGS:
         p.add_argument(flag, nargs="?", const="1", default=None, help=argparse.SUPPRESS)
@@ -151,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         daemon=True,
     ).start()
     log.info("aicirt serving %s (vocab %d)", args.name, env.vocab_size)
-    serve_main(runtime, cmd, resp, bias, main_queue)
+    serve_main(runtime, cmd, resp, bias, main_queue, busy_wait_s=max(0.0, args.busy_wait_time) / 1000)
     return 0
 
 
@@ -161,14 +168,20 @@ def serve_main(
     resp: MessageChannel,
     bias: np.ndarray,
     main_queue: queue.SimpleQueue[Callable[[], None]],
+    *,
+    busy_wait_s: float = 0.0,
 ) -> None:
+    """Serve the main channel until `stop`. For `busy_wait_s` after each reply the wait for the
+    next command spins (AICI's --busy-wait-time): the engine's next command usually follows
+    within one forward pass, and a spinning runtime answers it without a wake-up."""
+    spin_until = 0.0
     while True:
         while True:  # side-channel work that must run on this thread
             try:
                 main_queue.get_nowait()()
             except queue.Empty:
                 break
-        payload = cmd.recv(timeout=0.005)
+        payload = cmd.recv(timeout=0.005, spin_s=spin_until - time.monotonic())
         if payload is None:
             continue
         try:
@@ -182,6 +195,7 @@ def serve_main(
             log.exception("main channel request failed")
             reply = error_reply(f"internal error: {type(e).__name__}: {e}")
         resp.send(encode_message(reply))
+        spin_until = time.monotonic() + busy_wait_s
 
 
 def _serve_side(

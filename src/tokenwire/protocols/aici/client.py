@@ -42,6 +42,8 @@ class AiciClient:
         runtime_args: list[str] | None = None,
         runtime_cmd: list[str] | None = None,
         start_timeout_s: float = 120.0,
+        busy_wait_ms: float = 0.0,
+        reply_spin_ms: float = 0.0,
     ) -> None:
         self.prefix = prefix or pid_prefix()
         names = channel_names(self.prefix)
@@ -58,10 +60,17 @@ class AiciClient:
             f"--bin-size={bin_mb}",
             f"--name={self.prefix}",
             "--server",
+            # the runtime spins this long for the next command (AICI's own default is 200 ms:
+            # right beside an accelerator, wrong when the forward runs on the same CPU cores)
+            f"--busy-wait-time={busy_wait_ms:g}",
             *(runtime_args or []),
         ]
         self.proc = subprocess.Popen(args)
-        self._main_lock = threading.Lock()
+        self._main_lock = threading.Lock()  # one main-channel command at a time
+        self._main_op: Any = None
+        # spin this long for a main-channel reply before sleeping (AICI's engines busy-poll the
+        # response semaphore); worth it when a core is free while the runtime works
+        self.reply_spin_s = max(0.0, reply_spin_ms) / 1000
         self._pending: dict[str, concurrent.futures.Future[dict[str, Any]]] = {}
         self._pending_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -82,10 +91,25 @@ class AiciClient:
 
     def main(self, msg: dict[str, Any], timeout: float | None = 60.0) -> dict[str, Any]:
         """Send one command and wait for its reply's data; AiciError on an error reply."""
-        with self._main_lock:
+        self.send_main(msg)
+        return self.recv_main(timeout)
+
+    def send_main(self, msg: dict[str, Any]) -> None:
+        """The first half of `main`: send, and hold the channel until `recv_main` (so an engine
+        can run its forward pass while the runtime works, as AICI's engines do for mid_process)."""
+        self._main_lock.acquire()
+        try:
             self.cmd.send(encode_message(msg))
+        except BaseException:
+            self._main_lock.release()
+            raise
+        self._main_op = msg.get("op")
+
+    def recv_main(self, timeout: float | None = 60.0) -> dict[str, Any]:
+        """The second half of `main`: wait for the reply to the command `send_main` sent."""
+        try:
             while True:
-                payload = self.resp.recv(timeout=min(timeout or 1.0, 1.0))
+                payload = self.resp.recv(timeout=min(timeout or 1.0, 1.0), spin_s=self.reply_spin_s)
                 if payload is not None:
                     break
                 if self.proc.poll() is not None:
@@ -93,7 +117,9 @@ class AiciClient:
                 if timeout is not None:
                     timeout -= 1.0
                     if timeout <= 0:
-                        raise AiciError(f"no reply to {msg.get('op')!r}")
+                        raise AiciError(f"no reply to {self._main_op!r}")
+        finally:
+            self._main_lock.release()
         reply = decode_message(payload)
         if reply.get("type") != "ok":
             raise AiciError(str(reply.get("error") or reply))

@@ -11,6 +11,8 @@ import json
 import struct
 from typing import Any
 
+import orjson
+
 FRAME_HEADER = 4
 _LEN = struct.Struct("<I")
 
@@ -49,13 +51,18 @@ def frame_length(buf: Any, size: int) -> int:
 
 
 def encode_message(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    # orjson: a step's messages carry an entry per sequence, and the stdlib encoder and
+    # decoder were a quarter of the runtime's time per step at 40 sequences (measured)
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # what orjson refuses (integers past 64 bits, non-string keys)
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def decode_message(payload: bytes) -> dict[str, Any]:
     try:
-        obj = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError as e:  # also invalid UTF-8
         raise ProtocolError(f"malformed JSON: {e}") from e
     if not isinstance(obj, dict):
         raise ProtocolError(f"a message must be a JSON object, got {type(obj).__name__}")

@@ -30,6 +30,7 @@ _armed = False  # a controller call is running under a deadline
 _deadline = 0.0
 _installed = False
 _ticking = 0  # nesting depth of ticker() scopes
+_MAIN_IDENT = threading.main_thread().ident  # signals are delivered to the main thread only
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
@@ -49,7 +50,7 @@ def ticker() -> Iterator[None]:
     """A periodic SIGALRM for a batch of calls (one main-channel op): each call under it only
     sets its deadline instead of arming and disarming a one-shot timer (two syscalls a call)."""
     global _ticking
-    if threading.current_thread() is not threading.main_thread():
+    if threading.get_ident() != _MAIN_IDENT:
         yield
         return
     _install()
@@ -64,27 +65,34 @@ def ticker() -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def call_with_deadline(fn: Callable[[], T], deadline: float, what: str, *, self_timed: bool) -> T:
-    """Run `fn`; raise ControllerTimeout when it runs past `deadline` (time.monotonic())."""
+def call_with_deadline(
+    fn: Callable[..., T], deadline: float, what: str, *, self_timed: bool, args: tuple[Any, ...] = ()
+) -> T:
+    """Run `fn(*args)`; raise ControllerTimeout when it runs past `deadline` (time.monotonic()).
+
+    The common case (main thread, under a ticker) only sets two globals around the call: it
+    runs once per sequence per op, so its cost is multiplied by the batch size."""
     global _armed, _deadline
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise ControllerTimeout(f"{what}: no time left before the call started")
-    use_alarm = not self_timed and threading.current_thread() is threading.main_thread()
-    one_shot = use_alarm and not _ticking
-    if use_alarm:
-        _install()
-        _deadline = deadline
-        _armed = True
-        if one_shot:
-            signal.setitimer(signal.ITIMER_REAL, remaining)
-    try:
-        result = fn()
-    finally:
-        if use_alarm:
+    if self_timed or threading.get_ident() != _MAIN_IDENT:
+        result = fn(*args)
+    elif _ticking:
+        _deadline, _armed = deadline, True
+        try:
+            result = fn(*args)
+        finally:
             _armed = False
-            if one_shot:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+    else:
+        _install()
+        _deadline, _armed = deadline, True
+        signal.setitimer(signal.ITIMER_REAL, remaining)
+        try:
+            result = fn(*args)
+        finally:
+            _armed = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
     if not self_timed and time.monotonic() > deadline:
         raise ControllerTimeout(f"{what} ran past its time limit")
     return result

@@ -154,9 +154,11 @@ class DeclarativeController(Controller):
                     ff += force
                     if self._gen_limit_reached():
                         self._finish_gen()
-                elif m.is_accepting():
+                elif m.is_accepting() and self.idx < len(self.steps) - 1:
                     # the grammar may be complete: only the mask tells whether anything but EOS
-                    # may follow. Computed here once and handed to mid_process (same state).
+                    # may follow, and if not, the next step starts now. Computed here once and
+                    # handed to mid_process (same state). In the last step there is no next
+                    # step: mid_process's batched mask allows EOS there, and EOS ends it.
                     words = self._mask_buf
                     llguidance.numpy.fill_next_token_bitmask(m, words)
                     self._check(m)

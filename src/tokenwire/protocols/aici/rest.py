@@ -131,6 +131,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--aici-runtime-arg", action="append", default=[], help="extra runtime argument (repeatable)"
     )
+    g.add_argument(
+        "--aici-busy-wait-ms",
+        type=float,
+        help="ms the runtime spins for the next command (default: 200 when the model runs on a GPU, "
+        "0 on the CPU, whose cores the forward needs)",
+    )
 
 
 def runtime_args_from(args: argparse.Namespace) -> list[str]:
@@ -151,8 +157,14 @@ async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[
     if not getattr(args, "aici", False):
         return None
     loop = asyncio.get_running_loop()
+    spin_ms = getattr(args, "aici_busy_wait_ms", None)
+    if spin_ms is None:
+        spin_ms = 200.0 if engine.model.device.type == "cuda" else 0.0
     client = await loop.run_in_executor(
-        None, lambda: AiciClient(tokenizer=tokenizer_spec(engine), runtime_args=runtime_args_from(args))
+        None,
+        lambda: AiciClient(
+            tokenizer=tokenizer_spec(engine), runtime_args=runtime_args_from(args), busy_wait_ms=spin_ms
+        ),
     )
     server = await AiciServer(engine, client, args.host, args.aici_port).start()
 

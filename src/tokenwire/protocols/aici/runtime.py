@@ -17,7 +17,6 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,13 +66,6 @@ class Instance:
     controller: Controller
     self_timed: bool
     assigned: bool = False
-
-
-@dataclass
-class CallOutcome:
-    entry: dict[str, Any]
-    value: Any = None
-    failed: bool = False
 
 
 @dataclass
@@ -134,11 +126,21 @@ class AiciRuntime:
             if sid not in self.seqs:
                 raise ProtocolError(f"freed sequence {sid} was never assigned")
         posts = []
+        seqs = self.seqs
+        freed_set = set(freed)
         for op in post_ops:
-            sid = int_field(op, "id")
-            if sid not in self.seqs or sid in freed:
+            sid, backtrack, tokens = op.get("id"), op.get("backtrack", 0), op.get("tokens", [])
+            # the common shapes checked inline (this loop runs per sequence per step); anything
+            # else goes through the field checks, which name what is wrong
+            if type(sid) is not int or sid < 0:
+                sid = int_field(op, "id")
+            if type(backtrack) is not int or backtrack < 0:
+                backtrack = int_field(op, "backtrack", default=0)
+            if type(tokens) is not list or not all(type(t) is int and t >= 0 for t in tokens):
+                tokens = int_list(op, "tokens", default=[])
+            if sid not in seqs or sid in freed_set:
                 raise ProtocolError(f"post_ops: sequence {sid} was never assigned (or is freed)")
-            posts.append((sid, int_field(op, "backtrack", default=0), int_list(op, "tokens", default=[])))
+            posts.append((sid, backtrack, tokens))
         assigns = []
         with self._lock:
             for op in pre_ops:
@@ -149,7 +151,7 @@ class AiciRuntime:
                 inst = self.instances.get(req_id)
                 if inst is None or inst.assigned:
                     raise ProtocolError(f"pre_ops: no instantiated controller for req_id {req_id!r}")
-                if sid in self.seqs and sid not in freed:
+                if sid in self.seqs and sid not in freed_set:
                     raise ProtocolError(f"pre_ops: sequence {sid} is already assigned")
                 assigns.append((sid, req_id, inst))
             for _, _, inst in assigns:
@@ -159,38 +161,37 @@ class AiciRuntime:
         for sid in freed:
             del self.seqs[sid]
         post_seqs: dict[str, Any] = {}
+        post_s = self.limits.post_s
         for sid, backtrack, tokens in posts:
-            seq = self.seqs[sid]
+            seq = seqs[sid]
             if seq.dead:
                 continue
-            out = self._call(
-                seq,
-                "post_process",
-                self.limits.post_s,
-                lambda c, d, b=backtrack, t=tokens: c.post_process(b, t, d),
-            )
-            if not out.failed:
-                out.entry["result"] = {"stop": bool(out.value.stop)}
-                seq.dead = bool(out.value.stop)
-            post_seqs[str(sid)] = out.entry
+            entry, value = self._call(seq, "post_process", post_s, backtrack, tokens)
+            if value is not None:
+                stop = bool(value.stop)
+                entry["result"] = {"stop": stop}
+                seq.dead = stop
+            post_seqs[str(sid)] = entry
         for sid, req_id, inst in assigns:
             self.seqs[sid] = Sequence(inst.controller, req_id, inst.self_timed)
         pre_seqs: dict[str, Any] = {}
-        for sid, seq in self.seqs.items():
+        pre_s = self.limits.pre_s
+        for sid, seq in seqs.items():
             if seq.dead:
                 continue
-            out = self._call(seq, "pre_process", self.limits.pre_s, lambda c, d: c.pre_process(d))
-            if not out.failed:
-                r = out.value
-                seq.num_forks, seq.clones_made = int(r.num_forks), 0
-                out.entry["result"] = {
+            entry, r = self._call(seq, "pre_process", pre_s)
+            if r is not None:
+                forks = int(r.num_forks)
+                seq.num_forks, seq.clones_made = forks, 0
+                ff = r.ff_tokens
+                entry["result"] = {
                     "suspend": bool(r.suspend),
-                    "num_forks": int(r.num_forks),
-                    "ff_tokens": [int(t) for t in r.ff_tokens],
+                    "num_forks": forks,
+                    "ff_tokens": [int(t) for t in ff] if ff else [],
                 }
-                if r.num_forks == 0:
+                if forks == 0:
                     seq.dead = True
-            pre_seqs[str(sid)] = out.entry
+            pre_seqs[str(sid)] = entry
         return {"post_seqs": post_seqs, "pre_seqs": pre_seqs}
 
     def _mid(self, msg: dict[str, Any], bias: np.ndarray) -> dict[str, Any]:
@@ -233,17 +234,16 @@ class AiciRuntime:
             if seq.dead:
                 seqs[str(sid)] = seq_entry(None, error="sequence already stopped")
                 continue
-            out = self._call(seq, "mid_process", self.limits.mid_s, lambda c, d: c.mid_process(d))
-            if not out.failed:
-                r = out.value
+            entry, r = self._call(seq, "mid_process", self.limits.mid_s)
+            if r is not None:
                 if r.ff_tokens or r.backtrack:
-                    out.entry["result"] = {
+                    entry["result"] = {
                         "ff_tokens": [int(t) for t in r.ff_tokens],
                         "backtrack": int(r.backtrack),
                     }
                 else:
                     writer.add(row, r)
-            seqs[str(sid)] = out.entry
+            seqs[str(sid)] = entry
         # every mask of the step at once (parallel llguidance), then all rows into the bin region
         for row, error in writer.finish(bias).items():
             sid, _ = plan[row]
@@ -255,9 +255,10 @@ class AiciRuntime:
             entry["logs"] += f"ERROR mid_process: {error}\n"
         return {"seqs": seqs, "num_seqs": len(plan)}
 
-    def _call(
-        self, seq: Sequence, what: str, limit_s: float, fn: Callable[[Controller, float], Any]
-    ) -> CallOutcome:
+    def _call(self, seq: Sequence, what: str, limit_s: float, *args: Any) -> tuple[dict[str, Any], Any]:
+        """Call `seq.controller.<what>(*args, deadline)` under its time limit: (the sequence's
+        reply entry, the callback's value or None when it failed, which fails this sequence
+        only). Runs once per sequence per op, so it is kept lean."""
         ctrl = seq.controller
         t0 = time.monotonic()
         deadline = t0 + limit_s + self.tolerance_s
@@ -265,23 +266,28 @@ class AiciRuntime:
         error = ""
         value = None
         try:
-            value = call_with_deadline(lambda: fn(ctrl, deadline), deadline, what, self_timed=seq.self_timed)
+            value = call_with_deadline(
+                getattr(ctrl, what), deadline, what, self_timed=seq.self_timed, args=(*args, deadline)
+            )
         except MemoryError:
             error = f"{what}: controller ran out of memory"
         except Exception as e:  # any controller failure fails its own sequence only
             error = f"{what}: {_describe(e)}"
             if type(e).__name__ == "ControllerTimeout":
                 self.stats.timeouts += 1
+        if value is None and not error:
+            error = f"{what}: the controller returned no result"
         micros = int((time.monotonic() - t0) * 1e6)
-        logs = _drain_logs(ctrl)
-        storage, ctrl.storage = ctrl.storage, []
+        logs = _drain_logs(ctrl) if ctrl.logs else ""
+        storage: list[Any] = []
+        if ctrl.storage:
+            storage, ctrl.storage = ctrl.storage, []
         if error:
             self.stats.failures += 1
             seq.dead = True
             logs += f"ERROR {error}\n"
-        return CallOutcome(
-            seq_entry(None, error=error, storage=storage, logs=logs, micros=micros), value, bool(error)
-        )
+            value = None
+        return {"error": error, "result": None, "storage": storage, "logs": logs, "micros": micros}, value
 
     # ---- side channel ----------------------------------------------------------------------
 
