@@ -110,3 +110,57 @@ def test_bias_rows_expand_masks_like_a_per_token_loop(vocab):
         assert rows[r].tolist() == want
     assert rows[2].tolist() == list(range(vocab)) and (rows[3] == 0).all()
     assert (out[4 * vocab :] == 42.0).all()  # nothing written past the step's rows
+
+
+class Silent(Spinner):
+    """A controller whose pre_process returns nothing (a broken controller, not a protocol error)."""
+
+    def pre_process(self, deadline):
+        return None
+
+
+def test_a_callback_without_a_result_fails_its_own_sequence(env, tmp_path):
+    from tokenwire.protocols.aici.controller import VariableStore
+    from tokenwire.protocols.aici.runtime import Instance
+
+    rt = AiciRuntime(env, ModuleRegistry(tmp_path))
+    rt.handle_side(
+        {"$rid": "1", "op": "instantiate", "req_id": "good", "module_id": "regex", "module_arg": "ab"}
+    )
+    rt.instances["silent"] = Instance(Silent(env, VariableStore(), rt.limits), self_timed=False)
+    reply = rt.handle_main(
+        {
+            "op": "post_pre_process",
+            "post_ops": [],
+            "pre_ops": [{"id": 1, "req_id": "silent"}, {"id": 2, "req_id": "good"}],
+        },
+        np.zeros(1),
+    )
+    pre = reply["data"]["pre_seqs"]
+    assert (
+        pre["1"]["error"] == "pre_process: the controller returned no result" and pre["1"]["result"] is None
+    )
+    assert "ERROR pre_process" in pre["1"]["logs"]
+    assert pre["2"]["error"] == "" and pre["2"]["result"]["num_forks"] == 1
+    bias = np.zeros(2 * env.vocab_size, dtype=np.float32)
+    seqs = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 2}]}, bias)["data"]["seqs"]
+    assert seqs["1"]["error"] == "sequence already stopped" and seqs["2"]["error"] == ""
+
+
+def test_channel_spin_is_bounded_by_the_timeout_and_sees_messages():
+    import threading
+    import time
+
+    from tokenwire.protocols.aici.shm import MessageChannel, pid_prefix
+
+    ch = MessageChannel(pid_prefix("/twspin") + "c", 4096, create=True)
+    try:
+        t0 = time.monotonic()
+        assert ch.recv(timeout=0.05, spin_s=10.0) is None
+        assert time.monotonic() - t0 < 1.0
+        threading.Timer(0.02, lambda: ch.send(b'{"op":"ping"}')).start()
+        assert ch.recv(timeout=5.0, spin_s=1.0) == b'{"op":"ping"}'  # arrives while spinning
+        threading.Timer(0.1, lambda: ch.send(b"late")).start()
+        assert ch.recv(timeout=5.0, spin_s=0.01) == b"late"  # after the spin: a blocking wait
+    finally:
+        ch.close()

@@ -290,3 +290,28 @@ def test_bad_controller_fails_only_its_own_sequence(rt, tok, program):
     assert good_done
     _step(rt, freed=[bad, good])
     assert rt.main({"op": "ping"})["data"] == {"pong": 1}
+
+
+def _cpu_seconds(pid: int) -> float:
+    import os
+
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_busy_wait_spins_for_the_next_command_then_sleeps(tmp_path):
+    h = Harness(tmp_path, extra_args=["--busy-wait-time=400"])
+    try:
+        assert h.main({"op": "ping"})["type"] == "ok"
+        t0, c0 = time.monotonic(), _cpu_seconds(h.proc.pid)
+        time.sleep(0.25)
+        spun = (_cpu_seconds(h.proc.pid) - c0) / (time.monotonic() - t0)
+        time.sleep(0.35)  # the 400 ms spin is over
+        t1, c1 = time.monotonic(), _cpu_seconds(h.proc.pid)
+        time.sleep(0.5)
+        idle = (_cpu_seconds(h.proc.pid) - c1) / (time.monotonic() - t1)
+        assert spun > 0.4, f"the runtime used {spun:.0%} of a core right after a reply"
+        assert idle < 0.1, f"the runtime used {idle:.0%} of a core after its spin ended"
+        assert h.main({"op": "ping"}) == {"type": "ok", "data": {"pong": 1}}  # and it still answers
+    finally:
+        h.close()
