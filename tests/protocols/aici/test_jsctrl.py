@@ -133,10 +133,11 @@ class Simulator:
                 bt, new = mid.backtrack, list(mid.ff_tokens)
             else:
                 logits = self.logits(s.tokens)
-                if mid.bias is not None:
-                    assert mid.bias.dtype == np.float32 and mid.bias.shape == (self.env.vocab_size,)
-                    logits = logits + mid.bias
-                t = self.pick(s.tokens, mid.bias) if self.pick else int(np.argmax(logits))
+                bias = mid.dense_bias(self.env.vocab_size)  # what the runtime writes for this row
+                if bias is not None:
+                    assert bias.dtype == np.float32 and bias.shape == (self.env.vocab_size,)
+                    logits = logits + bias
+                t = self.pick(s.tokens, bias) if self.pick else int(np.argmax(logits))
                 s.tokens.append(t)
                 bt, new = 0, [t]
             post = self._guard(

@@ -63,9 +63,8 @@ from tokenwire.protocols.aici.controller import (
 from tokenwire.protocols.aici.jsctrl.host import JsHost
 from tokenwire.protocols.aici.jsctrl.source import SourceError, prepare_source
 
-__all__ = ["DISALLOWED", "JsController", "bias_from_mask_hex", "bias_from_words"]
+__all__ = ["JsController", "words_from_mask_hex"]
 
-DISALLOWED = np.float32(-1e10)  # bias of a token the controller does not allow
 MAX_PRE_ROUNDS = 10  # fixed-text rounds in one pre_process (aicirt's bound)
 MAX_MID_ROUNDS = 20  # fork/waitVars steps skipped inside one mid_process
 _GLUE = resources.files(__package__).joinpath("glue.js").read_text(encoding="utf-8")
@@ -84,18 +83,10 @@ class _Unlock:
         self.ctx.set_time_limit(-1)
 
 
-def bias_from_words(words: np.ndarray, vocab_size: int) -> np.ndarray:
-    """float32 [vocab_size] bias: 0 where the mask (uint32 words, bit i = token 32w+i) allows."""
-    bits = np.unpackbits(words.astype("<u4", copy=False).view(np.uint8), bitorder="little", count=vocab_size)
-    bias = bits.astype(np.float32)
-    bias -= 1.0
-    bias *= -DISALLOWED  # 0 -> 0 (allowed), -1 -> DISALLOWED
-    return bias
-
-
-def bias_from_mask_hex(mask_hex: str, vocab_size: int) -> np.ndarray:
-    """The same from big-endian hex of the words (a TokenSet the program built itself)."""
-    return bias_from_words(np.frombuffer(bytes.fromhex(mask_hex), dtype=">u4"), vocab_size)
+def words_from_mask_hex(mask_hex: str) -> np.ndarray:
+    """Mask words (uint32, bit i of word w = token 32w+i) from the big-endian hex of a TokenSet
+    the program built itself."""
+    return np.frombuffer(bytes.fromhex(mask_hex), dtype=">u4").astype(np.uint32)
 
 
 class JsController(Controller):
@@ -175,10 +166,13 @@ class JsController(Controller):
                 reentry = True
             else:
                 raise self._fail(ControllerError("jsctrl: too many skipped steps in one mid_process"))
+        # masks, not float rows: the runtime expands every mask of a step into the bin region in
+        # one pass (allowed 0, else -inf, as AICI's runtime writes them)
         if r.get("stop"):
-            bias = np.full(self.env.vocab_size, DISALLOWED, dtype=np.float32)
-            bias[self.env.eos_token_id] = 0.0
-            return MidResult(bias=bias)
+            eos = self.env.eos_token_id
+            words = np.zeros((self.env.vocab_size + 31) // 32, dtype=np.uint32)
+            words[eos >> 5] = np.uint32(1 << (eos & 31))
+            return MidResult(mask=words)
         if "ff" in r:
             return MidResult(ff_tokens=list(r["ff"]), backtrack=int(r["backtrack"]))
         if r.get("bias") is None:
@@ -189,8 +183,11 @@ class JsController(Controller):
                 words = self._host.mask(int(mask[1:]))
             except ValueError as e:
                 raise self._fail(ControllerError(f"jsctrl: {e}")) from None
-            return MidResult(bias=bias_from_words(words, self.env.vocab_size))
-        return MidResult(bias=bias_from_mask_hex(mask, self.env.vocab_size))
+            return MidResult(mask=words)
+        try:
+            return MidResult(mask=words_from_mask_hex(mask))
+        except ValueError as e:
+            raise self._fail(ControllerError(f"jsctrl: a malformed token mask: {e}")) from None
 
     def post_process(self, backtrack: int, tokens: list[int], deadline: float) -> PostResult:
         with self._lock:
