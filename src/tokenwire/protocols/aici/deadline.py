@@ -22,7 +22,7 @@ from tokenwire.protocols.aici.controller import ControllerTimeout
 
 T = TypeVar("T")
 
-__all__ = ["call_with_deadline", "ticker"]
+__all__ = ["call_armed", "call_with_deadline", "ticker", "ticking"]
 
 TICK_S = 0.0005  # the ticker's period: deadlines are enforced to within about this
 
@@ -63,6 +63,22 @@ def ticker() -> Iterator[None]:
         _ticking -= 1
         if _ticking == 0:
             signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def ticking() -> bool:
+    """True on the main thread inside a ticker(): calls may use `call_armed`."""
+    return _ticking > 0 and threading.get_ident() == _MAIN_IDENT
+
+
+def call_armed(fn: Callable[..., T], args: tuple[Any, ...], deadline: float) -> T:
+    """Under a ticker on the main thread: `fn(*args)`, interrupted once it runs past `deadline`
+    (the ticker's alarm raises ControllerTimeout). The caller checks the time afterwards."""
+    global _armed, _deadline
+    _deadline, _armed = deadline, True
+    try:
+        return fn(*args)
+    finally:
+        _armed = False
 
 
 def call_with_deadline(

@@ -44,6 +44,7 @@ from tokenwire.protocols.aici.controller import (
 __all__ = ["DeclarativeController", "parse_program"]
 
 _GEN_KEYS = ("regex", "json_schema", "lark", "grammar")
+_GO_ON = PostResult(stop=False)  # shared: the runtime only reads results
 
 
 def parse_program(arg: str | dict[str, Any], *, llguidance_tag: bool = False) -> list[dict[str, Any]]:
@@ -211,9 +212,9 @@ class DeclarativeController(Controller):
                 return PostResult(stop=True)
             gen.on_token(t)
             self.gen_tokens.append(t)
-            if gen.stop_reason != "NotStopped" or self._gen_limit_reached():
+            if gen.matcher.is_stopped() or self._gen_limit_reached():
                 self._finish_gen()
-        return PostResult(stop=False)
+        return _GO_ON
 
     def clone(self, fork_index: int) -> DeclarativeController:
         other = copy.copy(self)

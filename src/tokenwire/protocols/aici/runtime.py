@@ -39,10 +39,11 @@ from tokenwire.protocols.aici.controller import (
     TokenizerEnv,
     VariableStore,
 )
-from tokenwire.protocols.aici.deadline import call_with_deadline, ticker
+from tokenwire.protocols.aici.deadline import call_armed, call_with_deadline, ticker, ticking
 from tokenwire.protocols.aici.registry import ModuleRegistry, UnknownModule
 
 log = logging.getLogger("tokenwire.aicirt")
+_monotonic = time.monotonic
 
 __all__ = ["AiciRuntime", "StopRuntime"]
 
@@ -95,6 +96,7 @@ class AiciRuntime:
         self.stats = RuntimeStats()
         mask_vocab = env.ll_tokenizer.vocab_size if env.ll_tokenizer is not None else env.vocab_size
         self._writer = BiasWriter(env.vocab_size, mask_vocab)
+        self._armed_calls = False  # inside a main-channel op with a ticker: calls just arm a deadline
 
     # ---- main channel ----------------------------------------------------------------------
 
@@ -107,9 +109,11 @@ class AiciRuntime:
                 return ok_reply({"vocab_size": self.env.vocab_size, "eos_token_id": self.env.eos_token_id})
             if op == "post_pre_process":
                 with ticker():
+                    self._armed_calls = ticking()
                     return ok_reply(self._post_pre(msg))
             if op == "mid_process":
                 with ticker():
+                    self._armed_calls = ticking()
                     return ok_reply(self._mid(msg, bias))
             if op == "stop":
                 raise StopRuntime
@@ -258,26 +262,34 @@ class AiciRuntime:
     def _call(self, seq: Sequence, what: str, limit_s: float, *args: Any) -> tuple[dict[str, Any], Any]:
         """Call `seq.controller.<what>(*args, deadline)` under its time limit: (the sequence's
         reply entry, the callback's value or None when it failed, which fails this sequence
-        only). Runs once per sequence per op, so it is kept lean."""
+        only). Runs once per sequence per op, so the common case (main thread, a ticker
+        running) only arms the deadline around the call and reads the clock twice."""
         ctrl = seq.controller
-        t0 = time.monotonic()
+        t0 = _monotonic()
         deadline = t0 + limit_s + self.tolerance_s
         self.stats.calls += 1
         error = ""
         value = None
         try:
-            value = call_with_deadline(
-                getattr(ctrl, what), deadline, what, self_timed=seq.self_timed, args=(*args, deadline)
-            )
+            if not seq.self_timed and self._armed_calls:
+                value = call_armed(getattr(ctrl, what), (*args, deadline), deadline)
+            else:
+                value = call_with_deadline(
+                    getattr(ctrl, what), deadline, what, self_timed=seq.self_timed, args=(*args, deadline)
+                )
         except MemoryError:
             error = f"{what}: controller ran out of memory"
         except Exception as e:  # any controller failure fails its own sequence only
             error = f"{what}: {_describe(e)}"
             if type(e).__name__ == "ControllerTimeout":
                 self.stats.timeouts += 1
-        if value is None and not error:
-            error = f"{what}: the controller returned no result"
-        micros = int((time.monotonic() - t0) * 1e6)
+        t1 = _monotonic()
+        if not error:
+            if value is None:
+                error = f"{what}: the controller returned no result"
+            elif t1 > deadline and not seq.self_timed:
+                error = f"{what}: ControllerTimeout: {what} ran past its time limit"
+                self.stats.timeouts += 1
         logs = _drain_logs(ctrl) if ctrl.logs else ""
         storage: list[Any] = []
         if ctrl.storage:
@@ -287,7 +299,14 @@ class AiciRuntime:
             seq.dead = True
             logs += f"ERROR {error}\n"
             value = None
-        return {"error": error, "result": None, "storage": storage, "logs": logs, "micros": micros}, value
+        entry = {
+            "error": error,
+            "result": None,
+            "storage": storage,
+            "logs": logs,
+            "micros": int((t1 - t0) * 1e6),
+        }
+        return entry, value
 
     # ---- side channel ----------------------------------------------------------------------
 
