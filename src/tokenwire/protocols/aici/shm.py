@@ -17,6 +17,7 @@ import posix_ipc
 from tokenwire.protocols.aici.codec import FRAME_HEADER, FrameError, frame_length, write_frame
 
 MIB = 2**20
+_VALUE_READABLE = bool(posix_ipc.SEMAPHORE_VALUE_SUPPORTED)  # not on macOS
 DEFAULT_PREFIX = "/aici0-"
 
 __all__ = ["DEFAULT_PREFIX", "MIB", "ChannelClosed", "MessageChannel", "SharedRegion", "channel_names"]
@@ -116,14 +117,18 @@ class MessageChannel:
             now = time.monotonic()
             spin_end = now + (spin_s if timeout is None else min(spin_s, timeout))
             while True:
-                try:
-                    sem.acquire(0)  # sem_trywait: no system call when nothing is there
-                    return True
-                except posix_ipc.BusyError:
-                    if self.closed:
-                        raise ChannelClosed(self.name) from None
-                    if time.monotonic() >= spin_end:
-                        break
+                # read the count (sem_getvalue: a plain load) until a message is there; only
+                # then try to take it, so the spin allocates nothing and makes no system calls
+                if not _VALUE_READABLE or sem.value > 0:
+                    try:
+                        sem.acquire(0)
+                        return True
+                    except posix_ipc.BusyError:
+                        pass
+                if self.closed:
+                    raise ChannelClosed(self.name)
+                if time.monotonic() >= spin_end:
+                    break
             if timeout is not None:
                 timeout = max(0.0, timeout - (time.monotonic() - now))
         try:
