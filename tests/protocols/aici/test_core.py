@@ -164,3 +164,20 @@ def test_channel_spin_is_bounded_by_the_timeout_and_sees_messages():
         assert ch.recv(timeout=5.0, spin_s=0.01) == b"late"  # after the spin: a blocking wait
     finally:
         ch.close()
+
+
+def test_grammars_of_fork_branches_compile_at_instantiate(env, tmp_path):
+    rt = AiciRuntime(env, ModuleRegistry(tmp_path))
+    good = {"steps": [{"fork": [[{"gen": {"regex": "[ab]"}}], [{"gen": {"regex": "[cd]"}}]]}]}
+    bad = {"steps": [{"fork": [[{"fixed": "x"}], [{"gen": {"regex": "(unclosed"}}]]}]}
+    ok = rt.handle_side(
+        {"$rid": "1", "op": "instantiate", "req_id": "g", "module_id": "declctrl", "module_arg": good}
+    )
+    assert ok["type"] == "ok" and ok["data"]["error"] == ""
+    ctrl = rt.instances["g"].controller
+    assert len(ctrl._templates) == 2  # both branches' grammars, before any step ran
+    failed = rt.handle_side(
+        {"$rid": "2", "op": "instantiate", "req_id": "b", "module_id": "declctrl", "module_arg": bad}
+    )
+    assert failed["type"] == "ok" and "bad grammar" in failed["data"]["error"], failed
+    assert "b" not in rt.instances

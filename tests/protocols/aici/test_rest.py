@@ -212,3 +212,23 @@ def test_rounds_overlap_the_forward_and_change_nothing(server):
     # every sampled token's round but the last went out from on_token and was consumed after the next forward
     assert after["early_rounds"] - before["early_rounds"] >= sampled - 1
     assert after["overlapped"] - before["overlapped"] >= sampled - 1
+
+
+def test_first_round_overlaps_the_prefill(server):
+    """A new sequence's first round (assignment, pre_process, mid_process) starts when the
+    sequence is created, so no round of an overlapped run runs on the sampling path."""
+    _, srv = server
+    coord = srv.coord
+    body = {
+        "controller": "regex",
+        "controller_arg": "[a-z]+( [a-z]+){3}",
+        "prompt": "Fruit:",
+        "max_tokens": 8,
+    }
+    before = coord.stats.json()
+    forks, _ = _run(server, body)
+    after = coord.stats.json()
+    assert forks[0]["finish_reason"] in ("aici-stop", "length") and forks[0]["error"] == ""
+    rounds = after["rounds"] - before["rounds"]
+    assert rounds >= 4
+    assert after["early_rounds"] - before["early_rounds"] == rounds

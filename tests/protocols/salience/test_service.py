@@ -220,4 +220,3 @@ def test_noop_generate_refreshes_ttl_and_idle_sessions_expire(smollm2_engine, se
     finally:
         server.stop()
     assert not smollm2_engine.has_session(kept)  # the server closed its sessions on shutdown
-

@@ -58,9 +58,7 @@ def test_failed_precondition(stub, pb, open_session):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "offset 9" in details and "length 5" in details
     code, details = _code(stub.ForkSession, pb.ForkSessionRequest(session_id=sid, at_position=6))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "6" in details and "5 tokens" in details
-    code, details = _code(
-        generate, stub, pb, session_id=sid, offset=5, max_tokens=0, readout_ranges=[(0, 5)]
-    )
+    code, details = _code(generate, stub, pb, session_id=sid, offset=5, max_tokens=0, readout_ranges=[(0, 5)])
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "concept" in details
     assert list(stub.DumpSession(pb.DumpSessionRequest(session_id=sid)).tokens) == [1, 2, 3, 4, 5]
 

@@ -107,7 +107,10 @@ class DeclarativeController(Controller):
         self.gen_tokens: list[int] = []
         self.pending_splice: list[int] | None = None
         self.fork_point: tuple[int, list[list[dict[str, Any]]]] | None = None
-        self._compiled: dict[int, GrammarConstraint] = {}  # id(gen spec) -> compiled at init
+        # id(gen spec) -> its grammar compiled at init, never advanced itself: each use starts
+        # from a fork (a matcher copy, microseconds; compiling takes milliseconds). Shared with
+        # clones, so a fork into N branches compiles nothing in the step that forks.
+        self._templates: dict[int, GrammarConstraint] = {}
         self._eos = {env.eos_token_id, *getattr(env.ll_tokenizer, "eos_tokens", ())}
         self._new_buffers()
 
@@ -118,9 +121,15 @@ class DeclarativeController(Controller):
     # ---- callbacks -------------------------------------------------------------------------
 
     def init_prompt(self, prompt: list[int], deadline: float) -> list[int]:
-        for step in self.steps:  # compile every grammar now: a bad one fails instantiate
-            if "gen" in step:
-                self._compiled[id(step["gen"])] = self._grammar(step["gen"])
+        # compile every grammar now, fork branches included: a bad one fails instantiate
+        pending = list(self.steps)
+        while pending:
+            step = pending.pop()
+            if "gen" in step and id(step["gen"]) not in self._templates:
+                self._templates[id(step["gen"])] = self._grammar(step["gen"])
+            elif "fork" in step:
+                for branch in step["fork"]:
+                    pending.extend(branch)
         return prompt
 
     def pre_process(self, deadline: float) -> PreResult:
@@ -219,7 +228,7 @@ class DeclarativeController(Controller):
     def clone(self, fork_index: int) -> DeclarativeController:
         other = copy.copy(self)
         other.logs, other.storage = [], []
-        other._compiled = {}
+        other._templates = self._templates  # read-only: every use forks
         pre_mask = self._pre_mask
         other._new_buffers()  # own mask buffer: the parent refills its own next step
         if pre_mask is not None:
@@ -259,7 +268,8 @@ class DeclarativeController(Controller):
     def _active_gen(self) -> GrammarConstraint:
         if self.gen is None:
             spec = self.steps[self.idx]["gen"]
-            self.gen = self._compiled.pop(id(spec), None) or self._grammar(spec)
+            template = self._templates.get(id(spec))
+            self.gen = template.fork() if template is not None else self._grammar(spec)
             self.gen_tokens = []
             self.log(f"GEN {json.dumps({k: v for k, v in spec.items() if k != 'store_var'})[:200]}")
         return self.gen

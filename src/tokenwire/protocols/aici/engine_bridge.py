@@ -70,10 +70,12 @@ class RoundStats:
     early_rounds: int = 0  # submitted from on_token, before the next forward
     round_s: float = 0.0  # wall time of all rounds (both round trips, the runtime's work included)
     wait_s: float = 0.0  # time sampling points spent waiting for rounds (or running them)
+    # engine step -> seconds waited in it; only when a caller (the benchmark) sets it to {}
+    wait_by_step: dict[int, float] | None = None
     overlapped: int = 0  # results taken after at least one engine step ran since their round started
 
     def json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "wait_by_step"}
 
 
 class Coordinator:
@@ -103,9 +105,12 @@ class Coordinator:
         return self.stats.rounds
 
     def new_seq(self, req_id: str) -> SeqState:
+        """A sequence for an instantiated controller. Its first round (assignment, pre_process,
+        mid_process) may start at once and overlap the prompt's prefill."""
         with self._lock:
             state = SeqState(next(self._ids), req_id)
             self.seqs[state.seq_id] = state
+            self.maybe_start_early()
             return state
 
     def free(self, seq_id: int) -> None:
@@ -129,17 +134,17 @@ class Coordinator:
     # ---- rounds ----------------------------------------------------------------------------
 
     def maybe_start_early(self) -> None:
-        """Lock held. Submit the next round now if every live sequence has reported."""
+        """Lock held. Submit the next round now if every live sequence has reported (or is new)."""
         if not self.overlap or self._inflight:
             return
-        any_post = False
+        any_work = False
         for s in self.seqs.values():
             if s.stopped:
                 continue
             if s.owed or s.pre is not None or s.mid is not None:
                 return  # still sampling, or holds a result it has not used yet
-            any_post = any_post or s.has_post
-        if not any_post:
+            any_work = any_work or s.has_post or s.req_id is not None  # a post op or a new sequence
+        if not any_work:
             return
         msg = self._begin_round()
         self.stats.early_rounds += 1
@@ -343,7 +348,12 @@ class AiciConstraint(Constraint):
             coord.run_round_now()
             waited = True
         if waited:
-            coord.stats.wait_s += time.perf_counter() - t0
+            waited_s = time.perf_counter() - t0
+            coord.stats.wait_s += waited_s
+            by_step = coord.stats.wait_by_step
+            if by_step is not None:
+                step = coord.step_count()
+                by_step[step] = by_step.get(step, 0.0) + waited_s
 
     def on_backtrack(self, n: int) -> None:
         with self.coord._lock:
