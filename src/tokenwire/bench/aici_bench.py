@@ -275,8 +275,11 @@ def _overlap_runs(
     body = {"controller": "declctrl", "controller_arg": prog, "max_tokens": tokens + 8}
 
     async def one_run() -> None:
-        async for _ in run_events(engine, client, coord, request_type.from_json(body)):
-            pass
+        failures = []
+        async for ev in run_events(engine, client, coord, request_type.from_json(body)):
+            failures += [f for f in ev.get("forks", []) if f["error"] or f["finish_reason"] == "fail"]
+        if failures:  # a timing of failed runs would mean nothing
+            raise RuntimeError(f"{len(failures)} forks failed, e.g. {failures[0]['error']!r}")
 
     out: dict[str, Any] = {}
     asyncio.run(one_run())  # warm-up

@@ -232,3 +232,27 @@ def test_first_round_overlaps_the_prefill(server):
     rounds = after["rounds"] - before["rounds"]
     assert rounds >= 4
     assert after["early_rounds"] - before["early_rounds"] == rounds
+
+
+def test_many_forks_in_lockstep_with_and_without_overlap(server):
+    """Forks start as separate engine requests, so some sample a step before the others have
+    started; a round then must wait for them (pre_process runs for every live sequence) rather
+    than overwrite the results they have not used yet."""
+    _, srv = server
+    coord = srv.coord
+    branches = [[{"fixed": f" {i}:"}, {"gen": {"regex": "( [a-z]+){2}", "max_tokens": 8}}] for i in range(12)]
+    body = {"controller": "declctrl", "controller_arg": {"steps": [{"fixed": "Words:"}, {"fork": branches}]}}
+    results = []
+    for overlap in (True, False, True):
+        coord.overlap = overlap
+        try:
+            forks, _ = _run(server, body)
+        finally:
+            coord.overlap = True
+        assert len(forks) == 12
+        for i, f in forks.items():
+            assert f["error"] == "" and f["finish_reason"] == "aici-stop", (i, f)
+        results.append({i: f["text"] for i, f in forks.items()})
+    assert results[0] == results[1] == results[2]  # greedy: the same texts whichever way rounds run
+    for i, text in results[0].items():
+        assert re.fullmatch(r"(Words:)? \d+:( [a-z]+){2}", text), (i, text)

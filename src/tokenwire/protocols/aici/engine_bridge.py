@@ -41,7 +41,7 @@ __all__ = ["AiciConstraint", "Coordinator", "RoundStats", "SeqOutcome", "SeqStat
 
 @dataclass
 class SeqOutcome:
-    kind: str  # "stop" | "error" | "fork" | "suspend"
+    kind: str  # "stop" | "error" | "fork" | "suspend" | "wait" (retry once the others caught up)
     error: str = ""
     clone_ids: list[int] = field(default_factory=list)
     ff_tokens: list[int] = field(default_factory=list)  # pre ff to apply before forking
@@ -149,6 +149,15 @@ class Coordinator:
         msg = self._begin_round()
         self.stats.early_rounds += 1
         self._worker.submit(self._run_round, msg, self.step_count())
+
+    def ready_for_round(self) -> bool:
+        """Lock held, nothing in flight. A round may run: no live sequence still owes tokens or
+        holds a result it has not used (the runtime calls pre_process for every live sequence,
+        so a round now would overwrite theirs)."""
+        for s in self.seqs.values():
+            if not s.stopped and (s.owed or s.pre is not None or s.mid is not None):
+                return False
+        return True
 
     def run_round_now(self) -> None:
         """Lock held, nothing in flight: one round, on the calling thread."""
@@ -281,7 +290,11 @@ class AiciConstraint(Constraint):
                 self._reporting = True
                 self.forced += len(ff)
                 return ConstraintStep(force=ff)
-            self._await_results()
+            if not self._await_results():
+                # others are a step behind (forks that have not started yet): this sequence
+                # cannot sample now; its request ends and run.py retries it shortly
+                self.outcome = SeqOutcome("wait")
+                return ConstraintStep(stop=True)
             if s.stopped:
                 self.outcome = SeqOutcome("error" if s.error else "stop", s.error)
                 return ConstraintStep(stop=True)
@@ -337,14 +350,17 @@ class AiciConstraint(Constraint):
                 if s.owed == 0:  # this step's post op is complete: maybe everyone's is
                     self.coord.maybe_start_early()
 
-    def _await_results(self) -> None:
+    def _await_results(self) -> bool:
         """Lock held. Make sure this sequence has its step result: wait for the round in
-        flight (started early, overlapping the forward), or run one now."""
+        flight (started early, overlapping the forward), or run one now. False when it needs a
+        round that cannot run yet (`ready_for_round`)."""
         coord, s = self.coord, self.state
         t0 = time.perf_counter()
         waited = coord._inflight
         coord.wait_idle()
         if not s.stopped and ((s.pre is None and s.mid is None) or s.has_post or s.req_id is not None):
+            if not coord.ready_for_round():
+                return False
             coord.run_round_now()
             waited = True
         if waited:
@@ -354,6 +370,7 @@ class AiciConstraint(Constraint):
             if by_step is not None:
                 step = coord.step_count()
                 by_step[step] = by_step.get(step, 0.0) + waited_s
+        return True
 
     def on_backtrack(self, n: int) -> None:
         with self.coord._lock:

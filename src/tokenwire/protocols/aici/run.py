@@ -187,7 +187,7 @@ async def _fork_task(
                             )
                             await run.queue.put({"spawn": t})
                         append = list(out.ff_tokens)
-                    elif out.kind == "suspend":
+                    elif out.kind in ("suspend", "wait"):
                         await asyncio.sleep(SUSPEND_WAIT_S)
                     else:
                         finish = "aici-stop" if out.kind == "stop" else "fail"
