@@ -181,3 +181,42 @@ def test_grammars_of_fork_branches_compile_at_instantiate(env, tmp_path):
     )
     assert failed["type"] == "ok" and "bad grammar" in failed["data"]["error"], failed
     assert "b" not in rt.instances
+
+
+class Descheduled(Spinner):
+    """pre_process takes 30 ms of wall time but almost no CPU time: what a controller sees when
+    the model's forward pass holds every core and the runtime is preempted."""
+
+    def pre_process(self, deadline):
+        import time
+
+        time.sleep(0.03)
+        return PreResult()
+
+    def mid_process(self, deadline):
+        from tokenwire.protocols.aici.controller import MidResult
+
+        return MidResult()
+
+
+def test_time_limits_count_cpu_time_not_preemption(env, tmp_path):
+    from tokenwire.protocols.aici.controller import VariableStore
+    from tokenwire.protocols.aici.runtime import Instance
+
+    rt = AiciRuntime(env, ModuleRegistry(tmp_path), tolerance_s=0.001)  # pre budget: 2 ms
+    rt.instances["slow"] = Instance(Descheduled(env, VariableStore(), rt.limits), self_timed=False)
+    rt.instances["spin"] = Instance(Spinner(env, VariableStore(), rt.limits), self_timed=False)
+    reply = rt.handle_main(
+        {
+            "op": "post_pre_process",
+            "post_ops": [],
+            "pre_ops": [{"id": 1, "req_id": "slow"}, {"id": 2, "req_id": "spin"}],
+        },
+        np.zeros(1),
+    )
+    pre = reply["data"]["pre_seqs"]
+    assert pre["1"]["error"] == "" and pre["1"]["micros"] >= 30_000  # slow on the clock, not on the CPU
+    bias = np.zeros(2 * env.vocab_size, dtype=np.float32)
+    seqs = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 2}]}, bias)["data"]["seqs"]
+    assert "time limit" in seqs["2"]["error"]  # burning CPU still is not
+    assert seqs["1"]["error"] == ""

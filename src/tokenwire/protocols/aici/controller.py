@@ -13,8 +13,9 @@ them (the seed's example: pre ff_tokens = the fixed text, next post_ops tokens =
 A fork makes clones: `clone(index)` gives the controller of fork `index` (0 keeps the
 original), with the same state at that moment.
 
-Every callback gets a `deadline` (time.monotonic() value): a controller must stop by then
-and raise ControllerTimeout (QuickJS interrupt handler, wasmtime epoch/fuel, ...). Any
+Every callback gets a `deadline`: a `time.thread_time()` value of the calling thread (CPU
+time, not the wall clock: deadline.py says why). A controller must stop by then and raise
+ControllerTimeout (QuickJS interrupt handler, wasmtime fuel/epochs, ...). Any
 other exception fails only this controller's sequence; the runtime reports it in `error`.
 Whatever the controller prints goes to `logs`, drained per call by the runtime.
 """

@@ -2,10 +2,16 @@
 
 jsctrl (QuickJS interrupt handler) and Wasm (wasmtime epochs/fuel) stop themselves at the
 deadline they are given. A Python-level controller (the declarative ones) cannot be trusted
-to, so on the main thread the runtime arms SIGALRM: a one-shot timer per call, or for a whole
-main-channel op one periodic timer (`ticker`, ~0.5 ms resolution). Python checks signals
-between bytecodes, so even `while True: pass` is interrupted with ControllerTimeout. Time
-spent inside one long C call (e.g. a single llguidance mask) is only measured, not cut.
+to, so on the main thread the runtime arms SIGALRM: a periodic timer (~0.5 ms) for a whole
+main-channel op (`ticker`), or for one call made outside an op. Python checks signals between
+bytecodes, so even `while True: pass` is interrupted with ControllerTimeout. Time spent inside
+one long C call (e.g. a single llguidance mask) is only measured, not cut.
+
+The budget counts the calling thread's CPU time (`time.thread_time`), not the wall clock: on a
+machine whose cores the model's forward pass is using, the runtime can be preempted for
+milliseconds, and a wall-clock limit would then fail a controller that did nothing wrong
+(measured: a declarative pre_process that needs ~5 us failed its 1 ms limit that way). A
+controller that loops or allocates still burns its own CPU time and is stopped.
 Off the main thread (side-channel instantiate) the limit is checked when the call returns.
 """
 
@@ -24,17 +30,18 @@ T = TypeVar("T")
 
 __all__ = ["call_armed", "call_with_deadline", "ticker", "ticking"]
 
-TICK_S = 0.0005  # the ticker's period: deadlines are enforced to within about this
+TICK_S = 0.0005  # the timer's period: budgets are enforced to within about this
 
-_armed = False  # a controller call is running under a deadline
-_deadline = 0.0
+_armed = False  # a controller call is running under a budget
+_cpu_deadline = 0.0  # time.thread_time() of the main thread at which it runs out
 _installed = False
 _ticking = 0  # nesting depth of ticker() scopes
 _MAIN_IDENT = threading.main_thread().ident  # signals are delivered to the main thread only
+_thread_time = time.thread_time
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
-    if _armed and (not _ticking or time.monotonic() >= _deadline):
+    if _armed and _thread_time() >= _cpu_deadline:  # runs on the main thread: its CPU time
         raise ControllerTimeout("controller ran past its time limit (interrupted)")
 
 
@@ -48,7 +55,7 @@ def _install() -> None:
 @contextlib.contextmanager
 def ticker() -> Iterator[None]:
     """A periodic SIGALRM for a batch of calls (one main-channel op): each call under it only
-    sets its deadline instead of arming and disarming a one-shot timer (two syscalls a call)."""
+    sets its budget instead of arming and disarming a timer (two syscalls a call)."""
     global _ticking
     if threading.get_ident() != _MAIN_IDENT:
         yield
@@ -70,11 +77,12 @@ def ticking() -> bool:
     return _ticking > 0 and threading.get_ident() == _MAIN_IDENT
 
 
-def call_armed(fn: Callable[..., T], args: tuple[Any, ...], deadline: float) -> T:
-    """Under a ticker on the main thread: `fn(*args)`, interrupted once it runs past `deadline`
-    (the ticker's alarm raises ControllerTimeout). The caller checks the time afterwards."""
-    global _armed, _deadline
-    _deadline, _armed = deadline, True
+def call_armed(fn: Callable[..., T], args: tuple[Any, ...], cpu_deadline: float) -> T:
+    """Under a ticker on the main thread: `fn(*args)`, interrupted once the main thread's CPU
+    time (time.thread_time()) passes `cpu_deadline` (the ticker's alarm raises
+    ControllerTimeout). The caller checks afterwards."""
+    global _armed, _cpu_deadline
+    _cpu_deadline, _armed = cpu_deadline, True
     try:
         return fn(*args)
     finally:
@@ -84,31 +92,27 @@ def call_armed(fn: Callable[..., T], args: tuple[Any, ...], deadline: float) -> 
 def call_with_deadline(
     fn: Callable[..., T], deadline: float, what: str, *, self_timed: bool, args: tuple[Any, ...] = ()
 ) -> T:
-    """Run `fn(*args)`; raise ControllerTimeout when it runs past `deadline` (time.monotonic()).
-
-    The common case (main thread, under a ticker) only sets two globals around the call: it
-    runs once per sequence per op, so its cost is multiplied by the batch size."""
-    global _armed, _deadline
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
+    """Run `fn(*args)` until `deadline` (time.thread_time() of this thread); raise
+    ControllerTimeout when it uses more. Self-timed controllers get the deadline itself and
+    stop on their own."""
+    global _armed, _cpu_deadline
+    if deadline <= _thread_time():
         raise ControllerTimeout(f"{what}: no time left before the call started")
-    if self_timed or threading.get_ident() != _MAIN_IDENT:
+    if self_timed:
+        return fn(*args)
+    if threading.get_ident() != _MAIN_IDENT:
         result = fn(*args)
     elif _ticking:
-        _deadline, _armed = deadline, True
-        try:
-            result = fn(*args)
-        finally:
-            _armed = False
+        result = call_armed(fn, args, deadline)
     else:
         _install()
-        _deadline, _armed = deadline, True
-        signal.setitimer(signal.ITIMER_REAL, remaining)
+        _cpu_deadline, _armed = deadline, True
+        signal.setitimer(signal.ITIMER_REAL, TICK_S, TICK_S)
         try:
             result = fn(*args)
         finally:
             _armed = False
             signal.setitimer(signal.ITIMER_REAL, 0)
-    if not self_timed and time.monotonic() > deadline:
+    if _thread_time() > deadline:
         raise ControllerTimeout(f"{what} ran past its time limit")
     return result

@@ -44,6 +44,7 @@ from tokenwire.protocols.aici.registry import ModuleRegistry, UnknownModule
 
 log = logging.getLogger("tokenwire.aicirt")
 _monotonic = time.monotonic
+_thread_time = time.thread_time
 
 __all__ = ["AiciRuntime", "StopRuntime"]
 
@@ -263,16 +264,21 @@ class AiciRuntime:
         """Call `seq.controller.<what>(*args, deadline)` under its time limit: (the sequence's
         reply entry, the callback's value or None when it failed, which fails this sequence
         only). Runs once per sequence per op, so the common case (main thread, a ticker
-        running) only arms the deadline around the call and reads the clock twice."""
+        running) only arms a CPU-time budget around the call (deadline.py says why CPU time)."""
         ctrl = seq.controller
         t0 = _monotonic()
-        deadline = t0 + limit_s + self.tolerance_s
+        budget = limit_s + self.tolerance_s
+        deadline = _thread_time() + budget  # CPU time of this thread (deadline.py says why)
         self.stats.calls += 1
         error = ""
         value = None
         try:
             if not seq.self_timed and self._armed_calls:
                 value = call_armed(getattr(ctrl, what), (*args, deadline), deadline)
+                # CPU time never runs ahead of the wall clock: read it again only when needed
+                if _monotonic() - t0 > budget and _thread_time() > deadline:
+                    error = f"{what}: ControllerTimeout: {what} ran past its time limit"
+                    self.stats.timeouts += 1
             else:
                 value = call_with_deadline(
                     getattr(ctrl, what), deadline, what, self_timed=seq.self_timed, args=(*args, deadline)
@@ -284,12 +290,8 @@ class AiciRuntime:
             if type(e).__name__ == "ControllerTimeout":
                 self.stats.timeouts += 1
         t1 = _monotonic()
-        if not error:
-            if value is None:
-                error = f"{what}: the controller returned no result"
-            elif t1 > deadline and not seq.self_timed:
-                error = f"{what}: ControllerTimeout: {what} ran past its time limit"
-                self.stats.timeouts += 1
+        if not error and value is None:
+            error = f"{what}: the controller returned no result"
         logs = _drain_logs(ctrl) if ctrl.logs else ""
         storage: list[Any] = []
         if ctrl.storage:
@@ -361,7 +363,7 @@ class AiciRuntime:
                 raise ProtocolError(f"req_id {req_id!r} is already in use")
         _, factory, self_timed = self.registry.resolve(module)
         t0 = time.monotonic()
-        deadline = t0 + self.limits.init_s + self.tolerance_s
+        deadline = time.thread_time() + self.limits.init_s + self.tolerance_s
         ctrl: Controller | None = None
         try:
             ctrl = call_with_deadline(

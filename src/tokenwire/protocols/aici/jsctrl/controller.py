@@ -223,7 +223,7 @@ class JsController(Controller):
     ) -> None:
         self._host.replay_reads = reads
         budget = self.limits.init_s + len(journal) * max(self.limits.mid_s, self.limits.pre_s)
-        deadline = time.monotonic() + budget
+        deadline = time.thread_time() + budget
         try:
             self._replay = list(journal)
             with self._lock:
@@ -242,7 +242,7 @@ class JsController(Controller):
         if self._ctx is None:
             raise ControllerError("jsctrl: controller was closed")
         ctx = self._ctx
-        remaining = deadline - time.monotonic()
+        remaining = deadline - time.thread_time()
         if remaining <= 0:
             raise self._fail(ControllerTimeout(f"jsctrl: no time left for {name}"))
         ctx.add_callable("__tw_unlock", _Unlock(ctx))
@@ -250,7 +250,7 @@ class JsController(Controller):
         try:
             out = self._entry(name, json.dumps(args))
             while True:
-                if time.monotonic() > deadline:
+                if time.thread_time() > deadline:
                     raise self._fail(ControllerTimeout(f"jsctrl: {name} ran past its deadline"))
                 if not ctx.execute_pending_job():
                     break
@@ -258,7 +258,7 @@ class JsController(Controller):
             raise self._fail(_js_error(name, e)) from None
         finally:
             ctx.set_time_limit(-1)
-        if time.monotonic() > deadline:
+        if time.thread_time() > deadline:
             raise self._fail(ControllerTimeout(f"jsctrl: {name} ran past its deadline"))
         state = self._state(deadline)
         if state["error"]:

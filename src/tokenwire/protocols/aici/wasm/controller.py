@@ -1,7 +1,8 @@
 """WasmController: a Wasm module (tokenwire controller ABI v1, see abi.py) run in wasmtime.
 
-Limits: fuel (`ControllerLimits.wasm_fuel` per callback), an epoch deadline per callback (one
-shared engine whose epoch a daemon thread advances every millisecond) and a Store limiter on
+Limits: fuel (`ControllerLimits.wasm_fuel` per callback), the callback's CPU time checked when it
+returns, an epoch deadline per callback as a wall-clock backstop (one shared engine whose epoch a
+daemon thread advances every millisecond; twice the CPU budget plus 10 ms) and a Store limiter on
 linear memory (`memory_bytes`): memory.grow past it returns -1 to the module, instantiation of a
 larger memory fails. A trap, fuel exhaustion or a nonzero return fails the sequence.
 
@@ -51,8 +52,16 @@ __all__ = ["WasmController", "compile_wasm", "wasm_engine"]
 
 DISALLOWED = np.float32(-1e10)
 EPOCH_TICK_S = 0.001
+WALL_SLACK_S = 0.010  # epoch backstop slack beyond twice the CPU budget (preemption)
 _engine_lock = threading.Lock()
 _engine: Engine | None = None
+
+
+def _epoch_ticks(cpu_budget_s: float) -> int:
+    """Epochs follow the wall clock, budgets count CPU time: the epoch deadline is a backstop
+    with slack for preemption (twice the budget plus 10 ms); fuel bounds the compute, and the
+    CPU time is checked when the call returns."""
+    return max(1, int((2 * max(cpu_budget_s, 0.0) + WALL_SLACK_S) / EPOCH_TICK_S) + 1)
 
 
 def wasm_engine() -> Engine:
@@ -173,12 +182,12 @@ class WasmController(Controller):
     def _call(self, name: str, deadline: float, *args: int) -> dict[str, Any]:
         if self.failed is not None:
             raise ControllerError(f"wasm: controller already failed: {self.failed}")
-        remaining = deadline - time.monotonic()
+        remaining = deadline - time.thread_time()
         if remaining <= 0:
             raise self._fail(ControllerTimeout(f"wasm: no time left for {name}"))
         self._res = {}
         self._store.set_fuel(int(self.limits.wasm_fuel))
-        self._store.set_epoch_deadline(max(1, int(remaining / EPOCH_TICK_S) + 1))
+        self._store.set_epoch_deadline(_epoch_ticks(remaining))
         try:
             code = self._fn[name](self._store, *args)
         except Trap as e:
@@ -195,7 +204,7 @@ class WasmController(Controller):
             raise self._fail(
                 e if isinstance(e, ControllerError) else ControllerError(f"wasm: {name}: {_short(e)}")
             ) from None
-        if time.monotonic() > deadline:
+        if time.thread_time() > deadline:
             raise self._fail(ControllerTimeout(f"wasm: {name} ran past its deadline"))
         if code:
             raise self._fail(ControllerError(f"wasm: {name} returned error code {code}"))
@@ -211,7 +220,7 @@ class WasmController(Controller):
 
     def _alloc(self, size: int, deadline: float) -> int:
         self._store.set_fuel(int(self.limits.wasm_fuel))
-        self._store.set_epoch_deadline(max(1, int((deadline - time.monotonic()) / EPOCH_TICK_S) + 1))
+        self._store.set_epoch_deadline(_epoch_ticks(deadline - time.thread_time()))
         try:
             ptr = self._fn["tw_alloc"](self._store, size)
         except (Trap, WasmtimeError) as e:
