@@ -36,28 +36,31 @@ class Spinner(Controller):
         return self
 
 
-def test_python_controller_past_its_deadline_is_interrupted(env, tmp_path):
-    reg = ModuleRegistry(tmp_path)
-    rt = AiciRuntime(env, reg)
-    rt.handle_side(
-        {"$rid": "1", "op": "instantiate", "req_id": "good", "module_id": "regex", "module_arg": "ab"}
-    )
+def _two_sequences(env, tmp_path, first: type[Controller], second=None, **runtime_kw):
+    """A runtime with sequence 1 run by `first` (a Python controller) and sequence 2 by
+    `second` (the same, or a regex controller): the replies of their first step,
+    (pre_seqs, mid seqs, the bias rows)."""
     from tokenwire.protocols.aici.controller import VariableStore
     from tokenwire.protocols.aici.runtime import Instance
 
-    rt.instances["spin"] = Instance(Spinner(env, VariableStore(), rt.limits), self_timed=False)
-    reply = rt.handle_main(
-        {
-            "op": "post_pre_process",
-            "post_ops": [],
-            "pre_ops": [{"id": 1, "req_id": "spin"}, {"id": 2, "req_id": "good"}],
-        },
-        np.zeros(1),
-    )
+    rt = AiciRuntime(env, ModuleRegistry(tmp_path), **runtime_kw)
+    rt.instances["one"] = Instance(first(env, VariableStore(), rt.limits), self_timed=False)
+    if second is None:
+        rt.handle_side(
+            {"$rid": "1", "op": "instantiate", "req_id": "two", "module_id": "regex", "module_arg": "ab"}
+        )
+    else:
+        rt.instances["two"] = Instance(second(env, VariableStore(), rt.limits), self_timed=False)
+    pre_ops = [{"id": 1, "req_id": "one"}, {"id": 2, "req_id": "two"}]
+    reply = rt.handle_main({"op": "post_pre_process", "post_ops": [], "pre_ops": pre_ops}, np.zeros(1))
     assert reply["type"] == "ok"
     bias = np.zeros(2 * env.vocab_size, dtype=np.float32)
-    reply = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 2}]}, bias)
-    seqs = reply["data"]["seqs"]
+    seqs = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 2}]}, bias)["data"]["seqs"]
+    return reply["data"]["pre_seqs"], seqs, bias
+
+
+def test_python_controller_past_its_deadline_is_interrupted(env, tmp_path):
+    _, seqs, bias = _two_sequences(env, tmp_path, Spinner)
     assert "time limit" in seqs["1"]["error"] and "ERROR" in seqs["1"]["logs"]
     assert seqs["2"]["error"] == ""
     row = bias[env.vocab_size :]
@@ -120,30 +123,12 @@ class Silent(Spinner):
 
 
 def test_a_callback_without_a_result_fails_its_own_sequence(env, tmp_path):
-    from tokenwire.protocols.aici.controller import VariableStore
-    from tokenwire.protocols.aici.runtime import Instance
-
-    rt = AiciRuntime(env, ModuleRegistry(tmp_path))
-    rt.handle_side(
-        {"$rid": "1", "op": "instantiate", "req_id": "good", "module_id": "regex", "module_arg": "ab"}
-    )
-    rt.instances["silent"] = Instance(Silent(env, VariableStore(), rt.limits), self_timed=False)
-    reply = rt.handle_main(
-        {
-            "op": "post_pre_process",
-            "post_ops": [],
-            "pre_ops": [{"id": 1, "req_id": "silent"}, {"id": 2, "req_id": "good"}],
-        },
-        np.zeros(1),
-    )
-    pre = reply["data"]["pre_seqs"]
+    pre, seqs, _ = _two_sequences(env, tmp_path, Silent)
     assert (
         pre["1"]["error"] == "pre_process: the controller returned no result" and pre["1"]["result"] is None
     )
     assert "ERROR pre_process" in pre["1"]["logs"]
     assert pre["2"]["error"] == "" and pre["2"]["result"]["num_forks"] == 1
-    bias = np.zeros(2 * env.vocab_size, dtype=np.float32)
-    seqs = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 2}]}, bias)["data"]["seqs"]
     assert seqs["1"]["error"] == "sequence already stopped" and seqs["2"]["error"] == ""
 
 
@@ -200,23 +185,7 @@ class Descheduled(Spinner):
 
 
 def test_time_limits_count_cpu_time_not_preemption(env, tmp_path):
-    from tokenwire.protocols.aici.controller import VariableStore
-    from tokenwire.protocols.aici.runtime import Instance
-
-    rt = AiciRuntime(env, ModuleRegistry(tmp_path), tolerance_s=0.001)  # pre budget: 2 ms
-    rt.instances["slow"] = Instance(Descheduled(env, VariableStore(), rt.limits), self_timed=False)
-    rt.instances["spin"] = Instance(Spinner(env, VariableStore(), rt.limits), self_timed=False)
-    reply = rt.handle_main(
-        {
-            "op": "post_pre_process",
-            "post_ops": [],
-            "pre_ops": [{"id": 1, "req_id": "slow"}, {"id": 2, "req_id": "spin"}],
-        },
-        np.zeros(1),
-    )
-    pre = reply["data"]["pre_seqs"]
+    pre, seqs, _ = _two_sequences(env, tmp_path, Descheduled, Spinner, tolerance_s=0.001)  # pre: 2 ms
     assert pre["1"]["error"] == "" and pre["1"]["micros"] >= 30_000  # slow on the clock, not on the CPU
-    bias = np.zeros(2 * env.vocab_size, dtype=np.float32)
-    seqs = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 2}]}, bias)["data"]["seqs"]
     assert "time limit" in seqs["2"]["error"]  # burning CPU still is not
     assert seqs["1"]["error"] == ""
