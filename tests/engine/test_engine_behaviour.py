@@ -232,6 +232,52 @@ def test_constraint_hook_force_backtrack_stop(engine) -> None:
     assert finish.reason == "stop" and len(c.seen) == 4
 
 
+class OnlyStep(ScriptedConstraint):
+    """Answers every sampling point with the same step."""
+
+    def __init__(self, step) -> None:
+        super().__init__()
+        self.step = step
+
+    def next_step(self):
+        return self.step
+
+
+@pytest.mark.parametrize("form", ["mask", "bias"])
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.8, seed=3)])
+def test_a_constraint_that_allows_nothing_fails_the_request(engine, form, sampling) -> None:
+    from tokenwire.engine.constraints import ConstraintStep
+
+    vocab = engine.vocab_size
+    if form == "mask":
+        step = ConstraintStep(allowed=torch.zeros(vocab, dtype=torch.bool))
+    else:  # AICI's form of a mask: an additive -inf row
+        step = ConstraintStep(bias=torch.full((vocab,), float("-inf")))
+    events, finish = engine.generate(
+        None, rand_tokens(6, 5), GenerateOptions(max_tokens=4, constraint=OnlyStep(step), sampling=sampling)
+    ).result()
+    assert events == [] and finish.reason == "error"
+    assert finish.error == "constraint allows no token at this position"
+
+
+def test_an_additive_minus_inf_mask_selects_like_a_boolean_mask(engine) -> None:
+    from tokenwire.engine.constraints import ConstraintStep
+
+    allowed = torch.zeros(engine.vocab_size, dtype=torch.bool)
+    allowed[[17, 300, 4000]] = True
+    as_bias = torch.where(allowed, 0.0, float("-inf"))
+    prompt = rand_tokens(6, 9)
+    results = []
+    for step in (ConstraintStep(allowed=allowed), ConstraintStep(bias=as_bias)):
+        events, _ = engine.generate(
+            None,
+            prompt,
+            GenerateOptions(max_tokens=3, constraint=OnlyStep(step), sampling=GREEDY, ignore_eos=True),
+        ).result()
+        results.append([e.token_id for e in events])
+    assert results[0] == results[1] and set(results[0]) <= {17, 300, 4000} and len(results[0]) == 3
+
+
 def test_priority_orders_admission(tokenizer) -> None:
     engine, _ = make_engine("smollm2", tokenizer, max_running=1)
     try:

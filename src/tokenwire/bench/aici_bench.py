@@ -281,8 +281,34 @@ def _overlap_runs(
         if failures:  # a timing of failed runs would mean nothing
             raise RuntimeError(f"{len(failures)} forks failed, e.g. {failures[0]['error']!r}")
 
+    async def plain_run() -> None:
+        """The baseline: the same number of sequences and tokens, no controller at all."""
+        from tokenwire.engine.request import GenerateOptions, SamplingParams
+
+        tok = engine.tokenizer
+        sessions = [
+            engine.create_session(tok.encode(f"Words: {i}:", add_special_tokens=False), ttl_s=None)
+            for i in range(seqs)
+        ]
+        opts = GenerateOptions(max_tokens=tokens, sampling=SamplingParams(temperature=0.0), ignore_eos=True)
+
+        async def drain(session: str) -> None:
+            async for _ in engine.generate(session, options=opts):
+                pass
+
+        try:
+            await asyncio.gather(*(drain(s) for s in sessions))
+        finally:
+            for s in sessions:
+                engine.close_session(s)
+
     out: dict[str, Any] = {}
     asyncio.run(one_run())  # warm-up
+    for _ in range(2):
+        steps0, t0 = engine.steps, time.perf_counter()
+        asyncio.run(plain_run())
+        row = out.setdefault("no_controller", {"step_ms": []})
+        row["step_ms"].append((time.perf_counter() - t0) / (engine.steps - steps0) * 1000)
     for label, overlap in (
         ("after_forward", False),
         ("overlapped", True),
@@ -351,6 +377,8 @@ def run_bench(args: argparse.Namespace) -> int:
         head = f"{'seqs  rounds':<26} {'wait median':>11} {'wait mean':>9} {'round':>7} {'step':>7}"
         print(head + "  (ms; wait = sampling waiting for the runtime)")
         for n, runs in overlap["seqs"].items():
+            plain = runs["no_controller"]["step_ms"]
+            print(f"{n:>4}  {'no controller':<20} {'-':>11} {'-':>9} {'-':>7} {plain:>7.1f}")
             for label in ("after_forward", "overlapped"):
                 r = runs[label]
                 ref = AICI_REPORTED.get(n) if label == "overlapped" else None

@@ -10,6 +10,8 @@ from tokenwire.engine.request import BacktrackEvent, Request, TokenEvent, covers
 from tokenwire.engine.sampler import logprobs_of, processed_logits, sample
 from tokenwire.engine.step import RowStats, StepItem, StepOutput
 
+NO_TOKEN_ALLOWED = "constraint allows no token at this position"
+
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
 
@@ -97,14 +99,21 @@ def _next_token(engine: Engine, request: Request, logits: torch.Tensor, stats: R
                 constraint.on_token(token)
             return  # the forced tokens are computed in the next step, then we ask again
     scores = processed_logits(logits, opts.sampling, step, engine.vocab_size)
-    if step is not None and step.allowed is not None and bool(torch.isinf(scores).all()):
-        engine._finish(request, "error", error="constraint allows no token at this position")
+    # a mask (or a bias of -inf, AICI's form of a mask) may rule out every token: greedy sees
+    # it as a -inf maximum (no extra pass), sampling checks the whole row first
+    constrained = step is not None and (step.allowed is not None or step.bias is not None)
+    greedy = opts.sampling.temperature == 0
+    if constrained and not greedy and bool(torch.isinf(scores).all()):
+        engine._finish(request, "error", error=NO_TOKEN_ALLOWED)
         return
     plain = scores is logits  # no bias, mask or padding rows: the step's row stats apply
     if plain and stats is not None and opts.sampling.temperature == 0:
         token = stats.argmax
     else:
         token = sample(scores, opts.sampling, request.generator)
+        if constrained and greedy and scores[token] == float("-inf"):
+            engine._finish(request, "error", error=NO_TOKEN_ALLOWED)
+            return
     if _append(engine, request, token, logits, scores, forced=False, stats=stats, plain=plain):
         return
     if constraint is not None:

@@ -56,7 +56,7 @@ class SeqState:
     has_post: bool = False
     owed: int = 0  # tokens the engine still has to report (on_token) for this step's post op
     pre: dict[str, Any] | None = None
-    mid: dict[str, Any] | None = None  # {"bias", "allowed" (tensors or None), "ff_tokens", "backtrack"}
+    mid: dict[str, Any] | None = None  # {"bias" (tensor or None), "ff_tokens", "backtrack"}
     round_step: int | None = None  # engine step count when the round of `pre`/`mid` was submitted early
     clone_of: int | None = None  # mid op must carry clone_id (first round after a fork)
     entries: list[dict[str, Any]] = field(default_factory=list)  # runtime entries, for logs
@@ -237,12 +237,11 @@ class Coordinator:
         return mid_ops
 
     def _apply_mid(self, mid_ops: list[dict[str, Any]], data: dict[str, Any], rows: np.ndarray) -> None:
-        # the rows become sampling inputs here, in the round (off the sampling path): one pass
-        # per measure over the whole block instead of several per row at each sampling point
-        rows = rows[:, : self.vocab_size]
-        finite = np.isfinite(rows)
-        all_finite = finite.all(axis=1)
-        has_bias = np.logical_and(rows != 0, finite).any(axis=1)
+        # each row goes to sampling as it is, an additive bias (0 allowed, -inf not, or real
+        # biases), copied here in the round (off the sampling path; the next round rewrites the
+        # region): adding it is one vectorised pass, where a boolean mask fill took ~35x longer
+        block = rows[:, : self.vocab_size]
+        nonzero = (block != 0).any(axis=1)
         for i, op in enumerate(mid_ops):
             s = self.seqs.get(op["id"])
             entry = data.get("seqs", {}).get(str(op["id"]))
@@ -250,12 +249,8 @@ class Coordinator:
                 continue  # freed meanwhile
             self._note(s, entry)
             result = entry.get("result") or {}
-            bias = None
-            if has_bias[i]:  # a real bias (not only a mask): copied, the next round rewrites the region
-                bias = torch.from_numpy(np.where(finite[i], rows[i], np.float32(0)))
             s.mid = {
-                "bias": bias,
-                "allowed": None if all_finite[i] else torch.from_numpy(finite[i]),
+                "bias": torch.from_numpy(block[i].copy()) if nonzero[i] else None,
                 "ff_tokens": list(result.get("ff_tokens") or []),
                 "backtrack": int(result.get("backtrack") or 0),
             }
@@ -337,7 +332,7 @@ class AiciConstraint(Constraint):
                 return ConstraintStep(force=list(mid["ff_tokens"]))
             s.owed = 1
             self.sampled += 1
-            return ConstraintStep(bias=mid["bias"], allowed=mid["allowed"])
+            return ConstraintStep(bias=mid["bias"])
 
     def on_token(self, token: int) -> None:
         with self.coord._lock:
