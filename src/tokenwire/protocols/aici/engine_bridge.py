@@ -135,25 +135,19 @@ class Coordinator:
 
     def maybe_start_early(self) -> None:
         """Lock held. Submit the next round now if every live sequence has reported (or is new)."""
-        if not self.overlap or self._inflight:
+        if not self.overlap or self._inflight or not self.ready_for_round():
             return
-        any_work = False
-        for s in self.seqs.values():
-            if s.stopped:
-                continue
-            if s.owed or s.pre is not None or s.mid is not None:
-                return  # still sampling, or holds a result it has not used yet
-            any_work = any_work or s.has_post or s.req_id is not None  # a post op or a new sequence
-        if not any_work:
+        # something to send: a post op or a new sequence
+        if not any(not s.stopped and (s.has_post or s.req_id is not None) for s in self.seqs.values()):
             return
         msg = self._begin_round()
         self.stats.early_rounds += 1
         self._worker.submit(self._run_round, msg, self.step_count())
 
     def ready_for_round(self) -> bool:
-        """Lock held, nothing in flight. A round may run: no live sequence still owes tokens or
-        holds a result it has not used (the runtime calls pre_process for every live sequence,
-        so a round now would overwrite theirs)."""
+        """Lock held. A round may run: no live sequence is still sampling (owes tokens) or holds
+        a result it has not used (the runtime calls pre_process for every live sequence, so a
+        round now would overwrite theirs)."""
         for s in self.seqs.values():
             if not s.stopped and (s.owed or s.pre is not None or s.mid is not None):
                 return False
