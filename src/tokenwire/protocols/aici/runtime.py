@@ -13,10 +13,12 @@ state changes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +99,7 @@ class AiciRuntime:
         self.stats = RuntimeStats()
         mask_vocab = env.ll_tokenizer.vocab_size if env.ll_tokenizer is not None else env.vocab_size
         self._writer = BiasWriter(env.vocab_size, mask_vocab)
-        self._armed_calls = False  # inside a main-channel op with a ticker: calls just arm a deadline
+        self._armed_calls = False  # inside _controller_calls on the main thread
 
     # ---- main channel ----------------------------------------------------------------------
 
@@ -109,18 +111,26 @@ class AiciRuntime:
             if op == "tokens":
                 return ok_reply({"vocab_size": self.env.vocab_size, "eos_token_id": self.env.eos_token_id})
             if op == "post_pre_process":
-                with ticker():
-                    self._armed_calls = ticking()
+                with self._controller_calls():
                     return ok_reply(self._post_pre(msg))
             if op == "mid_process":
-                with ticker():
-                    self._armed_calls = ticking()
+                with self._controller_calls():
                     return ok_reply(self._mid(msg, bias))
             if op == "stop":
                 raise StopRuntime
             raise ProtocolError(f"unknown op {op!r} on the main channel")
         except ProtocolError as e:
             return error_reply(f"{op}: {e}" if isinstance(op, str) else str(e))
+
+    @contextlib.contextmanager
+    def _controller_calls(self) -> Iterator[None]:
+        """One op's controller calls: a ticker runs, so each call only arms its budget."""
+        with ticker():
+            self._armed_calls = ticking()
+            try:
+                yield
+            finally:
+                self._armed_calls = False
 
     def _post_pre(self, msg: dict[str, Any]) -> dict[str, Any]:
         post_ops = obj_list(msg, "post_ops")
