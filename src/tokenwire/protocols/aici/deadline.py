@@ -28,7 +28,7 @@ from tokenwire.protocols.aici.controller import ControllerTimeout
 
 T = TypeVar("T")
 
-__all__ = ["call_armed", "call_with_deadline", "ticker", "ticking"]
+__all__ = ["call_with_deadline", "ticker"]
 
 TICK_S = 0.0005  # the timer's period: budgets are enforced to within about this
 
@@ -72,15 +72,8 @@ def ticker() -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def ticking() -> bool:
-    """True on the main thread inside a ticker(): calls may use `call_armed`."""
-    return _ticking > 0 and threading.get_ident() == _MAIN_IDENT
-
-
-def call_armed(fn: Callable[..., T], args: tuple[Any, ...], cpu_deadline: float) -> T:
-    """Under a ticker on the main thread: `fn(*args)`, interrupted once the main thread's CPU
-    time (time.thread_time()) passes `cpu_deadline` (the ticker's alarm raises
-    ControllerTimeout). The caller checks afterwards."""
+def _armed_call(fn: Callable[..., T], args: tuple[Any, ...], cpu_deadline: float) -> T:
+    """`fn(*args)` with the alarm armed: a tick past `cpu_deadline` raises ControllerTimeout."""
     global _armed, _cpu_deadline
     _cpu_deadline, _armed = cpu_deadline, True
     try:
@@ -90,29 +83,41 @@ def call_armed(fn: Callable[..., T], args: tuple[Any, ...], cpu_deadline: float)
 
 
 def call_with_deadline(
-    fn: Callable[..., T], deadline: float, what: str, *, self_timed: bool, args: tuple[Any, ...] = ()
+    fn: Callable[..., T],
+    deadline: float,
+    what: str,
+    *,
+    self_timed: bool,
+    args: tuple[Any, ...] = (),
+    remaining: float | None = None,
 ) -> T:
     """Run `fn(*args)` until `deadline` (time.thread_time() of this thread); raise
     ControllerTimeout when it uses more. Self-timed controllers get the deadline itself and
-    stop on their own."""
-    global _armed, _cpu_deadline
-    if deadline <= _thread_time():
+    stop on their own. `remaining`: the caller made `deadline` just now as
+    thread_time() + remaining, so the CPU clock need not be read again to know it.
+
+    Runs once per sequence per op: under a ticker (the common case) it only arms the budget,
+    and it reads the CPU clock (a system call) only when the wall clock says the budget may
+    be spent."""
+    if remaining is None:
+        remaining = deadline - _thread_time()
+    if remaining <= 0:
         raise ControllerTimeout(f"{what}: no time left before the call started")
     if self_timed:
         return fn(*args)
+    t0 = time.monotonic()
     if threading.get_ident() != _MAIN_IDENT:
         result = fn(*args)
     elif _ticking:
-        result = call_armed(fn, args, deadline)
+        result = _armed_call(fn, args, deadline)
     else:
         _install()
-        _cpu_deadline, _armed = deadline, True
         signal.setitimer(signal.ITIMER_REAL, TICK_S, TICK_S)
         try:
-            result = fn(*args)
+            result = _armed_call(fn, args, deadline)
         finally:
-            _armed = False
             signal.setitimer(signal.ITIMER_REAL, 0)
-    if _thread_time() > deadline:
+    # CPU time never runs ahead of the wall clock
+    if time.monotonic() - t0 > remaining and _thread_time() > deadline:
         raise ControllerTimeout(f"{what} ran past its time limit")
     return result

@@ -13,12 +13,10 @@ state changes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,12 +39,11 @@ from tokenwire.protocols.aici.controller import (
     TokenizerEnv,
     VariableStore,
 )
-from tokenwire.protocols.aici.deadline import call_armed, call_with_deadline, ticker, ticking
+from tokenwire.protocols.aici.deadline import call_with_deadline, ticker
 from tokenwire.protocols.aici.registry import ModuleRegistry, UnknownModule
 
 log = logging.getLogger("tokenwire.aicirt")
 _monotonic = time.monotonic
-_thread_time = time.thread_time
 
 __all__ = ["AiciRuntime", "StopRuntime"]
 
@@ -99,7 +96,6 @@ class AiciRuntime:
         self.stats = RuntimeStats()
         mask_vocab = env.ll_tokenizer.vocab_size if env.ll_tokenizer is not None else env.vocab_size
         self._writer = BiasWriter(env.vocab_size, mask_vocab)
-        self._armed_calls = False  # inside _controller_calls on the main thread
 
     # ---- main channel ----------------------------------------------------------------------
 
@@ -111,26 +107,16 @@ class AiciRuntime:
             if op == "tokens":
                 return ok_reply({"vocab_size": self.env.vocab_size, "eos_token_id": self.env.eos_token_id})
             if op == "post_pre_process":
-                with self._controller_calls():
+                with ticker():
                     return ok_reply(self._post_pre(msg))
             if op == "mid_process":
-                with self._controller_calls():
+                with ticker():
                     return ok_reply(self._mid(msg, bias))
             if op == "stop":
                 raise StopRuntime
             raise ProtocolError(f"unknown op {op!r} on the main channel")
         except ProtocolError as e:
             return error_reply(f"{op}: {e}" if isinstance(op, str) else str(e))
-
-    @contextlib.contextmanager
-    def _controller_calls(self) -> Iterator[None]:
-        """One op's controller calls: a ticker runs, so each call only arms its budget."""
-        with ticker():
-            self._armed_calls = ticking()
-            try:
-                yield
-            finally:
-                self._armed_calls = False
 
     def _post_pre(self, msg: dict[str, Any]) -> dict[str, Any]:
         post_ops = obj_list(msg, "post_ops")
@@ -273,26 +259,23 @@ class AiciRuntime:
     def _call(self, seq: Sequence, what: str, limit_s: float, *args: Any) -> tuple[dict[str, Any], Any]:
         """Call `seq.controller.<what>(*args, deadline)` under its time limit: (the sequence's
         reply entry, the callback's value or None when it failed, which fails this sequence
-        only). Runs once per sequence per op, so the common case (main thread, a ticker
-        running) only arms a CPU-time budget around the call (deadline.py says why CPU time)."""
+        only). Runs once per sequence per op, so it is kept lean."""
         ctrl = seq.controller
         t0 = _monotonic()
         budget = limit_s + self.tolerance_s
-        deadline = _thread_time() + budget  # CPU time of this thread (deadline.py says why)
+        deadline = time.thread_time() + budget  # CPU time (deadline.py says why)
         self.stats.calls += 1
         error = ""
         value = None
         try:
-            if not seq.self_timed and self._armed_calls:
-                value = call_armed(getattr(ctrl, what), (*args, deadline), deadline)
-                # CPU time never runs ahead of the wall clock: read it again only when needed
-                if _monotonic() - t0 > budget and _thread_time() > deadline:
-                    error = f"{what}: ControllerTimeout: {what} ran past its time limit"
-                    self.stats.timeouts += 1
-            else:
-                value = call_with_deadline(
-                    getattr(ctrl, what), deadline, what, self_timed=seq.self_timed, args=(*args, deadline)
-                )
+            value = call_with_deadline(
+                getattr(ctrl, what),
+                deadline,
+                what,
+                self_timed=seq.self_timed,
+                args=(*args, deadline),
+                remaining=budget,
+            )
         except MemoryError:
             error = f"{what}: controller ran out of memory"
         except Exception as e:  # any controller failure fails its own sequence only
