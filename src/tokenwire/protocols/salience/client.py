@@ -14,6 +14,7 @@ truncating flag come from the SessionView (client_session.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -32,6 +33,23 @@ _OPTIONS = [
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
+
+
+@contextlib.contextmanager
+def _generate_call(view: SessionView, call: Any) -> Iterator[None]:
+    """Around the iteration of one Generate call (sync or async): a failed RPC becomes a
+    SalienceError the view records; a caller that stops iterating (GeneratorExit, task
+    cancellation) cancels the call, so the server's work stops now."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        error = SalienceError.from_rpc(exc)
+        view.on_error(error)
+        raise error from None
+    except BaseException:
+        call.cancel()
+        view.on_cancel()
+        raise
 
 
 def _channel(api: Any, target: str, tls: bool, root_certificates: bytes | None) -> Any:
@@ -80,22 +98,11 @@ class AsyncSession(_SessionState):
             await self.resync()
         request = self.view.request(append, GenerateParams(**params))
         call = self._client.stub.Generate(request, metadata=self._client.metadata)
-        finished = False
-        try:
+        with _generate_call(self.view, call):
             async for event in call:
                 token = self.view.on_event(event)
                 if token is not None:
                     yield token
-            finished = True
-        except grpc.RpcError as exc:
-            finished = True
-            error = SalienceError.from_rpc(exc)
-            self.view.on_error(error)
-            raise error from None
-        finally:
-            if not finished:  # the caller stopped iterating: stop the server's work now
-                call.cancel()
-                self.view.on_cancel()
 
     async def complete(
         self, append: Sequence[int] = (), **params: Any
@@ -177,22 +184,11 @@ class Session(_SessionState):
             self.resync()
         request = self.view.request(append, GenerateParams(**params))
         call = self._client.stub.Generate(request, metadata=self._client.metadata)
-        finished = False
-        try:
+        with _generate_call(self.view, call):
             for event in call:
                 token = self.view.on_event(event)
                 if token is not None:
                     yield token
-            finished = True
-        except grpc.RpcError as exc:
-            finished = True
-            error = SalienceError.from_rpc(exc)
-            self.view.on_error(error)
-            raise error from None
-        finally:
-            if not finished:
-                call.cancel()
-                self.view.on_cancel()
 
     def complete(self, append: Sequence[int] = (), **params: Any) -> tuple[list[pb.Token], pb.GenerateDone]:
         tokens = list(self.generate(append, **params))
