@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
+from tests.serve_process import kill_if_running, stop_cleanly, wait_ready
 from tokenwire.engine.concepts import ConceptSet
 
 CMD = [sys.executable, "-m", "tokenwire.cli"]
@@ -23,27 +22,14 @@ def test_serve_logs_and_stops_cleanly_on_sigterm() -> None:
         text=True,
     )
     try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "tokenwire ready" in line:
-                break
-        log = "".join(lines)
+        log = wait_ready(proc, timeout=120)
         assert "model smol (LlamaForCausalLM)" in log and "dtype fp32" in log and "KV cache 32 MiB" in log, (
             log
         )
         assert "tokenwire ready" in log and "(0 protocol servers)" in log, log
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=60)[1]
-        assert proc.returncode == 0, rest
-        assert "stopped" in rest
+        stop_cleanly(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_if_running(proc)
 
 
 def test_unknown_model_path_is_a_clear_error(tmp_path) -> None:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tests.serve_process import kill_if_running, stop_cleanly, wait_ready
 
 
 def _free_ports(n: int) -> list[int]:
@@ -25,20 +25,6 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
-
-
-def _wait_ready(proc: subprocess.Popen[str], timeout: float = 180) -> str:
-    assert proc.stderr is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "tokenwire ready" in line:
-            return "".join(lines)
-    raise AssertionError("server did not become ready:\n" + "".join(lines))
 
 
 def _get_json(url: str) -> object:
@@ -77,7 +63,7 @@ def test_serve_starts_every_protocol_and_stops_cleanly() -> None:
         text=True,
     )  # fmt: skip
     try:
-        log = _wait_ready(proc)
+        log = wait_ready(proc)
         assert "4 protocol servers" in log, log
 
         info = asyncio.run(asyncio.wait_for(_lmtp_model_info(lmtp), 60))
@@ -95,11 +81,6 @@ def test_serve_starts_every_protocol_and_stops_cleanly() -> None:
         tags = _get_json(f"http://127.0.0.1:{aici}/v1/controllers/tags")
         assert "jsctrl-latest" in json.dumps(tags), tags
 
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=60)[1]
-        assert proc.returncode == 0, rest
-        assert "stopped" in rest
+        stop_cleanly(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_if_running(proc)

@@ -12,20 +12,10 @@ import aiohttp
 import pytest
 import wasmtime
 
+from tests.protocols.aici.test_jsctrl import SEED_PROGRAM as SEED
+from tests.protocols.aici.test_runtime_shm import TINY_WAT
 from tokenwire.protocols.aici.client import AiciClient
 from tokenwire.protocols.aici.rest import AiciServer, tokenizer_spec
-
-SEED = (
-    "async function main() {\n    await $`Ultimate answer is to the life, universe and everything is `\n"
-    "    await gen({ regex: /\\d\\d/ })\n}\n\nstart(main)\n"
-)
-
-TINY_WAT = """(module (memory (export "memory") 1)
-  (func (export "tw_alloc") (param i32) (result i32) (i32.const 1024))
-  (func (export "init_prompt") (param i32 i32) (result i32) (i32.const 0))
-  (func (export "pre_process") (result i32) (i32.const 0))
-  (func (export "mid_process") (result i32) (i32.const 0))
-  (func (export "post_process") (param i32 i32 i32) (result i32) (i32.const %d)))"""
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,16 @@ EXAMPLE_1_TURN_2 = [
 ]
 
 
+def greedy_reply(engine, user_text: str, max_tokens: int = 12) -> str:
+    """The oracle: the engine itself, greedy, on the chat template of one user turn."""
+    from tokenwire.engine.request import GenerateOptions, SamplingParams
+
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": user_text}])
+    options = GenerateOptions(max_tokens=max_tokens, sampling=SamplingParams(temperature=0))
+    tokens, _ = engine.generate(None, prompt, options).result()
+    return "".join(t.text for t in tokens)
+
+
 def test_example_1_long_video_two_turns_reuses_turn_1(conversation, smollm2_engine):
     c = conversation()
     for text in EXAMPLE_1_TURN_1:
@@ -87,17 +97,9 @@ def test_example_2_customized_generate(conversation, smollm2_engine):
     )
     response = c.read_until_final("response_1")
     check_output_stream(response, "response_1")
-    # oracle: the engine itself, greedy, on the chat template of the same user turn
-    tok = smollm2_engine.tokenizer
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "Write a heroic novel about a half-eaten jam doughnut."}]
+    assert text_of(response) == greedy_reply(
+        smollm2_engine, "Write a heroic novel about a half-eaten jam doughnut."
     )
-    from tokenwire.engine.request import GenerateOptions, SamplingParams
-
-    tokens, _ = smollm2_engine.generate(
-        None, prompt, GenerateOptions(max_tokens=12, sampling=SamplingParams(temperature=0))
-    ).result()
-    assert text_of(response) == "".join(t.text for t in tokens)
     assert c.close() == []
 
 
@@ -119,14 +121,7 @@ def test_example_3_streamed_chain(conversation, smollm2_engine):
     )
     response = c.read_until_final("response_1")
     check_output_stream(response, "response_1")
-    tok = smollm2_engine.tokenizer
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "Write a heroic novel about a half-eaten jam doughnut."}]
+    assert text_of(response) == greedy_reply(
+        smollm2_engine, "Write a heroic novel about a half-eaten jam doughnut."
     )
-    from tokenwire.engine.request import GenerateOptions, SamplingParams
-
-    tokens, _ = smollm2_engine.generate(
-        None, prompt, GenerateOptions(max_tokens=12, sampling=SamplingParams(temperature=0))
-    ).result()
-    assert text_of(response) == "".join(t.text for t in tokens)
     assert c.close() == []
