@@ -43,7 +43,6 @@ class AiciClient:
         runtime_cmd: list[str] | None = None,
         start_timeout_s: float = 120.0,
         busy_wait_ms: float = 0.0,
-        reply_spin_ms: float = 0.0,
     ) -> None:
         self.prefix = prefix or pid_prefix()
         names = channel_names(self.prefix)
@@ -68,9 +67,6 @@ class AiciClient:
         self.proc = subprocess.Popen(args)
         self._main_lock = threading.Lock()  # one main-channel command at a time
         self._main_op: Any = None
-        # spin this long for a main-channel reply before sleeping (AICI's engines busy-poll the
-        # response semaphore); worth it when a core is free while the runtime works
-        self.reply_spin_s = max(0.0, reply_spin_ms) / 1000
         self._pending: dict[str, concurrent.futures.Future[dict[str, Any]]] = {}
         self._pending_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -109,7 +105,7 @@ class AiciClient:
         """The second half of `main`: wait for the reply to the command `send_main` sent."""
         try:
             while True:
-                payload = self.resp.recv(timeout=min(timeout or 1.0, 1.0), spin_s=self.reply_spin_s)
+                payload = self.resp.recv(timeout=min(timeout or 1.0, 1.0))
                 if payload is not None:
                     break
                 if self.proc.poll() is not None:

@@ -105,6 +105,9 @@ def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], *, defa
 
 
 def int_field(msg: dict[str, Any], name: str, *, default: Any = ..., minimum: int = 0) -> int:
+    value = msg.get(name)
+    if type(value) is int and value >= minimum:  # the common case first: runs per sequence per step
+        return value
     value = field(msg, name, int, default=default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ProtocolError(f"field {name!r} must be an integer >= {minimum}, got {value!r}")
@@ -112,6 +115,9 @@ def int_field(msg: dict[str, Any], name: str, *, default: Any = ..., minimum: in
 
 
 def int_list(msg: dict[str, Any], name: str, *, default: Any = ...) -> list[int]:
+    value = msg.get(name)
+    if type(value) is list and all(type(v) is int and v >= 0 for v in value):  # the common case
+        return value
     value = field(msg, name, list, default=default)
     for v in value:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:

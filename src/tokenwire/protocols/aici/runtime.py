@@ -130,15 +130,9 @@ class AiciRuntime:
         seqs = self.seqs
         freed_set = set(freed)
         for op in post_ops:
-            sid, backtrack, tokens = op.get("id"), op.get("backtrack", 0), op.get("tokens", [])
-            # the common shapes checked inline (this loop runs per sequence per step); anything
-            # else goes through the field checks, which name what is wrong
-            if type(sid) is not int or sid < 0:
-                sid = int_field(op, "id")
-            if type(backtrack) is not int or backtrack < 0:
-                backtrack = int_field(op, "backtrack", default=0)
-            if type(tokens) is not list or not all(type(t) is int and t >= 0 for t in tokens):
-                tokens = int_list(op, "tokens", default=[])
+            sid = int_field(op, "id")
+            backtrack = int_field(op, "backtrack", default=0)
+            tokens = int_list(op, "tokens", default=[])
             if sid not in seqs or sid in freed_set:
                 raise ProtocolError(f"post_ops: sequence {sid} was never assigned (or is freed)")
             posts.append((sid, backtrack, tokens))
