@@ -244,7 +244,6 @@ def bench_overlap(tokens: int, seq_counts: list[int]) -> dict[str, Any]:
     from tokenwire.protocols.aici.client import AiciClient
     from tokenwire.protocols.aici.engine_bridge import Coordinator
     from tokenwire.protocols.aici.rest import tokenizer_spec
-    from tokenwire.protocols.aici.run import RunRequest, run_events
 
     engine = build_engine(EngineSettings(kv_cache_mb=512, progress=False))
     client = AiciClient(tokenizer=tokenizer_spec(engine))
@@ -252,9 +251,7 @@ def bench_overlap(tokens: int, seq_counts: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": tokens, "seqs": {}}
     try:
         for seqs in seq_counts:
-            out["seqs"][str(seqs)] = _overlap_runs(
-                engine, client, coord, tokens, seqs, run_events, RunRequest
-            )
+            out["seqs"][str(seqs)] = _overlap_runs(engine, client, coord, tokens, seqs)
     finally:
         coord.close()
         client.close()
@@ -262,10 +259,11 @@ def bench_overlap(tokens: int, seq_counts: list[int]) -> dict[str, Any]:
     return out
 
 
-def _overlap_runs(
-    engine: Any, client: Any, coord: Any, tokens: int, seqs: int, run_events: Any, request_type: Any
-) -> dict[str, Any]:
+def _overlap_runs(engine: Any, client: Any, coord: Any, tokens: int, seqs: int) -> dict[str, Any]:
     import asyncio
+
+    from tokenwire.engine.request import GenerateOptions, SamplingParams
+    from tokenwire.protocols.aici.run import RunRequest, run_events
 
     # `seqs` forks, each generating lowercase words under a regex (a mask every step)
     branches = [
@@ -276,15 +274,13 @@ def _overlap_runs(
 
     async def one_run() -> None:
         failures = []
-        async for ev in run_events(engine, client, coord, request_type.from_json(body)):
+        async for ev in run_events(engine, client, coord, RunRequest.from_json(body)):
             failures += [f for f in ev.get("forks", []) if f["error"] or f["finish_reason"] == "fail"]
         if failures:  # a timing of failed runs would mean nothing
             raise RuntimeError(f"{len(failures)} forks failed, e.g. {failures[0]['error']!r}")
 
     async def plain_run() -> None:
         """The baseline: the same number of sequences and tokens, no controller at all."""
-        from tokenwire.engine.request import GenerateOptions, SamplingParams
-
         tok = engine.tokenizer
         sessions = [
             engine.create_session(tok.encode(f"Words: {i}:", add_special_tokens=False), ttl_s=None)
