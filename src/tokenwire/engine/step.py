@@ -30,9 +30,9 @@ class RowStats:
 @dataclass
 class StepOutput:
     logits: dict[tuple[int, int], torch.Tensor]  # (request id, position) -> logits [vocab]
+    hidden: dict[tuple[int, int], torch.Tensor]  # (request id, position) -> [n_layers, hidden]
     # (request id, position) -> (max logit, its token, logsumexp): reduced once for the whole
     # step, so greedy sampling and top-1 logprobs need no per-row pass over the vocabulary
-    hidden: dict[tuple[int, int], torch.Tensor]  # (request id, position) -> [n_layers, hidden]
     stats: dict[tuple[int, int], RowStats] = field(default_factory=dict)
 
 
@@ -46,8 +46,6 @@ def run_step(
     dtype = kv.k.dtype
     rep = model.config.num_heads // model.config.num_kv_heads
     bs = kv.block_size
-    # a model without attention (the no-model benchmark backend) needs no masks or KV slots
-    attends = getattr(model, "attends", True)
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -69,11 +67,11 @@ def run_step(
             positions.append(p)
             slots.append(table[p // bs] * bs + p % bs)
         rows = list(range(base, base + item.count))
-        if attends and item.count == 1:
+        if item.count == 1:
             decode_rows.append(rows)
             decode_starts.append(item.start)
             decode_tables.append(table[: -(-(item.start + 1) // bs)])
-        elif attends:
+        else:
             groups.append(
                 build_group(
                     [rows],
@@ -98,7 +96,7 @@ def run_step(
             capture_keys.append((rid, p))
     if decode_rows:
         groups.append(build_group(decode_rows, decode_starts, decode_tables, bs, rep, device, dtype))
-    attention = PagedAttention(kv, torch.tensor(slots, device=device), groups) if attends else None
+    attention = PagedAttention(kv, torch.tensor(slots, device=device), groups)
     capture_index = torch.tensor(capture_rows, dtype=torch.long, device=device) if capture_rows else None
     with torch.inference_mode():
         hidden, captured = model(

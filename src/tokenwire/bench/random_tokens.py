@@ -10,23 +10,23 @@ are reproducible and cost a lookup rather than a fresh draw of vocab_size number
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import nn
 
 from tokenwire.model.config import ModelConfig
+from tokenwire.model.llama import AttentionBackend
 
 TABLE_ROWS = 257  # prime: consecutive (token, position) pairs spread over the table
 
 
 class RandomTokenModel(nn.Module):
-    """LlamaModel's calling convention without its computation: logits ~ N(0, 1).
+    """LlamaModel's interface (forward, logits, config, dtype, device, max_positions) without
+    its computation: logits ~ N(0, 1). It is handed the step's paged-attention metadata like
+    the real model and ignores it.
 
     The config keeps the vocabulary and context length of the model it imitates but one
     layer, so the (unused) KV cache costs 1/num_layers of the real one."""
-
-    attends = False  # run_step builds no attention metadata for it
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None, seed: int = 0) -> None:
         super().__init__()
@@ -47,7 +47,7 @@ class RandomTokenModel(nn.Module):
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        attention: Any,
+        attention: AttentionBackend,
         capture_layers: tuple[int, ...] = (),
         capture_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
