@@ -137,6 +137,11 @@ class RequestHandle:
     def session_id(self) -> str:
         return self._request.session.id
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt positions whose KV was reused (the session's own or the prefix cache's)."""
+        return self._request.cached_tokens or 0
+
     def cancel(self) -> None:
         self._cancel(self._request)
 
@@ -197,6 +202,9 @@ class Request:
         self.pending_set: set[int] = set()
         self.recompute_from = 0  # KV from here on is (re)computed by this request
         self.started = False  # prefix cache consulted since (re)admission
+        # prompt positions whose KV was reused, not computed (session KV + prefix cache hits),
+        # counted at first admission; None until then
+        self.cached_tokens: int | None = None
         # deferred generated-token events waiting for their position's hidden state
         self.pending_readout: dict[int, TokenEvent] = {}
         self.prompt_logprob: dict[int, tuple[float, list[tuple[int, float]] | None]] = {}

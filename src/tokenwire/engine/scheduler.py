@@ -85,6 +85,8 @@ class Scheduler:
                 request.started = True
                 if request.options.use_prefix_cache:
                     session.match_prefix(min(request.recompute_from, len(session.tokens) - 1), self.kv)
+                if request.cached_tokens is None:
+                    request.cached_tokens = session.num_computed
         decoding = [r for r in self.running if len(r.session.tokens) - r.session.num_computed == 1]
         prefilling = [r for r in self.running if len(r.session.tokens) - r.session.num_computed > 1]
         for request in decoding + prefilling:

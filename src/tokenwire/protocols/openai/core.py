@@ -1,0 +1,409 @@
+"""The sans-IO core of the OpenAI-compatible API: validated requests -> engine plans, and the
+choices' outputs -> OpenAI's response and chunk objects.
+
+Everything here works on plain values (pydantic requests, token lists, the model's limits) and
+raises OpenAIError for a request it refuses; transport.py moves these values between HTTP and the
+engine. Every check runs before the engine is touched, so a refused request changes no session.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenwire.engine.request import GenerateOptions
+from tokenwire.model.tokenizer import Tokenizer
+from tokenwire.protocols.openai import chat
+from tokenwire.protocols.openai.errors import bad_request, model_not_found
+from tokenwire.protocols.openai.output import ChoiceOutput, legacy_logprobs
+from tokenwire.protocols.openai.sampling import Structure, check_one_structure, compile_structure, options_for
+from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest, Sampling
+
+EVERY = 2**31  # "to the end" in a position range
+SESSION_TAIL = 16  # session tokens the chat continuation needs to see (a closing sequence)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the core needs to know about the loaded model and its engine."""
+
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+    logits_size: int
+    eos_ids: frozenset[int]
+    concept_names: tuple[str, ...] = ()
+    concept_layers: tuple[int, ...] = ()
+
+
+@dataclass
+class Plan:
+    """What to run for one request: per prompt the tokens to append, per choice its options."""
+
+    kind: str  # "chat" | "text"
+    model: str
+    session: str | None
+    prompts: list[list[int]]
+    choices: list[tuple[int, GenerateOptions]]  # (prompt index, options)
+    outputs: list[ChoiceOutput]
+    stream: bool
+    include_usage: bool
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    tool_mode: str = "none"
+    tool: Any = None
+    tool_names: set[str] = field(default_factory=set)
+    readouts: bool = False
+    limits: ModelLimits | None = None
+
+
+def check_model(requested: str | None, limits: ModelLimits) -> None:
+    if requested is not None and requested != limits.name:
+        raise model_not_found(requested, limits.name)
+
+
+def _check_common(req: Sampling, limits: ModelLimits) -> None:
+    check_model(req.model, limits)
+    for key in req.logit_bias or {}:
+        if not 0 <= int(key) < limits.vocab_size:
+            raise bad_request(
+                f"logit_bias: token id {key} is outside the vocabulary [0, {limits.vocab_size})",
+                "logit_bias",
+                "invalid_token",
+            )
+    if req.readouts and not limits.concept_names:
+        raise bad_request("readouts need a concept file: start the server with --concepts", "readouts")
+
+
+def _max_tokens(requested: int | None, prompt_len: int, limits: ModelLimits, param: str) -> int:
+    if prompt_len > limits.max_model_len:
+        raise bad_request(
+            f"this prompt is {prompt_len} tokens long, more than the model's context length "
+            f"{limits.max_model_len}",
+            param,
+            "context_length_exceeded",
+        )
+    room = limits.max_model_len - prompt_len
+    return room if requested is None else min(requested, room)
+
+
+def plan_chat(req: ChatCompletionRequest, limits: ModelLimits, session_tokens: Sequence[int] | None) -> Plan:
+    """`session_tokens`: the session's tokens when the request names one (None otherwise)."""
+    _check_common(req, limits)
+    tok = limits.tokenizer
+    mode, named = chat.tool_mode(req, tok)
+    response_schema = None
+    if req.response_format is not None and req.response_format.type != "text":
+        rf = req.response_format
+        response_schema = rf.json_schema.json_schema if rf.json_schema else None
+        response_schema = response_schema or {"type": "object"}
+    tool_schema = chat.tool_schema(mode, named, req.tools or [])
+    check_one_structure(
+        ("response_format", response_schema),
+        ("tool_choice", tool_schema),
+        ("regex", req.regex),
+        ("grammar", req.grammar),
+    )
+    structure = _structure(req, response_schema, tool_schema)
+    tools = chat.tool_dicts(req.tools) if req.tools and mode != "none" else None
+    messages = chat.template_messages(req.messages)
+    history = list(session_tokens or ())
+    append = chat.prompt_tokens(tok, messages, history[-SESSION_TAIL:], tools)
+    prompt_len = len(history) + len(append)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = _max_tokens(requested, prompt_len, limits, "messages")
+    top = req.top_logprobs or 0
+    if top and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    plan = Plan(
+        "chat",
+        limits.name,
+        req.session,
+        [append],
+        [],
+        [],
+        req.stream,
+        bool(req.stream_options and req.stream_options.include_usage),
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        tool_mode=mode,
+        tool=named,
+        tool_names={t.function.name for t in req.tools or []},
+        readouts=req.readouts,
+        limits=limits,
+    )
+    for i in range(req.n):
+        options = options_for(
+            req,
+            choice=i,
+            max_tokens=max_tokens,
+            constraint=compile_structure(structure, tok.hf, limits.logits_size),
+            width=limits.logits_size,
+            logprobs=req.logprobs,
+            top_logprobs=top,
+            logprob_ranges=None,
+            readout_ranges=[(prompt_len, EVERY)] if req.readouts else [],
+        )
+        plan.choices.append((0, options))
+        plan.outputs.append(
+            ChoiceOutput(
+                i, tok, limits.eos_ids, stops=req.stops, ignore_eos=req.ignore_eos, legacy_logprobs=False
+            )
+        )
+    return plan
+
+
+def _structure(req: ChatCompletionRequest, response: Any, tool: Any) -> Structure | None:
+    if response is not None:
+        return Structure("json_schema", response, "response_format")
+    if tool is not None:
+        return Structure("json_schema", tool, "tools")
+    return _extension_structure(req)
+
+
+def _extension_structure(req: Sampling) -> Structure | None:
+    if req.regex:
+        return Structure("regex", req.regex, "regex")
+    if req.grammar:
+        return Structure("lark", req.grammar, "grammar")
+    return None
+
+
+def _prompts(prompt: Any, tok: Tokenizer, limits: ModelLimits, fresh: bool) -> list[list[int]]:
+    """The completions API's four prompt forms -> token lists. Text gets the tokenizer's special
+    tokens (BOS) only at the start of a sequence, not when appended to a session."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    out = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            out.append(tok.encode(p, add_special_tokens=fresh))
+            continue
+        for t in p:
+            if not 0 <= t < limits.vocab_size:
+                raise bad_request(
+                    f"prompt[{i}]: token id {t} is outside the vocabulary [0, {limits.vocab_size})",
+                    "prompt",
+                    "invalid_token",
+                )
+        out.append(list(p))
+    if not out:
+        raise bad_request("prompt is empty", "prompt")
+    return out
+
+
+def plan_completion(
+    req: CompletionRequest, limits: ModelLimits, session_tokens: Sequence[int] | None
+) -> Plan:
+    _check_common(req, limits)
+    if req.suffix:
+        raise bad_request("suffix (fill-in-the-middle) is not supported by this server", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+    check_one_structure(("regex", req.regex), ("grammar", req.grammar))
+    structure = _extension_structure(req)
+    tok = limits.tokenizer
+    history = len(session_tokens or ())
+    prompts = _prompts(req.prompt, tok, limits, fresh=history == 0)
+    if req.session is not None and len(prompts) > 1:
+        raise bad_request("a request on a session takes one prompt", "prompt")
+    legacy = req.logprobs is not None
+    plan = Plan(
+        "text",
+        limits.name,
+        req.session,
+        prompts,
+        [],
+        [],
+        req.stream,
+        bool(req.stream_options and req.stream_options.include_usage),
+        id=f"cmpl-{uuid.uuid4().hex}",
+        readouts=req.readouts,
+        limits=limits,
+    )
+    for p, append in enumerate(prompts):
+        prompt_len = history + len(append)
+        max_tokens = _max_tokens(
+            16 if req.max_tokens is None else req.max_tokens, prompt_len, limits, "prompt"
+        )
+        start = history if req.echo else prompt_len  # echo: logprobs/readouts of the prompt too
+        for i in range(req.n):
+            options = options_for(
+                req,
+                choice=i,
+                max_tokens=max_tokens,
+                constraint=compile_structure(structure, tok.hf, limits.logits_size),
+                width=limits.logits_size,
+                logprobs=legacy,
+                top_logprobs=req.logprobs or 0,
+                logprob_ranges=[(start, EVERY)] if legacy else None,
+                readout_ranges=[(start, EVERY)] if req.readouts else [],
+            )
+            plan.choices.append((p, options))
+            plan.outputs.append(
+                ChoiceOutput(
+                    len(plan.outputs),
+                    tok,
+                    limits.eos_ids,
+                    stops=req.stops,
+                    ignore_eos=req.ignore_eos,
+                    legacy_logprobs=True,
+                    echo_from=history if req.echo else None,
+                    echo_text=tok.decode(append) if req.echo else "",
+                )
+            )
+    return plan
+
+
+# ---------------------------------------------------------------------------------- responses
+def usage(plan: Plan) -> dict[str, Any]:
+    """Prompt tokens count each prompt once (its first choice's), completions every choice's.
+    cached_tokens: prompt positions whose KV was reused (session or prefix cache), not computed."""
+    n = len(plan.outputs) // len(plan.prompts)
+    firsts = [plan.outputs[p * n] for p in range(len(plan.prompts))]
+    prompt = sum(o.finish.prompt_tokens for o in firsts if o.finish)
+    completion = sum(o.finish.completion_tokens for o in plan.outputs if o.finish)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in firsts)},
+    }
+
+
+def _head(plan: Plan, obj: str) -> dict[str, Any]:
+    head = {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model}
+    if plan.session is not None:
+        head["session"] = plan.session
+    return head
+
+
+def _readouts(plan: Plan, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    assert plan.limits is not None
+    return {
+        "concepts": list(plan.limits.concept_names),
+        "layers": list(plan.limits.concept_layers),
+        "tokens": entries,
+    }
+
+
+def chat_message(plan: Plan, out: ChoiceOutput) -> tuple[dict[str, Any], str]:
+    """The assistant message and finish_reason of a finished choice."""
+    reason = out.finish_reason
+    message: dict[str, Any] = {"role": "assistant", "content": out.generated, "refusal": None}
+    if plan.tool_mode != "none" and not (out.finish and out.finish.reason == "length"):
+        calls = chat.parse_tool_calls(plan.tool_mode, plan.tool, out.generated, plan.tool_names)
+        if calls:
+            message["content"] = None
+            message["tool_calls"] = calls
+            reason = "tool_calls"
+    return message, reason
+
+
+def chat_response(plan: Plan) -> dict[str, Any]:
+    choices = []
+    for out in plan.outputs:
+        message, reason = chat_message(plan, out)
+        choice: dict[str, Any] = {
+            "index": out.index,
+            "message": message,
+            "finish_reason": reason,
+            "logprobs": {"content": out.logprobs, "refusal": None} if plan.choices[0][1].logprobs else None,
+        }
+        if plan.readouts:
+            choice["readouts"] = _readouts(plan, out.readouts)
+        choices.append(choice)
+    return {
+        **_head(plan, "chat.completion"),
+        "choices": choices,
+        "usage": usage(plan),
+        "system_fingerprint": None,
+    }
+
+
+def completion_response(plan: Plan) -> dict[str, Any]:
+    choices = []
+    for out in plan.outputs:
+        choice: dict[str, Any] = {
+            "index": out.index,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+            "logprobs": legacy_logprobs(out.logprobs) if out.legacy and plan.choices[0][1].logprobs else None,
+        }
+        if plan.readouts:
+            choice["readouts"] = _readouts(plan, out.readouts)
+        choices.append(choice)
+    return {
+        **_head(plan, "text_completion"),
+        "choices": choices,
+        "usage": usage(plan),
+        "system_fingerprint": None,
+    }
+
+
+def chat_chunk(
+    plan: Plan, out: ChoiceOutput, delta: Any, *, first: bool = False, finished: bool = False
+) -> dict[str, Any] | None:
+    """One choice's chunk for a batch of events (None when it carries nothing)."""
+    body: dict[str, Any] = {}
+    if first:
+        body["role"] = "assistant"
+    reason = None
+    if finished:
+        message, reason = chat_message(plan, out)
+        if "tool_calls" in message:
+            # tool calls go out whole, once parsed, as index-numbered deltas
+            body["tool_calls"] = [dict(call, index=k) for k, call in enumerate(message["tool_calls"])]
+            delta.text = ""
+    tool_text = plan.tool_mode in ("named", "required")
+    if delta.text and not tool_text:
+        body["content"] = delta.text
+    elif first:
+        body["content"] = ""
+    if not body and reason is None and not delta.logprobs and not delta.readouts:
+        return None
+    choice: dict[str, Any] = {
+        "index": out.index,
+        "delta": body,
+        "finish_reason": reason,
+        "logprobs": {"content": delta.logprobs, "refusal": None} if delta.logprobs else None,
+    }
+    if delta.readouts:
+        choice["readouts"] = _readouts(plan, delta.readouts)
+    return {
+        **_head(plan, "chat.completion.chunk"),
+        "choices": [choice],
+        "system_fingerprint": None,
+        **({"usage": None} if plan.include_usage else {}),
+    }
+
+
+def completion_chunk(
+    plan: Plan, out: ChoiceOutput, delta: Any, *, finished: bool = False
+) -> dict[str, Any] | None:
+    if not delta.text and not finished and not delta.logprobs and not delta.readouts:
+        return None
+    choice: dict[str, Any] = {
+        "index": out.index,
+        "text": delta.text,
+        "finish_reason": out.finish_reason if finished else None,
+        "logprobs": legacy_logprobs(delta.logprobs) if delta.logprobs else None,
+    }
+    if delta.readouts:
+        choice["readouts"] = _readouts(plan, delta.readouts)
+    return {
+        **_head(plan, "text_completion"),
+        "choices": [choice],
+        "system_fingerprint": None,
+        **({"usage": None} if plan.include_usage else {}),
+    }
+
+
+def usage_chunk(plan: Plan) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if plan.kind == "chat" else "text_completion"
+    return {**_head(plan, obj), "choices": [], "usage": usage(plan), "system_fingerprint": None}

@@ -1,0 +1,111 @@
+"""Running a Plan on the engine from an asyncio loop: submit its choices, merge their events.
+
+Engine events arrive on the model thread through RequestHandle.subscribe; they are appended to
+one list per HTTP request and the loop is woken once per batch, so everything one engine step
+produced for a request's choices is handled together (for a stream: one write to the socket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from tokenwire.engine.errors import EngineError
+from tokenwire.engine.request import Event, FinishEvent, RequestHandle
+from tokenwire.protocols.openai.core import Plan
+from tokenwire.protocols.openai.errors import OpenAIError, from_engine
+
+if TYPE_CHECKING:
+    from tokenwire.engine.engine import Engine
+
+
+class EventMux:
+    """(choice index, event) batches from the model thread to one asyncio consumer."""
+
+    def __init__(self, count: int) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._pending: list[tuple[int, Event]] = []
+        self._scheduled = False
+        self._ready = asyncio.Event()
+        self.open = count  # choices not finished yet
+
+    def push(self, index: int, event: Event) -> None:
+        """Model thread, engine lock held: queue the event and wake the loop once per batch."""
+        with self._lock:
+            self._pending.append((index, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
+            self.loop.call_soon_threadsafe(self._ready.set)
+
+    def sink(self, index: int) -> object:
+        return lambda event: self.push(index, event)
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, Event]]]:
+        while self.open:
+            await self._ready.wait()
+            with self._lock:
+                batch, self._pending = self._pending, []
+                self._scheduled = False
+                self._ready.clear()
+            self.open -= sum(isinstance(event, FinishEvent) for _, event in batch)
+            yield batch
+
+
+class Execution:
+    """A submitted plan: its handles, and the forks made for choices 2..n on a session."""
+
+    def __init__(self, engine: Engine, plan: Plan) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.handles: list[RequestHandle] = []
+        self.forks: list[str] = []
+        self.mux = EventMux(len(plan.choices))
+
+    def submit(self) -> None:
+        """Start every choice, or none (the ones started are cancelled and the error raised)."""
+        plan, engine = self.plan, self.engine
+        try:
+            targets: list[str | None]
+            if plan.session is not None:
+                # forks first: they share the session's blocks as they are before the append
+                self.forks = [engine.fork_session(plan.session) for _ in plan.choices[1:]]
+                targets = [plan.session, *self.forks]
+            else:
+                targets = [None] * len(plan.choices)
+            for index, ((prompt, options), target) in enumerate(zip(plan.choices, targets, strict=True)):
+                handle = engine.generate(target, plan.prompts[prompt], options)
+                self.handles.append(handle)
+                handle.subscribe(self.mux.sink(index))  # type: ignore[arg-type]
+        except EngineError as exc:
+            self.close()
+            raise from_engine(exc, "messages" if plan.kind == "chat" else "prompt") from exc
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, Event]]]:
+        async for batch in self.mux.batches():
+            for index, event in batch:
+                if isinstance(event, FinishEvent):
+                    out = self.plan.outputs[index]
+                    out.cached_tokens = _cached_tokens(self.handles[index])
+                    if event.reason == "error":
+                        raise OpenAIError(
+                            500, event.error or "generation failed", type="server_error", code="engine_error"
+                        )
+            yield batch
+
+    def close(self) -> None:
+        """Cancel what still runs (a client that went away) and drop the forks."""
+        for handle in self.handles:
+            handle.cancel()
+        for fork in self.forks:
+            self.engine.close_session(fork)
+        self.forks = []
+
+
+def _cached_tokens(handle: RequestHandle) -> int:
+    return handle.cached_tokens

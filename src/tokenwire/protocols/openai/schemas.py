@@ -1,0 +1,183 @@
+"""The request bodies of the OpenAI-compatible API, as pydantic models.
+
+FastAPI validates every body against these and serves them at /openapi.json. Unknown fields are
+refused (a typo must not be silently ignored) except the OpenAI fields listed in IGNORED_FIELDS,
+which only concern OpenAI's hosted service (billing, storage, tiers) and change nothing here.
+Responses are built as plain dicts in core.py: on the streaming path a pydantic model per chunk
+would cost more than the rest of the per-token work together.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# OpenAI fields a stock client may send that only matter to OpenAI's own service.
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of chunks; nothing to obfuscate here
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class Sampling(_Strict):
+    """Fields chat and completions share, OpenAI's and tokenwire's extensions (sent by stock
+    clients through `extra_body`, as vLLM's are)."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    # OpenAI fields that change nothing here (see IGNORED_FIELDS)
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    # tokenwire extensions
+    session: str | None = Field(default=None, description="append to this engine session (POST /v1/sessions)")
+    top_k: int | None = Field(default=None, ge=0)
+    priority: int | None = Field(default=None, ge=0, le=10, description="0 interactive ... 10 batch")
+    regex: str | None = Field(default=None, description="constrain the output to this regular expression")
+    grammar: str | None = Field(default=None, description="constrain the output to this Lark grammar")
+    readouts: bool = Field(default=False, description="concept projections per token (needs --concepts)")
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _check_stop(self) -> Sampling:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise ValueError("stop: at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop: stop sequences must be non-empty")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias: key {key!r} is not a token id")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: value {value} for token {key} is outside [-100, 100]")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(Sampling):
+    prompt: PromptInput
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+
+class SessionCreate(_Strict):
+    ttl: float | None = Field(
+        default=None, gt=0, description="idle lifetime in seconds (default --session-ttl)"
+    )
+    prompt: str | list[int] | None = Field(default=None, description="initial text or token ids")
+    model: str | None = None
+
+
+class SessionFork(_Strict):
+    at: int | None = Field(default=None, ge=0, description="keep tokens [0, at) (default: all)")
+
+
+class SessionTruncate(_Strict):
+    length: int = Field(ge=0)
