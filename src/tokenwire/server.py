@@ -25,6 +25,7 @@ SERVE_MODULES = [
     "tokenwire.protocols.grpc_server",
     "tokenwire.protocols.aici.rest",
     "tokenwire.protocols.graphpipe.server",
+    "tokenwire.protocols.openai.transport",
 ]
 
 # A protocol starter: given the engine and the parsed args, start serving and return an

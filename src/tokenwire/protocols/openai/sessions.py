@@ -55,8 +55,9 @@ def add_session_routes(app: FastAPI, engine: Engine, limits: ModelLimits) -> Non
         check_model(body.model, limits)
         prompt = body.prompt
         tokens = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
-        ttl = body.ttl if body.ttl is not None else -1.0  # -1: the engine's --session-ttl
-        sid = call(engine.create_session, tokens, ttl, param="prompt")
+        # no ttl given: the engine's own default (--session-ttl)
+        args = (tokens,) if body.ttl is None else (tokens, body.ttl)
+        sid = call(engine.create_session, *args, param="prompt")
         return _json(call(describe, sid, False))
 
     @app.get("/v1/sessions/{session_id}")

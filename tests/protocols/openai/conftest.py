@@ -1,0 +1,87 @@
+"""A live `tokenwire serve` (only the OpenAI API on) on SmolLM2, the official `openai` client
+against it, and the in-process engine as the oracle for what the API must return."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.serve_process import kill_if_running, stop_cleanly, wait_ready
+
+API_KEY = "test-key-123"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def openai_server() -> Iterator[str]:
+    """Base URL (…/v1) of a `tokenwire serve` with only the OpenAI API on and an API key."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenwire.cli",
+            "serve",
+            "--kv-cache-mb",
+            "256",
+            "--http-port",
+            str(port),
+            "--api-key",
+            API_KEY,
+            "--lmtp-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--graphpipe-port",
+            "0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        log = wait_ready(proc)
+        assert f"OpenAI API listening on http://127.0.0.1:{port}/v1" in log
+        yield f"http://127.0.0.1:{port}/v1"
+        stop_cleanly(proc)
+    finally:
+        kill_if_running(proc)
+
+
+@pytest.fixture(scope="session")
+def client(openai_server: str) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=openai_server, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def http(method: str, url: str, body: Any = None, key: str | None = API_KEY) -> tuple[int, dict, Any]:
+    """A raw request: (status, headers, parsed JSON body) whatever the status."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, dict(response.headers), json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read() or b"null")
+
+
+@pytest.fixture(scope="session")
+def root(openai_server: str) -> str:
+    return openai_server.removesuffix("/v1")
