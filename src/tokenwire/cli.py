@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import sys
 from pathlib import Path
@@ -151,10 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenwire: error: {exc}", file=sys.stderr)
         return 2
     return 1
-
-
-def dump_json(obj: object) -> str:
-    return json.dumps(obj, ensure_ascii=False)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ import asyncio
 
 import torch
 
+from tokenwire.bench.random_tokens import TABLE_ROWS, RandomTokenModel
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.request import GenerateOptions, SamplingParams
-from tokenwire.bench.random_tokens import TABLE_ROWS, RandomTokenModel
 
 
 def test_greedy_follows_the_table_and_logprobs_are_exact(smollm2_source) -> None:

@@ -217,9 +217,6 @@ class ScriptedConstraint:
     def on_backtrack(self, n):
         del self.seen[-n:]
 
-    def fork(self):
-        raise NotImplementedError
-
 
 def test_constraint_hook_force_backtrack_stop(engine) -> None:
     c = ScriptedConstraint()

@@ -13,6 +13,8 @@ import torch
 
 from tokenwire.engine.constraints import ConstraintError, ConstraintStep
 from tokenwire.engine.grammar import GrammarConstraint, lltokenizer_for
+from tokenwire.engine.request import SamplingParams
+from tokenwire.engine.sampler import processed_logits
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -277,9 +279,9 @@ def test_extra_eos_ids(tok, V):
     assert m is not None and m[0] and m[2]
 
 
-def test_step_apply():
+def test_step_bias_and_mask_reach_the_sampled_logits():
     logits = torch.zeros(6)
     step = ConstraintStep(allowed=torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.bool), bias=torch.arange(6.0))
-    out = step.apply(logits)
-    assert out is logits
-    assert logits.tolist() == [0.0, float("-inf"), 2.0, float("-inf"), float("-inf"), 5.0]
+    out = processed_logits(logits, SamplingParams(), step, vocab_size=6)
+    assert out.tolist() == [0.0, float("-inf"), 2.0, float("-inf"), float("-inf"), 5.0]
+    assert logits.tolist() == [0.0] * 6  # the model's row stays raw (for raw logprobs)

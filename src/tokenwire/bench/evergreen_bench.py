@@ -189,10 +189,10 @@ def _median(values: list[float]) -> float:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenwire.bench.random_tokens import RandomTokenModel
     from tokenwire.cli import settings_from
     from tokenwire.engine.engine import Engine
     from tokenwire.engine.factory import build_engine
-    from tokenwire.bench.random_tokens import RandomTokenModel
     from tokenwire.protocols.grpc_server import GrpcServer
 
     engine = build_engine(settings_from(args, progress=False))

@@ -62,9 +62,9 @@ async def _start_echo(port: int) -> tuple[int, Any]:
 
 
 def build_random_engine() -> Any:
+    from tokenwire.bench.random_tokens import RandomTokenModel
     from tokenwire.engine.engine import Engine
     from tokenwire.model.loader import resolve_model
-    from tokenwire.bench.random_tokens import RandomTokenModel
 
     source = resolve_model(None, progress=False)
     return Engine(lambda: RandomTokenModel(source.config), source.tokenizer, name="random", kv_cache_mb=128)

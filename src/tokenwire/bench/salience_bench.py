@@ -31,10 +31,10 @@ from typing import Any
 
 import grpc
 
+from tokenwire.bench.random_tokens import RandomTokenModel
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams
-from tokenwire.bench.random_tokens import RandomTokenModel
 from tokenwire.protocols.grpc_server import GrpcServer
 from tokenwire.protocols.salience.gen import salience_pb2 as pb
 from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc

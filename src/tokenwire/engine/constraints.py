@@ -12,12 +12,13 @@ The engine's protocol for one sampling point is::
         if step.force:           # append without sampling, on_token() for each, compute, ask again
             for t in step.force: append(t); c.on_token(t)
             continue
-        logits = step.apply(logits)   # bias, then -inf on disallowed ids
+        logits = processed_logits(logits, step)   # sampler.py: bias, then -inf on disallowed ids
         tok = sample(logits); append(tok); c.on_token(tok)
         break
 
-Structured output (:mod:`tokenwire.engine.grammar`) and the AICI controller runtime both
-implement this interface.
+(postprocess.py runs it, one step per model step.) Structured output
+(:mod:`tokenwire.engine.grammar`) and the AICI controller runtime both implement this
+interface. A constraint belongs to one request: forking a session forks no constraint.
 """
 
 from __future__ import annotations
@@ -47,18 +48,6 @@ class ConstraintStep:
     backtrack: int = 0  # drop this many of the sequence's most recent tokens first
     stop: bool = False  # finish the sequence now (finish reason "stop")
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Apply ``bias`` and ``allowed`` to ``logits`` ([vocab] or [..., vocab]) in place.
-
-        ``bias``/``allowed`` are moved to the logits' device; returns ``logits`` for chaining.
-        """
-        if self.bias is not None:
-            logits.add_(self.bias.to(device=logits.device, dtype=logits.dtype))
-        if self.allowed is not None:
-            allowed = self.allowed.to(device=logits.device, non_blocking=True)
-            logits.masked_fill_(~allowed, float("-inf"))
-        return logits
-
 
 class Constraint(ABC):
     """Per-sequence hook consulted before each sampling step.
@@ -84,7 +73,3 @@ class Constraint(ABC):
         Constraints that ever return ``backtrack > 0`` must override this.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support backtracking")
-
-    @abstractmethod
-    def fork(self) -> Constraint:
-        """Independent copy for a forked sequence (same state, no shared mutable state)."""

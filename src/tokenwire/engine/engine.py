@@ -1,8 +1,9 @@
 """The engine: sessions, continuous batching and sampling around one model.
 
 Public methods are thread-safe and cheap: they take the engine lock, change session state
-and return. The model runs in one dedicated thread (`tokenwire-model`) that repeatedly picks
-a step (scheduler.py), runs it without holding the lock, then samples and emits events.
+and return. The model runs in one dedicated thread (`tokenwire-model`) whose loop is
+schedule (scheduler.py) -> run the model (step.py, without the lock) -> postprocess
+(postprocess.py: each request's events and finish) -> deliver (emit, end finished requests).
 """
 
 from __future__ import annotations
@@ -14,25 +15,30 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
+from tokenwire.engine.admission import Limits, check_request, check_tokens
 from tokenwire.engine.concepts import ConceptSet
 from tokenwire.engine.errors import (
-    ContextOverflowError,
     EngineClosedError,
-    InvalidTokenError,
-    KVBudgetError,
     PositionError,
     SessionBusyError,
     SessionNotFoundError,
 )
 from tokenwire.engine.kv_cache import KVCache
-from tokenwire.engine.request import FinishEvent, GenerateOptions, Request, RequestHandle, covers
-from tokenwire.engine.sampling_loop import after_step
+from tokenwire.engine.postprocess import Finish, Outcome, StepContext, postprocess
+from tokenwire.engine.request import (
+    FinishEvent,
+    GenerateOptions,
+    Request,
+    RequestHandle,
+    covers,
+)
 from tokenwire.engine.scheduler import Scheduler
-from tokenwire.engine.session import Session
+from tokenwire.engine.session import Session, Ttl
 from tokenwire.engine.step import run_step
 from tokenwire.engine.stop import StopStringMatcher
 from tokenwire.model.config import ModelConfig
@@ -41,6 +47,16 @@ from tokenwire.model.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenwire.engine")
 T = TypeVar("T")
+REAP_INTERVAL_S = 1.0  # how often idle sessions are checked against their TTL
+
+
+@dataclass
+class _Loaded:
+    """What the model thread builds before the engine can run."""
+
+    model: torch.nn.Module
+    kv: KVCache
+    max_model_len: int
 
 
 class Engine:
@@ -58,7 +74,7 @@ class Engine:
         session_ttl_s: float | None = 1800.0,
         concepts: ConceptSet | None = None,
     ) -> None:
-        """`model` may be a factory: it then runs on the model thread (see _start)."""
+        """`model` may be a factory: it then runs on the model thread (see _load)."""
         self.tokenizer = tokenizer
         self.name = name
         self.session_ttl_s = session_ttl_s
@@ -66,65 +82,94 @@ class Engine:
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._sessions: dict[str, Session] = {}
+        self._running: dict[str, Request] = {}  # session id -> its unfinished request
         self._ids = itertools.count(1)
         self._model_calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._closed = False
         self.steps = 0
         self.computed_tokens = 0  # positions run through the model (prefill + decode), all steps
         self.source: Any = None  # the ModelSource when built by factory.build_engine
-        ready: Future[None] = Future()
-        setup = (model, kv_cache_mb, block_size, max_batch_tokens, max_running, max_model_len)
+        loaded: Future[_Loaded] = Future()
+        assigned = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(setup, ready), name="tokenwire-model", daemon=True
+            target=self._run,
+            args=((model, kv_cache_mb, block_size, max_model_len), loaded, assigned),
+            name="tokenwire-model",
+            daemon=True,
         )
         self._thread.start()
-        ready.result()
+        built = loaded.result()
+        try:
+            self._assign(built, block_size, max_batch_tokens, max_running)
+        except BaseException:
+            self._closed = True  # the loop sees it first and returns
+            raise
+        finally:
+            assigned.set()  # the loop reads the fields _assign sets
 
-    def _start(
-        self,
+    def _assign(self, built: _Loaded, block_size: int, max_batch_tokens: int, max_running: int) -> None:
+        self.model = built.model
+        self.config: ModelConfig = built.model.config
+        self.kv = built.kv
+        self.max_model_len = built.max_model_len
+        self.kv_cache_mb = self.kv.num_blocks * KVCache.bytes_per_block(
+            self.config, block_size, built.model.dtype
+        ) / 2**20
+        self.vocab_size = max(self.tokenizer.vocab_size, 1)
+        self.logits_size = self.config.vocab_size
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
+        self.scheduler = Scheduler(self.kv, max_batch_tokens, max_running, self._idle_sessions)
+        self.limits = Limits(
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            kv_blocks=self.kv.num_blocks,
+            kv_block_size=self.kv.block_size,
+            has_concepts=self.concepts is not None,
+            kv_cache_mb=self.kv_cache_mb,
+        )
+        self._step_context = StepContext(
+            self.kv, self.tokenizer, self.vocab_size, self.max_model_len, self.eos_ids, self.concepts
+        )
+
+    @staticmethod
+    def _load(
         model: LlamaModel | torch.nn.Module | Callable[[], torch.nn.Module],
         kv_cache_mb: float,
         block_size: int,
-        max_batch_tokens: int,
-        max_running: int,
         max_model_len: int | None,
-    ) -> None:
+    ) -> _Loaded:
         """Runs on the model thread. Every large torch operation (loading, the KV allocation,
         each step) happens on this one thread: with a second thread also running OpenMP
         regions, libgomp sees more threads than cores, stops spinning between kernels and a
         decode step gets ~45% slower on a 2-core machine (measured)."""
-        self.model = model if isinstance(model, torch.nn.Module) else model()
-        self.config: ModelConfig = self.model.config
-        self.vocab_size = max(self.tokenizer.vocab_size, 1)
-        self.logits_size = self.config.vocab_size
-        self.max_model_len = min(max_model_len or self.model.max_positions, self.model.max_positions)
-        per_block = KVCache.bytes_per_block(self.config, block_size, self.model.dtype)
+        module = model if isinstance(model, torch.nn.Module) else model()
+        config: ModelConfig = module.config
+        per_block = KVCache.bytes_per_block(config, block_size, module.dtype)
         num_blocks = max(2, int(kv_cache_mb * 2**20 // per_block))
-        self.kv = KVCache(self.config, num_blocks, block_size, self.model.dtype, self.model.device)
-        self.kv_cache_mb = num_blocks * per_block / 2**20
-        self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
-        self.scheduler = Scheduler(self.kv, max_batch_tokens, max_running, self._idle_sessions)
+        kv = KVCache(config, num_blocks, block_size, module.dtype, module.device)
+        return _Loaded(module, kv, min(max_model_len or module.max_positions, module.max_positions))
 
-    def _run(self, setup: tuple[Any, ...], ready: Future[None]) -> None:
+    def _run(self, setup: tuple[Any, ...], loaded: Future[_Loaded], assigned: threading.Event) -> None:
         torch.set_grad_enabled(False)
         # Denormal floats make CPU kernels orders of magnitude slower (seen with long runs of
         # near-zero activations); flushing them changes nothing measurable in the logits.
         torch.set_flush_denormal(True)
         try:
-            self._start(*setup)
+            loaded.set_result(self._load(*setup))
         except BaseException as exc:
-            ready.set_exception(exc)
+            loaded.set_exception(exc)
             return
-        ready.set_result(None)
+        assigned.wait()
         self._loop()
 
     # ------------------------------------------------------------------ sessions
-    def create_session(self, tokens: Sequence[int] = (), ttl_s: float | None = -1.0) -> str:
-        self._check_tokens(tokens)
+    def create_session(self, tokens: Sequence[int] = (), ttl_s: float | Ttl | None = Ttl.DEFAULT) -> str:
+        """A new session holding `tokens`; it expires after `ttl_s` idle seconds (None: never)."""
+        check_tokens(tokens, self.vocab_size, "tokens")
         with self._lock:
             self._check_open()
             sid = uuid.uuid4().hex
-            ttl = self.session_ttl_s if ttl_s == -1.0 else ttl_s
+            ttl = self.session_ttl_s if ttl_s is Ttl.DEFAULT else ttl_s
             self._sessions[sid] = Session(sid, tokens=list(tokens), ttl_s=ttl)
             return sid
 
@@ -134,10 +179,9 @@ class Engine:
             session = self._sessions.pop(session_id, None)
             if session is None:
                 return False
-            if session.busy:
-                assert session.request is not None
-                self._finish(session.request, "cancelled")
-            session.closed = True
+            request = self._running.get(session_id)
+            if request is not None:
+                self._finish(request, Finish("cancelled"))
             session.release(self.kv)
             return True
 
@@ -154,8 +198,7 @@ class Engine:
     def truncate_session(self, session_id: str, length: int) -> None:
         with self._lock:
             session = self._session(session_id)
-            if session.busy:
-                raise SessionBusyError(f"session {session_id} has a request running")
+            self._check_idle(session_id)
             if not 0 <= length <= len(session.tokens):
                 raise PositionError(f"cannot truncate to {length}: session has {len(session.tokens)} tokens")
             session.truncate(length, self.kv)
@@ -166,7 +209,8 @@ class Engine:
 
     def session_busy(self, session_id: str) -> bool:
         with self._lock:
-            return self._session(session_id).busy
+            self._session(session_id)
+            return session_id in self._running
 
     def touch_session(self, session_id: str) -> None:
         with self._lock:
@@ -177,6 +221,28 @@ class Engine:
             return session_id in self._sessions
 
     # ------------------------------------------------------------------ generation
+    def check(
+        self,
+        session_id: str | None = None,
+        append: Sequence[int] = (),
+        options: GenerateOptions | None = None,
+        *,
+        needs_room: bool = False,
+    ) -> int:
+        """Raise the EngineError `generate` would raise for this request, without starting it
+        (for protocols that answer before they change anything). Returns the prompt length.
+        `needs_room`: see admission.check_request."""
+        options = options or GenerateOptions()
+        with self._lock:
+            self._check_open()
+            base = 0
+            if session_id is not None:
+                base = len(self._session(session_id).tokens)
+                self._check_idle(session_id)
+            prompt_len = base + len(append)
+            check_request(self.limits, prompt_len, append, options, needs_room=needs_room)
+            return prompt_len
+
     def generate(
         self,
         session_id: str | None = None,
@@ -185,51 +251,21 @@ class Engine:
     ) -> RequestHandle:
         """Append tokens to a session (a fresh one when None) and generate after them."""
         options = options or GenerateOptions()
-        options.validate()
-        self._check_tokens(append)
-        self._check_tokens(options.stop_token_ids, what="stop_token_ids")
-        self._check_tokens(options.sampling.logit_bias.keys(), what="logit_bias")
-        if options.readout_ranges and self.concepts is None:
-            raise PositionError("readouts requested but no concept file is loaded")
         with self._lock:
-            self._check_open()
+            prompt_len = self.check(session_id, append, options)
             if session_id is None:
-                sid = uuid.uuid4().hex
-                session = Session(sid, ephemeral=True)
-                self._sessions[sid] = session
+                session = Session(uuid.uuid4().hex, ephemeral=True)
+                self._sessions[session.id] = session
             else:
-                session = self._session(session_id)
-                if session.busy:
-                    raise SessionBusyError(f"session {session_id} has a request running")
-            new_len = len(session.tokens) + len(append)
-            if new_len > self.max_model_len:
-                if session.ephemeral:
-                    self._sessions.pop(session.id, None)
-                raise ContextOverflowError(
-                    f"context overflow: {new_len} tokens exceed the model's context length "
-                    f"{self.max_model_len}"
-                )
-            if new_len == 0:
-                if session.ephemeral:
-                    self._sessions.pop(session.id, None)
-                raise InvalidTokenError("nothing to run: the session and the appended tokens are empty")
-            blocks = -(-(new_len + 1) // self.kv.block_size)
-            if blocks > self.kv.num_blocks:
-                if session.ephemeral:
-                    self._sessions.pop(session.id, None)
-                raise KVBudgetError(
-                    f"KV cache budget exhausted: {new_len} tokens need {blocks} blocks but the "
-                    f"budget holds {self.kv.num_blocks} ({self.kv_cache_mb:.0f} MiB, --kv-cache-mb)"
-                )
+                session = self._sessions[session_id]
             session.tokens.extend(append)
             session.touch()
-            request = Request(next(self._ids), session, options, new_len)
+            request = Request(next(self._ids), session, options, prompt_len)
             self._prepare(request)
-            session.request = request
+            self._running[session.id] = request
             self.scheduler.add(request)
             self._wake.notify()
-        return RequestHandle(request, self.cancel)
-
+        return RequestHandle(request, self.cancel, self._queue_position)
     def _prepare(self, request: Request) -> None:
         opts = request.options
         session = request.session
@@ -262,12 +298,9 @@ class Engine:
 
     def cancel(self, request: Request) -> None:
         with self._lock:
-            if not request.finished:
-                self._finish(request, "cancelled")
+            self._finish(request, Finish("cancelled"))
 
-    def queue_position(self, handle: RequestHandle) -> int | None:
-        """How many requests are admitted before this one (0 = next), or None once it runs or ended."""
-        request = handle._request
+    def _queue_position(self, request: Request) -> int | None:
         with self._lock:
             if request.finished or request not in self.scheduler.waiting:
                 return None
@@ -285,18 +318,19 @@ class Engine:
         return fut
 
     def _loop(self) -> None:
-        last_reap = time.monotonic()
+        next_reap = time.monotonic() + REAP_INTERVAL_S
         while True:
             with self._lock:
-                while not self._closed and not self._model_calls and not self.scheduler.has_work():
-                    self._wake.wait(timeout=1.0)
-                    if time.monotonic() - last_reap > 1.0:
-                        self._reap_idle()
-                        last_reap = time.monotonic()
                 if self._closed:
                     return
+                if time.monotonic() >= next_reap:
+                    self._reap_idle()
+                    next_reap = time.monotonic() + REAP_INTERVAL_S
+                if not self._model_calls and not self.scheduler.has_work():
+                    self._wake.wait(timeout=REAP_INTERVAL_S)
+                    continue
                 calls, self._model_calls = self._model_calls, []
-                items = self.scheduler.schedule(self._finish)
+                items = self.scheduler.schedule(self._fail)
             for fn, fut in calls:
                 if fut.set_running_or_notify_cancel():
                     try:
@@ -312,44 +346,55 @@ class Engine:
                 log.exception("model step failed")
                 with self._lock:
                     for item in items:
-                        if not item.request.finished:
-                            self._finish(item.request, "error", error=f"model step failed: {exc}")
+                        self._fail(item.request, f"model step failed: {exc}")
                 continue
             with self._lock:
                 self.steps += 1
                 self.computed_tokens += sum(item.count for item in items)
-                after_step(self, items, output)
-            if time.monotonic() - last_reap > 1.0:
-                with self._lock:
-                    self._reap_idle()
-                last_reap = time.monotonic()
+                for outcome in postprocess(items, output, self._step_context):
+                    self._deliver(outcome)
 
-    def _finish(self, request: Request, reason: str, *, error: str | None = None, detail: Any = None) -> None:
-        """Must hold the lock. Ends a request and emits its FinishEvent."""
+    def _deliver(self, outcome: Outcome) -> None:
+        """Must hold the lock. Emit a request's events; end it if the step finished it."""
+        request = outcome.request
+        if request.finished:
+            return
+        for event in outcome.events:
+            request.emit(event)
+        if outcome.finish is not None:
+            self._finish(request, outcome.finish)
+
+    def _fail(self, request: Request, error: str) -> None:
+        self._finish(request, Finish("error", error=error))
+
+    def _finish(self, request: Request, finish: Finish) -> None:
+        """Must hold the lock. Ends a request and emits its FinishEvent (once)."""
         if request.finished:
             return
         request.finished = True
         self.scheduler.remove(request)
         session = request.session
+        self._running.pop(session.id, None)
         session.touch()
         # a request cut short may leave prompt positions that were never computed; that is fine:
         # the session keeps its tokens and the next request computes them.
-        event = FinishEvent(reason, request.prompt_len, request.generated, error=error, stop_detail=detail)
-        request.emit(event)
+        request.emit(
+            FinishEvent(finish.reason, request.prompt_len, request.generated, finish.error, finish.detail)
+        )
         if session.ephemeral:
             self._sessions.pop(session.id, None)
-            session.closed = True
             session.release(self.kv)
 
     def _idle_sessions(self) -> list[Session]:
         """Sessions holding KV with no request running, least recently used first."""
-        idle = [s for s in self._sessions.values() if not s.busy and s.block_table]
+        idle = [s for s in self._sessions.values() if s.id not in self._running and s.block_table]
         return sorted(idle, key=lambda s: s.last_used)
 
     def _reap_idle(self) -> None:
         now = time.monotonic()
         for session in list(self._sessions.values()):
-            if session.ttl_s is not None and not session.busy and now - session.last_used > session.ttl_s:
+            idle = session.id not in self._running
+            if session.ttl_s is not None and idle and now - session.last_used > session.ttl_s:
                 log.info("session %s expired after %.0fs idle", session.id, session.ttl_s)
                 self.close_session(session.id)
 
@@ -364,10 +409,9 @@ class Engine:
         if self._closed:
             raise EngineClosedError("engine is shut down")
 
-    def _check_tokens(self, tokens: Any, what: str = "token") -> None:
-        for t in tokens:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise InvalidTokenError(f"{what} id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+    def _check_idle(self, session_id: str) -> None:
+        if session_id in self._running:
+            raise SessionBusyError(f"session {session_id} has a request running")
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -389,7 +433,7 @@ class Engine:
             if self._closed:
                 return
             for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self._finish(request, "cancelled", error="engine shutting down")
+                self._finish(request, Finish("cancelled", error="engine shutting down"))
             self._closed = True
             for _, fut in self._model_calls:
                 fut.cancel()

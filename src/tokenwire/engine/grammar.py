@@ -202,6 +202,8 @@ class GrammarConstraint(Constraint):
             raise ConstraintError(f"grammar rollback of {k} tokens failed: {err}")
 
     def fork(self) -> GrammarConstraint:
+        """An independent copy in the same state (AICI's declarative controller clones a
+        generation's grammar with it when a sequence forks)."""
         other = object.__new__(GrammarConstraint)
         other._llt = self._llt
         other._matcher = self._matcher.deep_copy()

@@ -39,8 +39,7 @@ class BlockAllocator:
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
-        self.hits = 0
-        self.lookups = 0
+        self.hits = 0  # lookups that found a cached block
 
     @property
     def num_available(self) -> int:
@@ -77,7 +76,6 @@ class BlockAllocator:
                 self._free.append(block)
 
     def lookup(self, digest: bytes) -> int | None:
-        self.lookups += 1
         block = self._by_hash.get(digest)
         if block is not None:
             self.hits += 1
@@ -90,9 +88,6 @@ class BlockAllocator:
             return  # an identical block is already cached, or this one already is
         self._by_hash[digest] = block
         self._hash_of[block] = digest
-
-    def is_registered(self, block: int) -> bool:
-        return block in self._hash_of
 
     def unregister(self, block: int) -> None:
         """The block is about to be overwritten: it no longer holds its hashed content."""

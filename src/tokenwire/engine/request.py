@@ -5,22 +5,22 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
 import torch
 
 from tokenwire.engine.constraints import Constraint
 from tokenwire.engine.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from tokenwire.engine.session import Session
+from tokenwire.engine.session import Session
 
 Ranges = Sequence[tuple[int, int]]  # half-open [start, end) absolute positions
 
-FINISH_REASONS = ("eos", "length", "stop", "cancelled", "error")
+# eos: the model's end token; length: max_tokens or the context's end; stop: a stop token id,
+# stop string or a constraint's stop; cancelled: the caller (or shutdown) ended it; error: failed
+FinishReason = Literal["eos", "length", "stop", "cancelled", "error"]
 
 
 @dataclass
@@ -67,7 +67,10 @@ class GenerateOptions:
     constraint: Constraint | None = None
     use_prefix_cache: bool = True  # False forces recomputation (benchmarks, debugging)
 
-    def validate(self) -> None:
+    def validate(self, names: Mapping[str, str] | None = None) -> None:
+        """Raise InvalidRequestError for a value out of range. `names` renames fields in the
+        messages (a protocol's own field names, e.g. {"logprob_ranges": "logprobs_ranges"})."""
+        names = names or {}
         if self.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not 0 <= self.priority <= 10:
@@ -76,13 +79,16 @@ class GenerateOptions:
             raise InvalidRequestError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if self.logprob_mode not in ("raw", "processed"):
             raise InvalidRequestError(f"logprob_mode must be 'raw' or 'processed', got {self.logprob_mode!r}")
-        for name, ranges in (
+        for field_name, ranges in (
             ("logprob_ranges", self.logprob_ranges or ()),
             ("readout_ranges", self.readout_ranges),
         ):
-            for start, end in ranges:
-                if start < 0 or end < start:
-                    raise InvalidRequestError(f"{name}: invalid range [{start}, {end})")
+            name = names.get(field_name, field_name)
+            for i, (start, end) in enumerate(ranges):
+                if start < 0:
+                    raise InvalidRequestError(f"{name}[{i}]: negative start {start}")
+                if end < start:
+                    raise InvalidRequestError(f"{name}[{i}]: start {start} > end {end}")
         self.sampling.validate()
 
 
@@ -100,6 +106,9 @@ class TokenEvent:
     readout: torch.Tensor | None = None  # [n_layers, n_concepts]
     text: str = ""  # decoded text this token completes (generated tokens only)
     forced: bool = False  # appended by a constraint, not sampled
+    # set on the token that ends generation (eos, stop, length): the FinishEvent that follows
+    # carries the same reason, so a protocol can close its last record without waiting for it
+    finish_reason: FinishReason | None = None
 
 
 @dataclass
@@ -112,7 +121,9 @@ class BacktrackEvent:
 
 @dataclass
 class FinishEvent:
-    reason: str  # one of FINISH_REASONS
+    """The last event of every request: why it ended and its usage (token counts)."""
+
+    reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
@@ -129,9 +140,15 @@ Event = TokenEvent | BacktrackEvent | FinishEvent
 class RequestHandle:
     """The caller's end of a request: iterate (sync or async) for events, or cancel it."""
 
-    def __init__(self, request: Request, cancel: Any) -> None:
+    def __init__(
+        self,
+        request: Request,
+        cancel: Callable[[Request], None],
+        queue_position: Callable[[Request], int | None],
+    ) -> None:
         self._request = request
         self._cancel = cancel
+        self._queue_position = queue_position
 
     @property
     def session_id(self) -> str:
@@ -144,6 +161,10 @@ class RequestHandle:
 
     def cancel(self) -> None:
         self._cancel(self._request)
+
+    def queue_position(self) -> int | None:
+        """How many requests are admitted before this one (0 = next), or None once it runs or ended."""
+        return self._queue_position(self._request)
 
     def subscribe(self, sink: Callable[[Event], None]) -> None:
         """Deliver events by calling sink(event) on the thread that emits them (usually the model
@@ -196,7 +217,6 @@ class Request:
         self._async_scheduled = False
         self._sink: Callable[[Event], None] | None = None
         self._lock = threading.Lock()
-        self._backlog: list[Event] = []
         # prompt positions that still owe an event (logprob / readout), ascending
         self.pending_prompt: list[int] = []
         self.pending_set: set[int] = set()
@@ -212,7 +232,7 @@ class Request:
         self.decoder: Any = None
         self.stopper: Any = None
         # (reason, detail) of a finish that waits for the last token's readout
-        self.finish_after_compute: tuple[str, Any] | None = None
+        self.finish_after_compute: tuple[FinishReason, Any] | None = None
 
     def bind_async(self) -> asyncio.Queue[Event]:
         loop = asyncio.get_running_loop()

@@ -1,11 +1,11 @@
 """Continuous batching: which requests run in the next step, within a token budget.
 
-Each step packs the next token of every decoding request, then chunks of pending prefills,
-until `max_batch_tokens`. Requests are ordered by (priority, arrival), so interactive
-requests (priority 0) are admitted and served before batch ones (10). When the KV budget is
-short, idle sessions give their blocks back first (their full blocks stay in the prefix
-cache), then lower-priority requests are preempted: their KV is released and recomputed
-later (usually from the prefix cache).
+Each step packs, priority by priority, the next token of every decoding request, then chunks
+of pending prefills, until `max_batch_tokens`. Requests are ordered by (priority, arrival), so
+interactive requests (priority 0) are admitted and served before batch ones (10). When the KV
+budget is short, idle sessions give their blocks back first (their full blocks stay in the
+prefix cache), then lower-priority requests are preempted: their KV is released and
+recomputed later (usually from the prefix cache).
 """
 
 from __future__ import annotations
@@ -17,11 +17,16 @@ from tokenwire.engine.request import Request, covers
 from tokenwire.engine.session import Session
 from tokenwire.engine.step import StepItem
 
-FinishFn = Callable[..., None]
+FailFn = Callable[[Request, str], None]  # ends a request with finish reason "error"
 
 
 def _order(request: Request) -> tuple[int, int]:
     return (request.options.priority, request.id)
+
+
+def _pack_order(request: Request) -> tuple[int, bool, int]:
+    prefilling = len(request.session.tokens) - request.session.num_computed > 1
+    return (request.options.priority, prefilling, request.id)
 
 
 class Scheduler:
@@ -38,7 +43,6 @@ class Scheduler:
         self.idle_sessions = idle_sessions
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -51,31 +55,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, finish: FinishFn) -> list[StepItem]:
+    def schedule(self, fail: FailFn) -> list[StepItem]:
         self.waiting.sort(key=_order)
         while self.waiting and len(self.running) < self.max_running:
             self.running.append(self.waiting.pop(0))
         self.running.sort(key=_order)
-        items = self._pack(finish)
+        items = self._pack()
         if not items and self.running:
             # Nothing fits: give the most urgent request the whole cache, or fail it.
             top = self.running[0]
             for other in self.running[1:]:
                 self._preempt(other)
-            items = self._pack(finish)
+            items = self._pack()
             if not items and not top.finished:
-                finish(
+                fail(
                     top,
-                    "error",
-                    error=(
-                        "KV cache budget exhausted: the sequence needs more blocks than the "
-                        f"budget holds ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens, "
-                        "--kv-cache-mb)"
-                    ),
+                    "KV cache budget exhausted: the sequence needs more blocks than the budget holds "
+                    f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens, --kv-cache-mb)",
                 )
         return items
 
-    def _pack(self, finish: FinishFn) -> list[StepItem]:
+    def _pack(self) -> list[StepItem]:
         budget = self.max_batch_tokens
         items: list[StepItem] = []
         scheduled: set[int] = set()
@@ -87,9 +87,9 @@ class Scheduler:
                     session.match_prefix(min(request.recompute_from, len(session.tokens) - 1), self.kv)
                 if request.cached_tokens is None:
                     request.cached_tokens = session.num_computed
-        decoding = [r for r in self.running if len(r.session.tokens) - r.session.num_computed == 1]
-        prefilling = [r for r in self.running if len(r.session.tokens) - r.session.num_computed > 1]
-        for request in decoding + prefilling:
+        # most urgent first, so a request only ever preempts less urgent ones that have not
+        # been scheduled in this step; within a priority, decodes before prefills
+        for request in sorted(self.running, key=_pack_order):
             if budget <= 0:
                 break
             if request.finished:
@@ -144,19 +144,20 @@ class Scheduler:
             session.release(self.kv)
             if alloc.num_available >= needed:
                 return True
-        for victim in sorted(self.running, key=_order, reverse=True):
-            if _order(victim) <= _order(request):
-                break
-            if victim.id in scheduled:
-                continue
-            if victim.session.block_table:
-                self._preempt(victim)
-                if alloc.num_available >= needed:
-                    return True
+        victims = [
+            v
+            for v in sorted(self.running, key=_order, reverse=True)
+            if _order(v) > _order(request) and v.id not in scheduled and v.session.block_table
+        ]
+        if alloc.num_available + sum(len(v.session.block_table) for v in victims) < needed:
+            return False  # preempting them all would not be enough: leave them running
+        for victim in victims:
+            self._preempt(victim)
+            if alloc.num_available >= needed:
+                return True
         return alloc.num_available >= needed
 
     def _preempt(self, request: Request) -> None:
         if request.session.block_table:
             request.session.release(self.kv)
             request.started = False
-            self.preemptions += 1

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from enum import Enum
 
 from tokenwire.engine.kv_cache import ROOT_HASH, KVCache, block_hash
 
-if TYPE_CHECKING:
-    from tokenwire.engine.request import Request
+
+class Ttl(Enum):
+    """A session lifetime that is not a number of seconds (None means "never expires")."""
+
+    DEFAULT = "default"  # the engine's session_ttl_s (--session-ttl)
 
 
 @dataclass(eq=False)
@@ -28,15 +31,9 @@ class Session:
     ttl_s: float | None = None
     last_used: float = field(default_factory=time.monotonic)
     ephemeral: bool = False  # created for one request and closed with it
-    closed: bool = False
-    request: Request | None = None
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
-
-    @property
-    def busy(self) -> bool:
-        return self.request is not None and not self.request.finished
 
     # ------------------------------------------------------------------ KV bookkeeping
     def release(self, kv: KVCache) -> None:

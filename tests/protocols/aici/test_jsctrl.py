@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tokenwire.protocols.aici.bias_rows import dense_row
 from tokenwire.protocols.aici.controller import (
     Controller,
     ControllerError,
@@ -133,7 +134,7 @@ class Simulator:
                 bt, new = mid.backtrack, list(mid.ff_tokens)
             else:
                 logits = self.logits(s.tokens)
-                bias = mid.dense_bias(self.env.vocab_size)  # what the runtime writes for this row
+                bias = dense_row(mid, self.env.vocab_size)  # what the runtime writes for this row
                 if bias is not None:
                     assert bias.dtype == np.float32 and bias.shape == (self.env.vocab_size,)
                     logits = logits + bias

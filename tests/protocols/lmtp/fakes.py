@@ -6,8 +6,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenwire.engine.errors import ContextOverflowError, InvalidTokenError, SessionNotFoundError
-from tokenwire.engine.request import FinishEvent, GenerateOptions, TokenEvent
+from tokenwire.engine.admission import Limits, check_request
+from tokenwire.engine.errors import SessionNotFoundError
+from tokenwire.engine.request import FinishEvent, FinishReason, GenerateOptions, TokenEvent
 from tokenwire.protocols.lmtp.core import LmtpConnection
 from tokenwire.protocols.lmtp.streams import Stream
 
@@ -49,9 +50,13 @@ class FakeHandle:
     append: list[int]
     options: GenerateOptions
     cancelled: bool = False
+    queue: dict[int, int] = field(default_factory=dict)  # the engine's: id(handle) -> position
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def queue_position(self) -> int | None:
+        return self.queue.get(id(self))
 
 
 @dataclass
@@ -65,18 +70,29 @@ class FakeEngine:
     sessions: dict[str, list[int]] = field(default_factory=dict)
     handles: list[FakeHandle] = field(default_factory=list)
     queue: dict[int, int] = field(default_factory=dict)  # id(handle) -> queue position
+    checked: list[int] = field(default_factory=list)  # prompt lengths admission saw
     _ids: Any = field(default_factory=lambda: itertools.count(1))
 
+    def check(
+        self,
+        session: str | None,
+        append: list[int],
+        options: GenerateOptions | None = None,
+        *,
+        needs_room: bool = False,
+    ) -> int:
+        """The real admission rules over this fake's limits."""
+        prompt_len = len(self.session_tokens(session) if session is not None else ()) + len(append)
+        limits = Limits(self.vocab_size, self.max_model_len, kv_blocks=1000, kv_block_size=16)
+        check_request(limits, prompt_len, append, options or GenerateOptions(), needs_room=needs_room)
+        self.checked.append(prompt_len)
+        return prompt_len
+
     def generate(self, session: str | None, append: list[int], options: GenerateOptions) -> FakeHandle:
-        for t in [*append, *options.sampling.logit_bias]:
-            if not 0 <= t < self.vocab_size:
-                raise InvalidTokenError(f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
-        base = self.sessions[session] if session is not None else []
-        if len(base) + len(append) > self.max_model_len:
-            raise ContextOverflowError("context overflow")
+        self.check(session, append, options)
         if session is not None:
-            base.extend(append)
-        handle = FakeHandle(session, list(append), options)
+            self.sessions[session].extend(append)
+        handle = FakeHandle(session, list(append), options, queue=self.queue)
         self.handles.append(handle)
         return handle
 
@@ -99,9 +115,6 @@ class FakeEngine:
 
     def has_session(self, sid: str) -> bool:
         return sid in self.sessions
-
-    def queue_position(self, handle: FakeHandle) -> int | None:
-        return self.queue.get(id(handle))
 
 
 class Harness:
@@ -141,11 +154,19 @@ class Harness:
         logprob: float = -0.5,
         top: list[tuple[int, float]] | None = None,
         prefill: bool = False,
+        finish: FinishReason | None = None,
     ) -> None:
-        self.conn.on_event(stream, TokenEvent(token, position, prefill, logprob, top))
+        """`finish`: the token ends generation, as the engine marks it (eos, stop, length)."""
+        event = TokenEvent(token, position, prefill, logprob, top, finish_reason=finish)
+        self.conn.on_event(stream, event)
 
     def finish(
-        self, stream: Stream, reason: str, prompt: int = 0, completion: int = 0, error: str | None = None
+        self,
+        stream: Stream,
+        reason: FinishReason,
+        prompt: int = 0,
+        completion: int = 0,
+        error: str | None = None,
     ) -> None:
         self.conn.on_event(stream, FinishEvent(reason, prompt, completion, error=error))
 

@@ -81,9 +81,9 @@ def test_generate_records_and_last_token_carries_finish_reason() -> None:
         )
     ]
     h.token(st, 41, 4)
-    h.token(st, 42, 5)  # the 3rd token: max_tokens, held until the FinishEvent
+    h.token(st, 42, 5, finish="length")  # max_tokens: the engine marks it the last; held until...
     assert [r["token"] for r in records(h.frames())] == [41]
-    h.finish(st, "length", 3, 3)
+    h.finish(st, "length", 3, 3)  # ... the FinishEvent
     last = records(h.frames())
     assert [(r["token"], r["finish_reason"]) for r in last] == [(42, "length")]
     assert h.conn.streams == {}
@@ -93,7 +93,7 @@ def test_eos_is_reported_as_stop_and_stream_id_is_freed() -> None:
     h = Harness()
     h.send("GENERATE", gen(sid="a"))
     _, st = h.stream()
-    h.token(st, 2, 3)  # EOS
+    h.token(st, 2, 3, finish="eos")
     assert h.frames() == []
     h.finish(st, "eos", 3, 1)
     assert records(h.frames())[0]["finish_reason"] == "stop"

@@ -34,7 +34,7 @@ def test_text_prompts_and_text_of_characters_split_across_tokens() -> None:
     h.token(st, e_acute[0], 4)
     h.token(st, e_acute[1], 5)
     h.token(st, ord("!"), 6)
-    h.token(st, 0xE2, 7)  # the first byte of a 3-byte character, cut off by max_tokens
+    h.token(st, 0xE2, 7, finish="length")  # the first byte of a 3-byte character, cut off
     h.finish(st, "length", 4, 4)
     texts = [r["text"] for r in records(h.frames())]
     assert texts == ["", "é", "!", "\ufffd"]
@@ -65,8 +65,8 @@ def test_buffers_are_sessions_computed_once_forked_per_request_and_saved() -> No
     )
     handle, st = h.stream()
     assert handle.session not in (None, sys_session) and handle.append == [20]  # a fork of the buffer
-    assert st.prompt_len == 4
-    h.token(st, 30, 4)
+    assert h.engine.checked[-1] == 4  # admitted as the buffer's 3 tokens + 1
+    h.token(st, 30, 4, finish="length")
     h.finish(st, "length", 4, 1)
     h.frames()
     assert h.engine.sessions[h.conn.buffers.sessions["turn1"]] == [
@@ -139,7 +139,7 @@ def test_a_resent_live_stream_replays_from_resume_from_and_goes_on() -> None:
     assert [r["seq"] for r in records(h.frames())] == [0, 1]
     replay = records(h.send("GENERATE", {**req, "resume_from": 1}))
     assert [(r["token"], r["seq"]) for r in replay] == [(11, 1)] and len(h.watched) == 1  # no new work
-    h.token(st, 12, 3)
+    h.token(st, 12, 3, finish="length")
     h.finish(st, "length", 1, 3)
     assert [(r["token"], r["seq"], r["finish_reason"]) for r in records(h.frames())] == [(12, 2, "length")]
     again = records(h.send("GENERATE", req))  # finished: the whole stream again, from the log
@@ -172,11 +172,11 @@ def test_engine_errors_carry_codes_with_retry() -> None:
 
 def test_the_replay_log_is_bounded_by_streams_and_records() -> None:
     from tokenwire.protocols.lmtp.extensions import ReplayLog
-    from tokenwire.protocols.lmtp.streams import Stream
+    from tokenwire.protocols.lmtp.streams import GenerateStream
 
     log = ReplayLog(limit=3, max_records=10)
     for sid in range(5):
-        log.add(Stream("generate", sid, "f", sent=[{}] * 4))
+        log.add(GenerateStream(sid, "f", sent=[{}] * 4))
     assert list(log.streams) == [3, 4] and log.records_held == 8  # 3 streams would hold 12 records
     assert log.find(4, "f") is not None and log.find(4, "other") is None
     log.forget(4)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tokenwire.engine import errors
+from tokenwire.engine.admission import Limits
 from tokenwire.engine.request import FinishEvent, TokenEvent
 from tokenwire.protocols.salience import core
 from tokenwire.protocols.salience.gen import salience_pb2 as pb
@@ -18,7 +19,7 @@ from tokenwire.protocols.salience.images import (
 )
 from tokenwire.protocols.salience.status import SalienceStatus, status_for
 
-LIMITS = core.ModelLimits(name="m", vocab_size=100, max_model_len=64, kv_blocks=8, kv_block_size=16)
+LIMITS = core.ModelLimits(name="m", engine=Limits(100, max_model_len=64, kv_blocks=8, kv_block_size=16))
 VISION = VisionTokens(start=90, pad=91, end=92)
 
 
@@ -67,7 +68,7 @@ def test_limits_and_ids():
     assert "append_tokens[1] = 100" in refused(ia, offset=3, append_tokens=[5, 100])
     assert "stop_token_ids[0] = 250" in refused(ia, offset=3, max_tokens=1, stop_token_ids=[250])
     assert "65 tokens exceed" in refused(re, offset=3, append_tokens=[1] * 62)
-    small = core.ModelLimits(name="m", vocab_size=100, max_model_len=64, kv_blocks=2, kv_block_size=16)
+    small = core.ModelLimits(name="m", engine=Limits(100, max_model_len=64, kv_blocks=2, kv_block_size=16))
     assert "KV cache budget" in refused(re, limits=small, offset=3, append_tokens=[1] * 40)
     assert "start 4 > end 2" in refused(ia, offset=3, max_tokens=1, readout_ranges=[(4, 2)])
     assert "concept" in refused(grpc.StatusCode.FAILED_PRECONDITION, offset=3, readout_ranges=[(0, 1)])
@@ -113,10 +114,7 @@ def test_image_attachment_range_checks():
 
 
 def test_images_through_the_plan():
-    with_vision = core.ModelLimits(
-        name="m", vocab_size=100, max_model_len=64, kv_blocks=8, kv_block_size=16, vision=VISION,
-        pad_count=lambda img: 2,
-    )  # fmt: skip
+    with_vision = core.ModelLimits(name="m", engine=LIMITS.engine, vision=VISION, pad_count=lambda img: 2)
     p = plan(limits=with_vision, offset=3, append_tokens=[90, 91, 91, 92], images=[(3, 7)])
     assert [(b.start, b.end, b.mime, b.data) for b in p.images] == [(3, 7, "image/png", b"img")]
     held = [ImageBlock(3, 7)]

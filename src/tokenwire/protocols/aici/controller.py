@@ -100,13 +100,6 @@ class MidResult:
     matcher: Any = None  # llguidance.LLMatcher, mask computed by the runtime in a batch
     disallow: tuple[int, ...] = ()  # ids cleared from `mask`/`matcher`'s mask (e.g. EOS mid-program)
 
-    def dense_bias(self, vocab_size: int) -> np.ndarray | None:
-        """The float32 [vocab_size] row this result stands for (None = all zeros); for callers
-        that run a controller without the runtime (tests, simulators)."""
-        from tokenwire.protocols.aici.bias_rows import dense_row
-
-        return dense_row(self, vocab_size)
-
 
 @dataclass
 class PostResult:

@@ -364,6 +364,3 @@ class AiciConstraint(Constraint):
     def on_backtrack(self, n: int) -> None:
         with self.coord._lock:
             self._splice_backtrack = n  # the engine may have capped it at what it generated
-
-    def fork(self) -> AiciConstraint:
-        raise NotImplementedError("AICI forks go through the runtime (num_forks), not Constraint.fork")

@@ -39,7 +39,7 @@ from tokenwire.protocols.lmtp.messages import (
     parse_score,
     stream_id_of,
 )
-from tokenwire.protocols.lmtp.streams import Stream
+from tokenwire.protocols.lmtp.streams import BufferStream, GenerateStream, ScoreStream, Stream
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -139,7 +139,7 @@ class LmtpConnection:
         for stream in list(self.streams.values()):
             if stream.started or stream.handle is None:
                 continue
-            position = self.engine.queue_position(stream.handle)
+            position = stream.handle.queue_position()
             if position != stream.queue_position:
                 if position is not None:
                     self._system(stream.stream_id, "queued", position=position)
@@ -165,10 +165,9 @@ class LmtpConnection:
         if "system" in self.enabled:
             self._system(None, "shutdown", message=message)
         for stream in list(self.streams.values()):
-            if stream.held is not None:
-                self._token(stream, stream.held)
-                stream.held = None
-            kind = "MSG" if stream.kind == "buffer" else "TOKEN"
+            for record in stream.take_held():
+                self._token(stream, record)
+            kind = "MSG" if isinstance(stream, BufferStream) else "TOKEN"
             self._error(kind, stream.stream_id, message, "shutdown", True, stream)
         self.close()
 
@@ -208,23 +207,14 @@ class LmtpConnection:
 
     def _generate(self, payload: Any) -> None:
         msg = parse_generate(payload, self.enabled)
-        engine = self._check_model(msg.model)
+        self._check_model(msg.model)
         fingerprint = _fingerprint("GENERATE", payload)
         if self._resumed(msg.stream_id, fingerprint, msg.resume_from):
             return
         tokens = self._expand(msg.prompt, msg.prompt_is_text, starts=msg.buffer is None)
-        options = msg.options()
-        stream = Stream(
-            "generate",
-            msg.stream_id,
-            fingerprint,
-            save_as=msg.save_as,
-            max_tokens=msg.max_tokens,
-            max_model_len=engine.max_model_len,
-            eos_ids=frozenset() if msg.ignore_eos else frozenset(engine.eos_ids),
-            stop_ids=frozenset(msg.stop_token_ids),
-        )
-        self._start(stream, msg.buffer, tokens, options, persistent=msg.save_as is not None, generates=True)
+        stream = GenerateStream(msg.stream_id, fingerprint, save_as=msg.save_as)
+        persistent = msg.save_as is not None
+        self._start(stream, msg.buffer, tokens, msg.options(), persistent=persistent, generates=True)
 
     def _score(self, payload: Any) -> None:
         msg = parse_score(payload, self.enabled)
@@ -234,10 +224,9 @@ class LmtpConnection:
             return
         prompt = self._expand(msg.prompt, msg.prompt_is_text, starts=msg.buffer is None)
         scored = self._expand([msg.scored], False, False) if isinstance(msg.scored, str) else msg.scored
-        stream = Stream("score", msg.stream_id, fingerprint)
         base = len(self.buffers.tokens(engine, msg.buffer)) if msg.buffer else 0
-        stream.score_start = base + len(prompt)
-        stream.score_end = stream.score_start + len(scored)
+        start = base + len(prompt)
+        stream = ScoreStream(msg.stream_id, fingerprint, score_start=start, score_end=start + len(scored))
         options = msg.options(stream.score_start, stream.score_end)
         self._start(stream, msg.buffer, prompt + list(scored), options, persistent=False, generates=False)
 
@@ -256,7 +245,7 @@ class LmtpConnection:
         self._resumed(msg.stream_id, "", 0)  # only refuses a live stream_id
         tokens = self._expand(msg.prompt, msg.prompt_is_text, starts=msg.base is None)
         if tokens:  # computed now, so every later use finds the KV ready
-            stream = Stream("buffer", msg.stream_id, save_as=msg.name, buffer_name=msg.name)
+            stream = BufferStream(msg.stream_id, save_as=msg.name, buffer_name=msg.name)
             self._start(stream, msg.base, tokens, GenerateOptions(max_tokens=0, priority=0), True, False)
             return
         base = self.buffers.session(engine, msg.base) if msg.base is not None else None
@@ -303,19 +292,13 @@ class LmtpConnection:
         generates: bool,
     ) -> None:
         engine = self._engine()
-        if "text" in self.enabled and stream.kind != "buffer":
+        records = not isinstance(stream, BufferStream)
+        if "text" in self.enabled and records:
             stream.decoder = engine.tokenizer.incremental_decoder()
-        if "retry" in self.enabled and stream.kind != "buffer":
+        if "retry" in self.enabled and records:
             stream.sent = []
         base = self.buffers.session(engine, buffer) if buffer is not None else None
-        stream.prompt_len = (len(engine.session_tokens(base)) if base is not None else 0) + len(tokens)
-        if generates and stream.prompt_len >= engine.max_model_len:
-            raise RequestError(
-                f"prompt of {stream.prompt_len} tokens leaves no room to generate: the context length is "
-                f"{engine.max_model_len}",
-                "context_overflow",
-                stream.stream_id,
-            )
+        engine.check(base, tokens, options, needs_room=generates)  # before a session is forked or made
         if base is not None:
             stream.session = engine.fork_session(base)
         elif persistent:
@@ -334,7 +317,7 @@ class LmtpConnection:
         if self.streams.get(stream.stream_id) is stream:
             del self.streams[stream.stream_id]
         engine = self._engine()
-        if stream.kind == "buffer":
+        if isinstance(stream, BufferStream):
             if error is None:
                 record = {"name": stream.buffer_name, "length": event.prompt_tokens}
                 self._msg({"stream_id": stream.stream_id, "buffer": record})

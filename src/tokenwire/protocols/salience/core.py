@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tokenwire.engine.admission import Limits, check_request
+from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, TokenEvent
 from tokenwire.protocols.salience.gen import salience_pb2 as pb
 from tokenwire.protocols.salience.images import (
@@ -23,12 +25,12 @@ from tokenwire.protocols.salience.images import (
     blocks_for_fork,
     check_attachments,
 )
-from tokenwire.protocols.salience.status import SalienceStatus
+from tokenwire.protocols.salience.status import SalienceStatus, status_for
 
 SERVICE_NAME = "salience.v1.Salience"
 READOUT_DTYPE = "float32"  # readouts travel as proto floats
-
-Ranges = list[tuple[int, int]]
+# engine field -> GenerateRequest field, so refusals name what the client sent
+PROTO_NAMES = {"append": "append_tokens", "logprob_ranges": "logprobs_ranges"}
 
 
 @dataclass(frozen=True)
@@ -36,11 +38,7 @@ class ModelLimits:
     """What the checks need to know about the loaded model and its engine."""
 
     name: str
-    vocab_size: int
-    max_model_len: int
-    kv_blocks: int  # KV budget, in blocks of kv_block_size positions
-    kv_block_size: int
-    has_concepts: bool = False
+    engine: Limits  # the engine's admission limits (engine.limits)
     vision: VisionTokens | None = None
     pad_count: Callable[[ImageBlock], int] | None = None  # the vision encoder's N per image
 
@@ -79,26 +77,6 @@ def check_fork(at: int, length: int, images: Sequence[ImageBlock]) -> list[Image
     return blocks_for_fork(images, at)
 
 
-def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
-    for i, t in enumerate(ids):
-        if t >= vocab_size:
-            raise _status(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{what}[{i}] = {t} is outside the vocabulary [0, {vocab_size})",
-            )
-
-
-def _ranges(ranges: Sequence[pb.PositionRange], what: str) -> Ranges:
-    """Half-open ranges; parts past the last position simply cover nothing (a client may ask
-    for "every decoded token" without knowing where decoding stops)."""
-    out = []
-    for i, r in enumerate(ranges):
-        if r.start > r.end:
-            raise _status(grpc.StatusCode.INVALID_ARGUMENT, f"{what}[{i}]: start {r.start} > end {r.end}")
-        out.append((int(r.start), int(r.end)))
-    return out
-
-
 def sampling_from(req: pb.GenerateRequest) -> SamplingParams:
     """The proto's zero defaults: temperature 0 and top_p 0 mean 1.0, top_k 0 means disabled."""
     temperature = req.temperature if req.temperature != 0 else 1.0
@@ -133,44 +111,12 @@ def plan_generate(
             )
     kept = blocks_after_truncate(session_images, offset) if truncate_to is not None else list(session_images)
     append = list(req.append_tokens)
-    _check_ids(append, limits.vocab_size, "append_tokens")
     prompt_len = offset + len(append)
-    if prompt_len > limits.max_model_len:
-        raise _status(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"context overflow: {prompt_len} tokens exceed the model's context length {limits.max_model_len}",
-        )
-    blocks = -(-(prompt_len + 1) // limits.kv_block_size)
-    if blocks > limits.kv_blocks:
-        raise _status(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"KV cache budget exhausted: {prompt_len} tokens need {blocks} blocks, the server has "
-            f"{limits.kv_blocks}",
-        )
-    logprob_ranges = _ranges(req.logprobs_ranges, "logprobs_ranges")
-    readout_ranges = _ranges(req.readout_ranges, "readout_ranges")
-    if readout_ranges and not limits.has_concepts:
-        raise _status(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "readout_ranges given but no concept file is loaded (start the server with --concepts)",
-        )
-    sampling = sampling_from(req)
-    _check_ids(req.stop_token_ids, limits.vocab_size, "stop_token_ids")
-    if not 0 <= req.priority <= 10:
-        message = f"priority must be in 0..10 (0 = interactive), got {req.priority}"
-        raise _status(grpc.StatusCode.INVALID_ARGUMENT, message)
-    images = kept
-    if req.images:
-        attached = [ImageBlock(i.pad_range_start, i.pad_range_end, i.mime, i.bytes) for i in req.images]
-        tokens_after = [*session_tokens[:offset], *append]
-        images = kept + check_attachments(attached, tokens_after, kept, limits.vision, limits.pad_count)
-        images.sort(key=lambda b: b.start)
-    if not append and req.max_tokens == 0 and not logprob_ranges and not readout_ranges:
-        # the proto's no-op Generate: only refreshes the session's TTL (after any rewind)
-        return GeneratePlan(truncate_to, append, None, prompt_len, images)
+    logprob_ranges = [(int(r.start), int(r.end)) for r in req.logprobs_ranges]
+    readout_ranges = [(int(r.start), int(r.end)) for r in req.readout_ranges]
     options = GenerateOptions(
         max_tokens=int(req.max_tokens),
-        sampling=sampling,
+        sampling=sampling_from(req),
         stop_token_ids=[int(t) for t in req.stop_token_ids],
         logprob_ranges=logprob_ranges,
         top_logprobs=int(req.logprob_top_k),
@@ -178,7 +124,22 @@ def plan_generate(
         readout_ranges=readout_ranges,
         priority=int(req.priority),
     )
-    return GeneratePlan(truncate_to, append, options, prompt_len, images)
+    # the proto's no-op Generate (only refreshes the session's TTL, after any rewind) runs nothing
+    noop = not append and req.max_tokens == 0 and not logprob_ranges and not readout_ranges
+    try:
+        if noop:
+            options.validate(PROTO_NAMES)
+        else:
+            check_request(limits.engine, prompt_len, append, options, names=PROTO_NAMES)
+    except EngineError as exc:
+        raise status_for(exc) from None
+    images = kept
+    if req.images:
+        attached = [ImageBlock(i.pad_range_start, i.pad_range_end, i.mime, i.bytes) for i in req.images]
+        tokens_after = [*session_tokens[:offset], *append]
+        images = kept + check_attachments(attached, tokens_after, kept, limits.vision, limits.pad_count)
+        images.sort(key=lambda b: b.start)
+    return GeneratePlan(truncate_to, append, None if noop else options, prompt_len, images)
 
 
 def token_message(event: TokenEvent) -> pb.GenerateEvent:

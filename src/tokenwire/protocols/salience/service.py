@@ -19,6 +19,7 @@ import grpc
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import FinishEvent, RequestHandle, TokenEvent
+from tokenwire.engine.session import Ttl
 from tokenwire.protocols.grpc_server import GrpcRegistration
 from tokenwire.protocols.salience import core
 from tokenwire.protocols.salience.gen import salience_pb2 as pb
@@ -48,11 +49,7 @@ def model_limits(engine: Engine) -> core.ModelLimits:
     # (after their ranges are checked) even by a tokenizer that has the vision tokens.
     return core.ModelLimits(
         name=engine.name,
-        vocab_size=engine.vocab_size,
-        max_model_len=engine.max_model_len,
-        kv_blocks=engine.kv.num_blocks,
-        kv_block_size=engine.kv.block_size,
-        has_concepts=engine.concepts is not None,
+        engine=engine.limits,
         vision=vision_tokens(engine),
         pad_count=None,
     )
@@ -102,7 +99,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         try:
             core.check_model(request.model, self.engine.name)
             self._forget_gone_sessions()
-            ttl = -1.0 if self.session_ttl_s is None else self.session_ttl_s
+            ttl = Ttl.DEFAULT if self.session_ttl_s is None else self.session_ttl_s
             sid = self.engine.create_session((), ttl_s=ttl)
         except (SalienceStatus, EngineError) as exc:
             await self._abort(context, exc)

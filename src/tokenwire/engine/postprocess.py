@@ -1,51 +1,95 @@
-"""After a model step: emit prompt events, then sample (or force) each finished sequence's next token."""
+"""After a model step: each request's events and whether it ended.
+
+`postprocess` reads the step's outputs and advances each request's own state (its session's
+tokens and computed KV, its decoder, constraint and counters); it never touches the engine.
+It returns one Outcome per request: the events to deliver, in order, and the finish (if any),
+which the engine loop applies.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Set
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from tokenwire.engine.request import BacktrackEvent, Request, TokenEvent, covers
+from tokenwire.engine.concepts import ConceptSet
+from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.request import (
+    BacktrackEvent,
+    Event,
+    FinishReason,
+    Request,
+    TokenEvent,
+    covers,
+)
 from tokenwire.engine.sampler import logprobs_of, processed_logits, sample
 from tokenwire.engine.step import RowStats, StepItem, StepOutput
+from tokenwire.model.tokenizer import Tokenizer
 
 NO_TOKEN_ALLOWED = "constraint allows no token at this position"
 
-if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+
+@dataclass(frozen=True)
+class StepContext:
+    """The fixed facts about the model that postprocessing needs."""
+
+    kv: KVCache
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+    eos_ids: Set[int]
+    concepts: ConceptSet | None
 
 
-def after_step(engine: Engine, items: list[StepItem], output: StepOutput) -> None:
+@dataclass
+class Finish:
+    reason: FinishReason
+    error: str | None = None
+    detail: Any = None  # the stop string or stop token id
+
+
+@dataclass
+class Outcome:
+    request: Request
+    events: list[Event] = field(default_factory=list)
+    finish: Finish | None = None
+
+
+def postprocess(items: list[StepItem], output: StepOutput, ctx: StepContext) -> list[Outcome]:
+    outcomes = []
     for item in items:
-        request = item.request
-        if request.finished:
+        if item.request.finished:
             continue  # cancelled while the step ran; its KV is already released
+        outcome = Outcome(item.request)
         try:
-            _after_item(engine, item, output)
+            _after_item(ctx, item, output, outcome)
         except Exception as exc:  # one sequence's failure (constraint, ...) ends only that sequence
-            engine._finish(request, "error", error=f"{type(exc).__name__}: {exc}")
+            outcome.finish = Finish("error", error=f"{type(exc).__name__}: {exc}")
+        outcomes.append(outcome)
+    return outcomes
 
 
-def _readout(engine: Engine, hidden: torch.Tensor) -> torch.Tensor:
-    assert engine.concepts is not None
-    return engine.concepts.project(hidden[None])[0]
+def _readout(ctx: StepContext, hidden: torch.Tensor) -> torch.Tensor:
+    assert ctx.concepts is not None
+    return ctx.concepts.project(hidden[None])[0]
 
 
-def _after_item(engine: Engine, item: StepItem, output: StepOutput) -> None:
+def _after_item(ctx: StepContext, item: StepItem, output: StepOutput, out: Outcome) -> None:
     request = item.request
     opts = request.options
     session = request.session
     rid = request.id
     end = item.start + item.count
-    session.computed(end, engine.kv)
+    session.computed(end, ctx.kv)
     lp_ranges = opts.logprob_ranges or ()
     for q in item.logit_positions:
         p = q + 1
         if p < request.prompt_len and p in request.pending_set and covers(lp_ranges, p):
             logits = output.logits[(rid, q)]
             if opts.logprob_mode == "processed":
-                logits = processed_logits(logits, opts.sampling, None, engine.vocab_size)
+                logits = processed_logits(logits, opts.sampling, None, ctx.vocab_size)
             request.prompt_logprob[p] = logprobs_of(logits, session.tokens[p], opts.top_logprobs)
     while request.pending_prompt and request.pending_prompt[0] < end:
         p = request.pending_prompt.pop(0)
@@ -53,79 +97,82 @@ def _after_item(engine: Engine, item: StepItem, output: StepOutput) -> None:
         logprob, top = request.prompt_logprob.pop(p, (None, None))
         readout = None
         if covers(opts.readout_ranges, p):
-            readout = _readout(engine, output.hidden[(rid, p)])
-        request.emit(TokenEvent(session.tokens[p], p, True, logprob, top, readout))
+            readout = _readout(ctx, output.hidden[(rid, p)])
+        out.events.append(TokenEvent(session.tokens[p], p, True, logprob, top, readout))
     for p in sorted(request.pending_readout):
         if p < end:
             event = request.pending_readout.pop(p)
-            event.readout = _readout(engine, output.hidden[(rid, p)])
-            request.emit(event)
+            event.readout = _readout(ctx, output.hidden[(rid, p)])
+            out.events.append(event)
     if end < len(session.tokens):
         return  # more of the prompt (or of forced tokens) still to compute
     if request.finish_after_compute is not None:
         reason, detail = request.finish_after_compute
-        engine._finish(request, reason, detail=detail)
+        out.finish = Finish(reason, detail=detail)
         return
-    _next_token(engine, request, output.logits[(rid, end - 1)], output.stats.get((rid, end - 1)))
+    _next_token(ctx, request, output.logits[(rid, end - 1)], output.stats.get((rid, end - 1)), out)
 
 
-def _next_token(engine: Engine, request: Request, logits: torch.Tensor, stats: RowStats | None) -> None:
+def _next_token(
+    ctx: StepContext, request: Request, logits: torch.Tensor, stats: RowStats | None, out: Outcome
+) -> None:
     opts = request.options
     session = request.session
-    if request.generated >= opts.max_tokens or len(session.tokens) >= engine.max_model_len:
-        engine._finish(request, "length")
+    if _at_length(ctx, request):  # prefill only (max_tokens 0), or the prompt fills the context
+        out.finish = Finish("length")
         return
     step = None
     constraint = opts.constraint
     if constraint is not None:
         step = constraint.next_step()
         if step.stop:
-            engine._finish(request, "stop", detail="constraint")
+            out.finish = Finish("stop", detail="constraint")
             return
         if step.backtrack:
             count = min(step.backtrack, request.generated)
-            session.truncate(len(session.tokens) - count, engine.kv)
+            session.truncate(len(session.tokens) - count, ctx.kv)
             request.generated -= count
-            request.decoder = engine.tokenizer.incremental_decoder()
+            request.decoder = ctx.tokenizer.incremental_decoder()
             constraint.on_backtrack(count)
             # recompute the new last token so its logits are available to sample from
-            session.uncompute_from(len(session.tokens) - 1, engine.kv)
-            request.emit(BacktrackEvent(count, len(session.tokens)))
+            session.uncompute_from(len(session.tokens) - 1, ctx.kv)
+            out.events.append(BacktrackEvent(count, len(session.tokens)))
             return
         if step.force:
             for token in step.force:
-                if _append(engine, request, token, None, None, forced=True):
+                if _append(ctx, request, token, None, None, out, forced=True):
                     return
                 constraint.on_token(token)
             return  # the forced tokens are computed in the next step, then we ask again
-    scores = processed_logits(logits, opts.sampling, step, engine.vocab_size)
+    scores = processed_logits(logits, opts.sampling, step, ctx.vocab_size)
     # a mask (or a bias of -inf, AICI's form of a mask) may rule out every token: greedy sees
     # it as a -inf maximum (no extra pass), sampling checks the whole row first
     constrained = step is not None and (step.allowed is not None or step.bias is not None)
     greedy = opts.sampling.temperature == 0
     if constrained and not greedy and bool(torch.isinf(scores).all()):
-        engine._finish(request, "error", error=NO_TOKEN_ALLOWED)
+        out.finish = Finish("error", error=NO_TOKEN_ALLOWED)
         return
     plain = scores is logits  # no bias, mask or padding rows: the step's row stats apply
-    if plain and stats is not None and opts.sampling.temperature == 0:
+    if plain and stats is not None and greedy:
         token = stats.argmax
     else:
         token = sample(scores, opts.sampling, request.generator)
         if constrained and greedy and scores[token] == float("-inf"):
-            engine._finish(request, "error", error=NO_TOKEN_ALLOWED)
+            out.finish = Finish("error", error=NO_TOKEN_ALLOWED)
             return
-    if _append(engine, request, token, logits, scores, forced=False, stats=stats, plain=plain):
+    if _append(ctx, request, token, logits, scores, out, forced=False, stats=stats, plain=plain):
         return
     if constraint is not None:
         constraint.on_token(token)
 
 
 def _append(
-    engine: Engine,
+    ctx: StepContext,
     request: Request,
     token: int,
     raw: torch.Tensor | None,
     processed: torch.Tensor | None,
+    out: Outcome,
     *,
     forced: bool,
     stats: RowStats | None = None,
@@ -157,25 +204,39 @@ def _append(
         else:
             logprob, top = 0.0, [(token, 0.0)] if opts.top_logprobs else None  # forced: certain
     text = request.decoder.feed(token)
+    finish = _ends_generation(ctx, request, token, text)
     event = TokenEvent(token, position, False, logprob, top, None, text, forced)
+    if finish is not None:
+        event.finish_reason = finish.reason
     if covers(opts.readout_ranges, position):
         request.pending_readout[position] = event
     else:
-        request.emit(event)
-    reason: str | None = None
-    detail: Any = None
-    if token in engine.eos_ids and not opts.ignore_eos:
-        reason, detail = "eos", token
-    elif token in opts.stop_token_ids:
-        reason, detail = "stop", token
-    elif request.stopper is not None and text and request.stopper.feed(text) is not None:
-        reason, detail = "stop", request.stopper.matched
-    elif request.generated >= opts.max_tokens or len(session.tokens) >= engine.max_model_len:
-        reason = "length"
-    if reason is None:
+        out.events.append(event)
+    if finish is None:
         return False
     if request.pending_readout:
-        request.finish_after_compute = (reason, detail)
+        request.finish_after_compute = (finish.reason, finish.detail)
     else:
-        engine._finish(request, reason, detail=detail)
+        out.finish = finish
     return True
+
+
+def _ends_generation(ctx: StepContext, request: Request, token: int, text: str) -> Finish | None:
+    """Whether the token just appended ends the request: the one end-of-generation rule."""
+    opts = request.options
+    if token in ctx.eos_ids and not opts.ignore_eos:
+        return Finish("eos", detail=token)
+    if token in opts.stop_token_ids:
+        return Finish("stop", detail=token)
+    if request.stopper is not None and text and request.stopper.feed(text) is not None:
+        return Finish("stop", detail=request.stopper.matched)
+    if _at_length(ctx, request):
+        return Finish("length")
+    return None
+
+
+def _at_length(ctx: StepContext, request: Request) -> bool:
+    return (
+        request.generated >= request.options.max_tokens
+        or len(request.session.tokens) >= ctx.max_model_len
+    )
