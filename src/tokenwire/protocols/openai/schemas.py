@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # OpenAI fields a stock client may send that only matter to OpenAI's own service.
 IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key")
@@ -127,19 +127,25 @@ class Sampling(_Strict):
     readouts: bool = Field(default=False, description="concept projections per token (needs --concepts)")
     ignore_eos: bool = False
 
-    @model_validator(mode="after")
-    def _check_stop(self) -> Sampling:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > 4:
-            raise ValueError("stop: at most 4 stop sequences")
+            raise ValueError("at most 4 stop sequences")
         if any(not s for s in stops):
-            raise ValueError("stop: stop sequences must be non-empty")
-        for key, value in (self.logit_bias or {}).items():
+            raise ValueError("stop sequences must be non-empty")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
             if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias: key {key!r} is not a token id")
+                raise ValueError(f"key {key!r} is not a token id")
             if not -100 <= value <= 100:
-                raise ValueError(f"logit_bias: value {value} for token {key} is outside [-100, 100]")
-        return self
+                raise ValueError(f"value {value} for token {key} is outside [-100, 100]")
+        return bias
 
     @property
     def stops(self) -> list[str]:
