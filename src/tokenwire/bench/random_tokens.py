@@ -43,6 +43,8 @@ class RandomTokenModel(nn.Module):
     def device(self) -> torch.device:
         return self.table.device
 
+    can_fuse_decode = False  # LlamaModel's interface: decode steps get the unfused metadata
+
     def forward(
         self,
         ids: torch.Tensor,

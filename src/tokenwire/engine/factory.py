@@ -11,12 +11,18 @@ import torch
 
 from tokenwire.engine.concepts import ConceptSet
 from tokenwire.engine.engine import Engine
+from tokenwire.model.gguf import PACKED_FILE
 from tokenwire.model.llama import LlamaModel, build_model
-from tokenwire.model.loader import ModelSource, load_weights, resolve_model
+from tokenwire.model.loader import ModelSource, load_packed, load_weights, resolve_model
+from tokenwire.model.quant import Q4_1, Q8_0
+from tokenwire.model.quant_model import build_quantized_model, quantize_state
 
 log = logging.getLogger("tokenwire")
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+# auto: a GGUF's own quantisation on the CPU (fp32 activations), else --dtype; gguf: the file's
+# blocks as they are; int8 / int4: quantise fp32 weights at load to Q8_0 / Q4_1 blocks
+WEIGHTS = ("auto", "gguf", "fp32", "bf16", "int8", "int4")
 
 
 @dataclass
@@ -33,6 +39,8 @@ class EngineSettings:
     concepts: Path | None = None
     progress: bool = True
     threads: int | None = None
+    weights: str = "auto"  # WEIGHTS: auto | gguf | fp32 | bf16 | int8 | int4
+    compile: bool = True  # fused decode kernels for quantised weights (--no-compile: eager only)
 
 
 def pick_device(device: str) -> torch.device:
@@ -55,12 +63,38 @@ def default_kv_cache_mb(device: torch.device) -> float:
     return 1024
 
 
-def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device, max_len: int | None
-) -> LlamaModel:
-    state = load_weights(source.model_dir)
+def resolve_weights(settings: EngineSettings, source: ModelSource, device: torch.device) -> str:
+    """The weight format to run: what `auto` means for this model and device, and a clear error
+    for combinations that cannot run."""
+    weights = settings.weights
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown --weights {weights!r}: use one of {', '.join(WEIGHTS)}")
+    packed = (source.model_dir / PACKED_FILE).is_file()
+    if weights == "auto":
+        quantized = packed and device.type == "cpu" and settings.dtype in ("fp32", "float32")
+        return "gguf" if quantized else ("bf16" if DTYPES[settings.dtype] == torch.bfloat16 else "fp32")
+    if weights in ("gguf", "int8", "int4"):
+        if device.type != "cpu":
+            raise ValueError(f"--weights {weights} runs on the CPU only; use fp32 or bf16 on {device}")
+        if weights == "gguf" and not packed:
+            raise ValueError(
+                f"--weights gguf needs a GGUF model; {source.source} is not one (try int8 or int4)"
+            )
+    return weights
+
+
+def load_model(source: ModelSource, weights: str, device: torch.device, max_len: int | None) -> LlamaModel:
     positions = min(max_len or source.config.max_position_embeddings, source.config.max_position_embeddings)
-    return build_model(source.config, state, dtype=dtype, device=device, max_positions=positions)
+    if weights == "gguf":
+        packed = load_packed(source.model_dir)
+        assert packed is not None
+        return build_quantized_model(source.config, *packed, max_positions=positions)
+    if weights in ("int8", "int4"):
+        qtype = Q8_0 if weights == "int8" else Q4_1
+        tensors, qtypes = quantize_state(source.config, load_weights(source.model_dir), qtype)
+        return build_quantized_model(source.config, tensors, qtypes, max_positions=positions)
+    state = load_weights(source.model_dir)
+    return build_model(source.config, state, dtype=DTYPES[weights], device=device, max_positions=positions)
 
 
 def build_engine(settings: EngineSettings) -> Engine:
@@ -79,8 +113,19 @@ def build_engine(settings: EngineSettings) -> Engine:
             settings.concepts, hidden_size=source.config.hidden_size, num_layers=source.config.num_layers
         )
     kv_mb = settings.kv_cache_mb if settings.kv_cache_mb is not None else default_kv_cache_mb(device)
+    weights = resolve_weights(settings, source, device)
+
+    def make_model() -> LlamaModel:
+        model = load_model(source, weights, device, settings.max_model_len)
+        model.fuse_decode = settings.compile
+        if model.can_fuse_decode:
+            from tokenwire.model.kernels import load_kernels
+
+            load_kernels(settings.cache_dir)
+        return model
+
     engine = Engine(
-        lambda: load_model(source, DTYPES[settings.dtype], device, settings.max_model_len),
+        make_model,
         source.tokenizer,
         name=source.name,
         kv_cache_mb=kv_mb,
@@ -90,12 +135,13 @@ def build_engine(settings: EngineSettings) -> Engine:
         concepts=concepts,
     )
     engine.source = source
+    engine.weights = weights
     log.info(
-        "model %s (%s) loaded in %.1fs: dtype %s, device %s, KV cache %.0f MiB (%d blocks), context %d",
+        "model %s (%s) loaded in %.1fs: weights %s, device %s, KV cache %.0f MiB (%d blocks), context %d",
         source.name,
         source.config.architecture,
         time.monotonic() - started,
-        settings.dtype,
+        weights,
         device,
         engine.kv_cache_mb,
         engine.kv.num_blocks,

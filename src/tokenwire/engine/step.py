@@ -9,6 +9,7 @@ import torch
 from tokenwire.engine.attention import AttentionGroup, PagedAttention, build_group
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.request import Request
+from tokenwire.model.llama import PagedDecode
 
 
 @dataclass
@@ -94,9 +95,16 @@ def run_step(
         for p in item.capture_positions:
             capture_rows.append(base + p - item.start)
             capture_keys.append((rid, p))
-    if decode_rows:
-        groups.append(build_group(decode_rows, decode_starts, decode_tables, bs, rep, device, dtype))
-    attention = PagedAttention(kv, torch.tensor(slots, device=device), groups)
+    attention: PagedAttention | PagedDecode
+    if decode_rows and not groups and model.can_fuse_decode:
+        # decode only: each layer runs as one fused kernel that reads the block tables itself
+        width = max(len(t) for t in decode_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
+        attention = PagedDecode(kv.k, kv.v, torch.tensor(decode_starts, dtype=torch.long), tables)
+    else:
+        if decode_rows:
+            groups.append(build_group(decode_rows, decode_starts, decode_tables, bs, rep, device, dtype))
+        attention = PagedAttention(kv, torch.tensor(slots, device=device), groups)
     capture_index = torch.tensor(capture_rows, dtype=torch.long, device=device) if capture_rows else None
     with torch.inference_mode():
         hidden, captured = model(

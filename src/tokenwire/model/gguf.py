@@ -23,11 +23,13 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from tokenwire.model import quant
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
 
 # Bump when the output of convert_gguf changes. (Cache keys also hash this file's source and the
 # versions of the libraries the conversion uses; see converter_fingerprint.)
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: packed.safetensors beside the fp32 weights
+PACKED_FILE = "packed.safetensors"  # the GGUF's own quantised blocks (see model/quant.py)
 
 # general.architecture -> (HF architecture, HF model_type, q/k rows permuted by llama.cpp?)
 GGUF_ARCHITECTURES = {
@@ -243,11 +245,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Mo
 
 def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, progress: bool) -> None:
     """Dequantised float32 tensors as model.safetensors, or as shards of at most _MAX_SHARD_BYTES
-    (each written as soon as it is full, bounding memory) plus model.safetensors.index.json."""
+    (each written as soon as it is full, bounding memory) plus model.safetensors.index.json; and
+    every tensor once more in PACKED_FILE, quantised weights in their GGUF blocks."""
     permuted = GGUF_ARCHITECTURES[reader.fields["general.architecture"].contents()][2]
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     parts: list[tuple[Path, list[str]]] = []
     shard: dict[str, torch.Tensor] = {}
+    packed: dict[str, torch.Tensor] = {}
+    qtypes: dict[str, str] = {}
     size = 0
 
     def flush() -> None:
@@ -268,13 +273,18 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, pr
             continue
         w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         kind = tensor.name.split(".")[-2]
-        w = unpermute_rope_rows(w, heads[kind]) if permuted and kind in heads else np.array(w, order="C")
+        rope_rows = permuted and kind in heads
+        w = unpermute_rope_rows(w, heads[kind]) if rope_rows else np.array(w, order="C")
+        packed[name], qtype = _packed_tensor(tensor, w, heads[kind] if rope_rows else None)
+        if qtype is not None:
+            qtypes[name] = quant.QTYPE_NAMES[qtype]
         if shard and size + w.nbytes > _MAX_SHARD_BYTES:
             flush()
             shard, size = {}, 0
         shard[name] = torch.from_numpy(w)
         size += w.nbytes
     flush()
+    save_file(packed, str(out_dir / PACKED_FILE), metadata={"format": "pt", "qtypes": json.dumps(qtypes)})
     if len(parts) == 1:
         parts[0][0].rename(out_dir / "model.safetensors")
         return
@@ -285,6 +295,22 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, pr
         weight_map.update(dict.fromkeys(names, file))
     index = {"metadata": {"format": "pt"}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _packed_tensor(tensor: Any, dense: np.ndarray, rope_heads: int | None) -> tuple[torch.Tensor, int | None]:
+    """The tensor as the quantised path keeps it: Q4_0/Q4_1/Q8_0 blocks as they are in the file
+    (rows un-permuted like `dense`), other quantised matrices re-quantised to Q8_0 once here,
+    float tensors (norms, f16/f32 weights) as float32."""
+    qtype = int(tensor.tensor_type)
+    if qtype in quant.BLOCK_BYTES and tensor.data.ndim == 2:
+        rows = np.ascontiguousarray(tensor.data).view(np.uint8)
+        if rope_heads is not None:
+            rows = unpermute_rope_rows(rows, rope_heads)
+        return torch.from_numpy(np.array(rows, order="C")), qtype
+    is_float = tensor.tensor_type.name in ("F32", "F16", "BF16", "F64")
+    if not is_float and dense.ndim == 2 and dense.shape[1] % quant.BLOCK == 0:
+        return quant.quantize(torch.from_numpy(dense), quant.Q8_0), quant.Q8_0
+    return torch.from_numpy(np.array(dense, dtype=np.float32, order="C")), None
 
 
 def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None:

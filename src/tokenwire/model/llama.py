@@ -10,6 +10,7 @@ the engine, plain causal attention for whole-sequence tensor calls).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -23,6 +24,18 @@ class AttentionBackend(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, H, D], k/v [N, KVH, D] for the packed tokens -> attention output [N, H*D]."""
         ...
+
+
+@dataclass
+class PagedDecode:
+    """A decode-only step over the paged KV cache, for the fused decode path: row m of the
+    batch is one new token of its own sequence at positions[m]; block_tables[m] lists that
+    sequence's KV blocks (padded). k/v are the whole caches [layers, blocks, block_size, kv_heads, D]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor  # [M] int64
+    block_tables: torch.Tensor  # [M, max_blocks] int64
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -104,7 +117,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv.weight, self.qkv.bias)
+        qkv = self.qkv(h)
         q_size, kv_size, _ = self.split
         # q and k heads get RoPE in one call
         qk = apply_rope(
@@ -113,10 +126,40 @@ class DecoderLayer(nn.Module):
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        x = x + F.linear(attention(self.index, q, k, v), self.o_proj.weight)
+        x = x + self.o_proj(attention(self.index, q, k, v))
         h = rms_norm(x, self.post_attention_norm, self.eps)
-        gate, up = F.linear(h, self.gate_up.weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate).mul_(up), self.down.weight)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate).mul_(up))
+
+    def decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedDecode) -> None:
+        """The whole layer for one decode token per row, in one kernel call (x updated in place):
+        ~30 framework dispatches become one. Only for quantised linears (see can_fuse_decode)."""
+        from tokenwire.model.kernels import ops
+
+        i = self.index
+        ops().decode_layer(
+            x,
+            self.input_norm,
+            self.post_attention_norm,
+            self.eps,
+            self.qkv.packed,
+            self.qkv.qtype,
+            self.qkv.bias,
+            self.o_proj.packed,
+            self.o_proj.qtype,
+            self.gate_up.packed,
+            self.gate_up.qtype,
+            self.down.packed,
+            self.down.qtype,
+            cos,
+            sin,
+            batch.k[i],
+            batch.v[i],
+            batch.positions,
+            batch.block_tables,
+            self.num_heads,
+            self.num_kv_heads,
+        )
 
 
 class LlamaModel(nn.Module):
@@ -132,17 +175,17 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.norm.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.device
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attention: AttentionBackend,
+        attention: AttentionBackend | PagedDecode,
         capture_layers: tuple[int, ...] = (),
         capture_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -159,17 +202,42 @@ class LlamaModel(nn.Module):
 
         def capture(layer: int, h: torch.Tensor) -> None:
             if layer in capture_layers:
-                captured[layer] = h if capture_index is None else h[capture_index]
+                h = h if capture_index is None else h[capture_index]
+                captured[layer] = h.clone() if fused else h  # the fused path updates x in place
 
+        fused = isinstance(attention, PagedDecode)
+        if fused:
+            x = x.contiguous()
+            cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         capture(0, x)
         last = len(self.layers)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attention)
+            if fused:
+                layer.decode_fused(x, cos, sin, attention)
+            else:
+                x = layer(x, cos, sin, attention)
             if i + 1 < last:
                 capture(i + 1, x)
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         capture(last, x)  # like transformers' hidden_states[-1]: the final, normed states
         return x, captured
+
+    @property
+    def can_fuse_decode(self) -> bool:
+        """Whether decode-only steps may run each layer as one fused kernel (PagedDecode): every
+        projection quantised, fp32 on the CPU, and not turned off (`fuse_decode`, --no-compile)."""
+        from tokenwire.model.quant import QuantLinear
+
+        return (
+            getattr(self, "fuse_decode", True)
+            and self.device.type == "cpu"
+            and self.norm.dtype == torch.float32
+            and all(
+                isinstance(m, QuantLinear)
+                for layer in self.layers
+                for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            )
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -216,7 +216,8 @@ def weight_files(model_dir: Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"weight shards listed in {index} are missing: {', '.join(missing)}")
         return files
-    return sorted(model_dir.glob("*.safetensors"))
+    # a GGUF conversion's packed.safetensors holds the same tensors quantised (load_packed)
+    return sorted(f for f in model_dir.glob("*.safetensors") if f.name != gguf_convert.PACKED_FILE)
 
 
 def load_weights(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -239,3 +240,24 @@ def load_weights(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict[st
                 raise ValueError(f"tensor {key!r} appears in more than one shard in {model_dir}")
             weights[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return weights
+
+
+def load_packed(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, int]] | None:
+    """The packed tensors of a GGUF conversion (quantised weights in their GGUF blocks) and the
+    block type of each quantised one; None for a directory without them (Hugging Face models)."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    from tokenwire.model.gguf import PACKED_FILE
+    from tokenwire.model.quant import QTYPES
+
+    path = Path(model_dir) / PACKED_FILE
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = json.loads((f.metadata() or {}).get("qtypes", "{}"))
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"unreadable packed weights {path}: {e}") from e
+    return tensors, {name: QTYPES[kind] for name, kind in names.items()}

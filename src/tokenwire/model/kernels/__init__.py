@@ -1,0 +1,88 @@
+"""tokenwire's CPU kernels (quant_cpu.cpp), compiled once per machine and cached.
+
+The extension is built with torch's own C++ extension machinery (ninja, the system compiler)
+into `<cache_dir>/kernels/<key>`, key = hash of the source, the torch version and the compiler
+flags, so a later start only loads the shared library (~0.1 s) and a changed source or torch
+rebuilds. The first build takes ~30-60 s on 2 cores and is logged with its duration. The ops
+register as `torch.ops.tokenwire.*`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tokenwire.kernels")
+
+_SOURCE = Path(__file__).with_name("quant_cpu.cpp")
+_lock = threading.Lock()
+_loaded = False
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def compiler_flags() -> list[str]:
+    """-O3 without fp contraction (scalar code rounds where it is written); AVX2/FMA/F16C when
+    this CPU has them (the kernels fall back to portable C++ otherwise)."""
+    flags = ["-O3", "-ffp-contract=off", "-std=c++17"]
+    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def kernel_dir(cache_dir: Path | None = None) -> Path:
+    from tokenwire.model.loader import default_cache_dir
+
+    flags = compiler_flags()
+    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode())
+    return (cache_dir or default_cache_dir()) / "kernels" / key.hexdigest()[:16]
+
+
+def load_kernels(cache_dir: Path | None = None) -> None:
+    """Build (first time) and load the extension; afterwards torch.ops.tokenwire.* exist."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils import cpp_extension
+
+        build = kernel_dir(cache_dir)
+        build.mkdir(parents=True, exist_ok=True)
+        cached = any(build.glob("*.so"))
+        started = time.monotonic()
+        if not cached:
+            log.info("compiling tokenwire CPU kernels into %s (once per machine, ~30-60 s)", build)
+        os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+        cpp_extension.load(
+            name="tokenwire_quant_cpu",
+            sources=[str(_SOURCE)],
+            extra_cflags=compiler_flags(),
+            build_directory=str(build),
+            is_python_module=False,
+            verbose=False,
+        )
+        log.info(
+            "tokenwire CPU kernels %s in %.1fs",
+            "loaded" if cached else "compiled",
+            time.monotonic() - started,
+        )
+        _loaded = True
+
+
+def ops() -> object:
+    load_kernels()
+    return torch.ops.tokenwire

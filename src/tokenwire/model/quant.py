@@ -1,0 +1,132 @@
+"""Weights kept in GGUF's block quantisation (Q4_0, Q4_1, Q8_0), run by our CPU kernels.
+
+A quantised weight is the GGUF's own bytes: a contiguous uint8 tensor [out_features,
+in_features / 32 * block_bytes], one row of blocks per output feature, exactly as in the file
+(q/k rows un-permuted like the fp32 path). Nothing is re-quantised for these three types: the
+kernels dequantise bit-exactly as gguf's reference dequantiser does. Other GGUF types (K-quants,
+IQ-quants) are converted once, at GGUF conversion, to Q8_0 from their dequantised values; a
+Hugging Face directory is quantised at load with `--weights int8` (Q8_0) or `int4` (Q4_1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids
+QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+QTYPES = {name: qtype for qtype, name in QTYPE_NAMES.items()}
+BLOCK = 32
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+
+# From this many rows on, a matmul dequantises the whole weight into fp32 and runs one GEMM:
+# the dequantisation is paid once for many rows and MKL's GEMM beats our tile kernel there
+# (measured on ffn_gate 1536x576, M=128: 10.6 ms tiled vs 9.4 ms dense; M=32: 2.5 vs 12.4).
+DENSE_FROM_ROWS = 96
+
+
+def _ops():
+    from tokenwire.model.kernels import ops
+
+    return ops()
+
+
+def packed_shape(out_features: int, in_features: int, qtype: int) -> tuple[int, int]:
+    if in_features % BLOCK:
+        raise ValueError(f"{in_features} input features are not a multiple of the {BLOCK}-weight block")
+    return out_features, in_features // BLOCK * BLOCK_BYTES[qtype]
+
+
+def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """fp32 [N, K] -> packed blocks, with gguf's reference quantiser (the llama.cpp rounding)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    array = weight.detach().float().cpu().numpy()
+    packed = gguf_quantize(np.ascontiguousarray(array), GGMLQuantizationType(qtype))
+    return (
+        torch.from_numpy(np.ascontiguousarray(packed))
+        .view(torch.uint8)
+        .reshape(packed_shape(*weight.shape, qtype))
+    )
+
+
+def dequantize(
+    packed: torch.Tensor, qtype: int, in_features: int, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Packed blocks -> fp32 [rows, in_features], bit-exact with gguf's dequantiser."""
+    empty = torch.empty(0, dtype=torch.long)
+    return _ops().dequantize(packed, qtype, in_features, empty if rows is None else rows)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W in GGUF blocks; fp32 activations and accumulation."""
+
+    def __init__(self, packed: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"unsupported quantisation type {qtype}")
+        expected = packed_shape(packed.shape[0], in_features, qtype)
+        if tuple(packed.shape) != expected or packed.dtype != torch.uint8:
+            raise ValueError(f"packed weight {tuple(packed.shape)} {packed.dtype} is not uint8 {expected}")
+        self.register_buffer("packed", packed.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.qtype = qtype
+        self.in_features = in_features
+        self.out_features = packed.shape[0]
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> QuantLinear:
+        return cls(quantize(weight, qtype), qtype, weight.shape[1], bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised weight (for inspection and tests; the forward never builds it whole
+        below DENSE_FROM_ROWS rows)."""
+        return dequantize(self.packed, self.qtype, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(f"quantised linear layers take float32 activations, got {x.dtype}")
+        rows = x.numel() // self.in_features
+        if rows >= DENSE_FROM_ROWS:
+            y = F.linear(x, self.weight)
+        else:
+            y = _ops().qmatmul(x, self.packed, self.qtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {QTYPE_NAMES[self.qtype]}"
+
+
+class QuantEmbedding(nn.Module):
+    """Rows of a packed [vocab, hidden] table, dequantised on lookup. Shares its buffer with a
+    tied QuantLinear lm_head, so a tied table is resident once."""
+
+    def __init__(self, packed: torch.Tensor, qtype: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed.contiguous())
+        self.qtype = qtype
+        self.embedding_dim = embedding_dim
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize(self.packed, self.qtype, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = dequantize(self.packed, self.qtype, self.embedding_dim, ids.reshape(-1))
+        return flat.view(*ids.shape, self.embedding_dim)
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer, each storage counted once (tied tables share one)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
