@@ -14,10 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenwire.engine.admission import Limits, check_request
+from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import GenerateOptions
 from tokenwire.model.tokenizer import Tokenizer
 from tokenwire.protocols.openai import chat
-from tokenwire.protocols.openai.errors import bad_request, model_not_found
+from tokenwire.protocols.openai.errors import bad_request, from_engine, model_not_found
 from tokenwire.protocols.openai.output import ChoiceOutput, legacy_logprobs
 from tokenwire.protocols.openai.sampling import Structure, check_one_structure, compile_structure, options_for
 from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest, Sampling
@@ -36,6 +38,7 @@ class ModelLimits:
     vocab_size: int
     logits_size: int
     eos_ids: frozenset[int]
+    engine: Limits  # the engine's admission limits (engine.limits)
     concept_names: tuple[str, ...] = ()
     concept_layers: tuple[int, ...] = ()
 
@@ -69,26 +72,33 @@ def check_model(requested: str | None, limits: ModelLimits) -> None:
 def _check_common(req: Sampling, limits: ModelLimits) -> None:
     check_model(req.model, limits)
     for key in req.logit_bias or {}:
-        if not 0 <= int(key) < limits.vocab_size:
-            raise bad_request(
-                f"logit_bias: token id {key} is outside the vocabulary [0, {limits.vocab_size})",
-                "logit_bias",
-                "invalid_token",
-            )
-    if req.readouts and not limits.concept_names:
-        raise bad_request("readouts need a concept file: start the server with --concepts", "readouts")
+        if int(key) < 0:  # the engine's vocabulary check below names the others
+            raise bad_request(f"logit_bias: token id {key} is negative", "logit_bias", "invalid_token")
 
 
-def _max_tokens(requested: int | None, prompt_len: int, limits: ModelLimits, param: str) -> int:
-    if prompt_len > limits.max_model_len:
-        raise bad_request(
-            f"this prompt is {prompt_len} tokens long, more than the model's context length "
-            f"{limits.max_model_len}",
-            param,
-            "context_length_exceeded",
-        )
-    room = limits.max_model_len - prompt_len
+def _max_tokens(requested: int | None, prompt_len: int, limits: ModelLimits) -> int:
+    """OpenAI's default is "until the context is full"; a larger request is capped there."""
+    room = max(limits.max_model_len - prompt_len, 0)
     return room if requested is None else min(requested, room)
+
+
+def _admit(
+    limits: ModelLimits, prompt_len: int, append: list[int], options: GenerateOptions, param: str
+) -> None:
+    """The engine's own admission check (context, vocabulary, KV budget, readouts) before anything
+    is started, its message passed on; the field is read off the engine's name for it."""
+    try:
+        check_request(limits.engine, prompt_len, append, options, names={"append": param}, needs_room=True)
+    except EngineError as exc:
+        message = str(exc)
+        field = (
+            "logit_bias"
+            if message.startswith("logit_bias")
+            else "readouts"
+            if "readout" in message
+            else param
+        )
+        raise from_engine(exc, field) from exc
 
 
 def plan_chat(req: ChatCompletionRequest, limits: ModelLimits, session_tokens: Sequence[int] | None) -> Plan:
@@ -115,7 +125,7 @@ def plan_chat(req: ChatCompletionRequest, limits: ModelLimits, session_tokens: S
     append = chat.prompt_tokens(tok, messages, history[-SESSION_TAIL:], tools)
     prompt_len = len(history) + len(append)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = _max_tokens(requested, prompt_len, limits, "messages")
+    max_tokens = _max_tokens(requested, prompt_len, limits)
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -147,6 +157,8 @@ def plan_chat(req: ChatCompletionRequest, limits: ModelLimits, session_tokens: S
             logprob_ranges=None,
             readout_ranges=[(prompt_len, EVERY)] if req.readouts else [],
         )
+        if i == 0:
+            _admit(limits, prompt_len, append, options, "messages")
         plan.choices.append((0, options))
         plan.outputs.append(
             ChoiceOutput(
@@ -228,9 +240,7 @@ def plan_completion(
     )
     for p, append in enumerate(prompts):
         prompt_len = history + len(append)
-        max_tokens = _max_tokens(
-            16 if req.max_tokens is None else req.max_tokens, prompt_len, limits, "prompt"
-        )
+        max_tokens = _max_tokens(16 if req.max_tokens is None else req.max_tokens, prompt_len, limits)
         start = history if req.echo else prompt_len  # echo: logprobs/readouts of the prompt too
         for i in range(req.n):
             options = options_for(
@@ -244,6 +254,8 @@ def plan_completion(
                 logprob_ranges=[(start, EVERY)] if legacy else None,
                 readout_ranges=[(start, EVERY)] if req.readouts else [],
             )
+            if i == 0:
+                _admit(limits, prompt_len, append, options, "prompt")
             plan.choices.append((p, options))
             plan.outputs.append(
                 ChoiceOutput(

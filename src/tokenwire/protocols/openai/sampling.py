@@ -53,13 +53,6 @@ class PenaltyConstraint(Constraint):
         if 0 <= token < len(self.bias):
             self.bias[token] = -(self.presence + self.frequency * count)
 
-    def fork(self) -> PenaltyConstraint:
-        other = PenaltyConstraint(len(self.bias), self.presence, self.frequency, None)
-        other.inner = self.inner.fork() if self.inner is not None else None
-        other.counts = dict(self.counts)
-        other.bias = self.bias.clone()
-        return other
-
 
 @dataclass
 class Structure:

@@ -47,6 +47,7 @@ def limits_of(engine: Engine) -> core.ModelLimits:
         vocab_size=engine.vocab_size,
         logits_size=engine.logits_size,
         eos_ids=frozenset(engine.eos_ids),
+        engine=engine.limits,
         concept_names=tuple(concepts.names) if concepts is not None else (),
         concept_layers=tuple(concepts.layers) if concepts is not None else (),
     )
