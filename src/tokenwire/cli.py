@@ -42,6 +42,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--cache-dir", type=Path, help="where converted GGUF weights are cached (~/.cache/tokenwire)"
     )
     g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    g.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "gguf", "fp32", "bf16", "int8", "int4"],
+        help="weight format: auto = a GGUF's own quantisation on the CPU (else --dtype); gguf = the "
+        "file's Q4_0/Q4_1/Q8_0 blocks as they are; int8/int4 = quantise at load (Q8_0/Q4_1)",
+    )
+    g.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run decode steps through the eager PyTorch layers instead of the fused C++ kernels",
+    )
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--kv-cache-mb", type=float, help="KV cache budget in MiB (default: from free memory)")
     g.add_argument("--max-model-len", type=int, help="cap the context length below the model's")
@@ -62,6 +75,8 @@ def settings_from(args: argparse.Namespace, **extra: object) -> EngineSettings:
         max_batch_tokens=args.max_batch_tokens,
         concepts=args.concepts,
         threads=args.threads,
+        weights=args.weights,
+        compile=args.compile,
         **extra,  # type: ignore[arg-type]
     )
 

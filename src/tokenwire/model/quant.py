@@ -44,13 +44,10 @@ def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
+    shape = packed_shape(*weight.shape, qtype)  # names a bad feature count before gguf does
     array = weight.detach().float().cpu().numpy()
     packed = gguf_quantize(np.ascontiguousarray(array), GGMLQuantizationType(qtype))
-    return (
-        torch.from_numpy(np.ascontiguousarray(packed))
-        .view(torch.uint8)
-        .reshape(packed_shape(*weight.shape, qtype))
-    )
+    return torch.from_numpy(np.ascontiguousarray(packed)).view(torch.uint8).reshape(shape)
 
 
 def dequantize(

@@ -1,0 +1,163 @@
+"""Quantised weights: GGUF blocks dequantise bit-exactly, quantised matmuls equal fp32 ones with
+the dequantised weight, and a quantised model (fused decode or not) matches its fp32 twin."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from tests.tiny_models import hf_model
+from tokenwire.model.config import ModelConfig
+from tokenwire.model.llama import DenseCausalAttention, build_model
+from tokenwire.model.quant import (
+    DENSE_FROM_ROWS,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    QuantEmbedding,
+    QuantLinear,
+    dequantize,
+    quantize,
+    resident_bytes,
+)
+from tokenwire.model.quant_model import build_quantized_model, quantize_state
+
+QTYPES = [Q4_0, Q4_1, Q8_0]
+# |quantised matmul - fp32 matmul of the dequantised weight| / max|fp32 result|: both sum the
+# same exact products in fp32, in a different order (K <= 1536 here gives ~1e-7 in practice)
+MATMUL_RTOL = 2e-6
+
+
+def _blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2, (rows, 1))).astype(np.float32)
+    packed = np.ascontiguousarray(gguf_quantize(w, GGMLQuantizationType(qtype))).view(np.uint8)
+    reference = np.asarray(gguf_dequantize(packed, GGMLQuantizationType(qtype)), dtype=np.float32)
+    return torch.from_numpy(packed.reshape(rows, -1).copy()), reference
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_is_bit_exact_with_gguf(qtype: int) -> None:
+    packed, reference = _blocks(67, 96, qtype)
+    ours = dequantize(packed, qtype, 96)
+    assert ours.dtype == torch.float32
+    np.testing.assert_array_equal(ours.numpy(), reference)
+    rows = torch.tensor([5, 0, 66, 5])  # row lookups (embeddings) too
+    np.testing.assert_array_equal(dequantize(packed, qtype, 96, rows).numpy(), reference[rows.numpy()])
+
+
+def test_real_gguf_blocks_dequantize_bit_exactly(smollm2_source) -> None:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(smollm2_source.source)
+    seen = set()
+    for tensor in reader.tensors:
+        qtype = int(tensor.tensor_type)
+        if qtype in QTYPES and qtype not in seen:
+            seen.add(qtype)
+            raw = torch.from_numpy(np.array(tensor.data))
+            reference = np.asarray(gguf_dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            np.testing.assert_array_equal(dequantize(raw, qtype, reference.shape[1]).numpy(), reference)
+    assert seen == {Q4_1, Q8_0}  # the shipped file: Q4_1 layers, a Q8_0 embedding
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 32, DENSE_FROM_ROWS + 5])
+def test_quantized_linear_equals_fp32_matmul(qtype: int, rows: int) -> None:
+    packed, reference = _blocks(130, 576, qtype, seed=rows)
+    bias = torch.randn(130)
+    layer = QuantLinear(packed, qtype, 576, bias)
+    x = torch.randn(rows, 576)
+    expected = x @ torch.from_numpy(reference).T + bias
+    got = layer(x)
+    assert got.shape == (rows, 130)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() <= MATMUL_RTOL
+    # leading dimensions are kept
+    assert layer(x.view(1, rows, 576)).shape == (1, rows, 130)
+
+
+def test_quantized_layers_reject_what_they_cannot_run() -> None:
+    packed, _ = _blocks(4, 64, Q8_0)
+    with pytest.raises(ValueError, match="not uint8"):
+        QuantLinear(packed, Q8_0, 96)  # wrong feature count for these bytes
+    with pytest.raises(ValueError, match="unsupported quantisation type"):
+        QuantLinear(packed, 12, 64)
+    with pytest.raises(TypeError, match="float32 activations"):
+        QuantLinear(packed, Q8_0, 64)(torch.randn(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of the 32-weight block"):
+        quantize(torch.randn(4, 48), Q8_0)
+
+
+def test_quantize_round_trips_through_gguf_reference() -> None:
+    w = torch.randn(8, 64)
+    packed = quantize(w, Q4_1)
+    reference = gguf_dequantize(packed.numpy(), GGMLQuantizationType.Q4_1)
+    np.testing.assert_array_equal(dequantize(packed, Q4_1, 64).numpy(), reference)
+    assert (dequantize(packed, Q4_1, 64) - w).abs().max() < 0.5  # 4 bits of a N(0,1) row
+
+
+def _twins(qtype: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A quantised tiny model and the fp32 model built from its dequantised weights."""
+    hf = hf_model("smollm2")
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    tensors, qtypes = quantize_state(config, dict(hf.state_dict()), qtype)
+    quantised = build_quantized_model(config, tensors, qtypes)
+    dense_state = {
+        name: dequantize(t, qtypes[name], t.shape[1] // {Q4_1: 20, Q8_0: 34}[qtype] * 32)
+        if name in qtypes
+        else t
+        for name, t in tensors.items()
+    }
+    return quantised, build_model(config, dense_state)
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+def test_quantized_model_matches_fp32_twin(qtype: int) -> None:
+    quantised, dense = _twins(qtype)
+    assert isinstance(quantised.embed, QuantEmbedding) and quantised.can_fuse_decode
+    assert quantised.lm_head.packed.data_ptr() == quantised.embed.packed.data_ptr()  # tied: one table
+    assert resident_bytes(quantised) < resident_bytes(dense) / 3
+    ids = torch.randint(0, 49152, (40,))
+    with torch.inference_mode():
+        h_q, _ = quantised(ids, torch.arange(40), DenseCausalAttention(1, 40))
+        h_d, _ = dense(ids, torch.arange(40), DenseCausalAttention(1, 40))
+        logits_q, logits_d = quantised.logits(h_q), dense.logits(h_d)
+    assert (logits_q - logits_d).abs().max().item() <= 1e-4
+
+
+def _greedy(engine, prompt: list[int], n: int) -> list[int]:
+    from tokenwire.engine.request import GenerateOptions, SamplingParams
+
+    opts = GenerateOptions(max_tokens=n, sampling=SamplingParams(temperature=0.0), ignore_eos=True)
+    events, _ = engine.generate(None, prompt, opts).result()
+    return [e.token_id for e in events]
+
+
+def test_fused_decode_equals_eager_layers_in_the_engine(smollm2_source) -> None:
+    """Batched decode through the fused kernel (paged KV, several sequences of different
+    lengths, blocks shared by the prefix cache) gives the eager layers' tokens and logprobs."""
+    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.request import GenerateOptions, SamplingParams
+
+    quantised, _ = _twins(Q8_0)
+    prompts = [[1, 2, 3, 4, 5] * k + [7] for k in (1, 4, 9)]
+    results = []
+    for fuse in (True, False):
+        quantised.fuse_decode = fuse
+        engine = Engine(quantised, smollm2_source.tokenizer, name="tiny", kv_cache_mb=16)
+        try:
+            opts = GenerateOptions(
+                max_tokens=20, sampling=SamplingParams(temperature=0.0), ignore_eos=True, logprobs=True
+            )
+            handles = [engine.generate(None, p, opts) for p in prompts]  # decoded as one batch
+            results.append([[(e.token_id, e.logprob) for e in h.result()[0]] for h in handles])
+        finally:
+            engine.shutdown()
+    fused, eager = results
+    for a, b in zip(fused, eager, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) <= 1e-4
