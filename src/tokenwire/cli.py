@@ -29,6 +29,7 @@ BENCH_MODULES = [
     "tokenwire.bench.lmtp_bench",
     "tokenwire.bench.evergreen_bench",
     "tokenwire.bench.aici_bench",
+    "tokenwire.bench.openai_bench",
 ]
 
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -286,7 +287,7 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class _EmbeddedServer(uvicorn.Server):
+class EmbeddedServer(uvicorn.Server):
     """uvicorn inside tokenwire's loop: signals stay with `tokenwire serve`."""
 
     @contextlib.contextmanager
@@ -295,12 +296,20 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class OpenAIServer:
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        sock: socket.socket | None = None,
+        **options: Any,
+    ) -> None:
         self.engine = engine
         self.host = host
         self.port = port
+        self.sock = sock  # bound before the model loaded (tokenwire serve)
         self.api = OpenAIApp(engine, **options)
-        self._server: _EmbeddedServer | None = None
+        self._server: EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> OpenAIServer:
@@ -313,7 +322,7 @@ class OpenAIServer:
             lifespan="off",
             timeout_graceful_shutdown=2,
         )
-        self._server = _EmbeddedServer(config)
+        self._server = EmbeddedServer(config)
         self._task = asyncio.create_task(self._serve(), name="openai-http")
         while not self._server.started:
             if self._task.done():
@@ -327,7 +336,7 @@ class OpenAIServer:
     async def _serve(self) -> None:
         assert self._server is not None
         try:
-            await self._server.serve()
+            await self._server.serve(sockets=[self.sock] if self.sock is not None else None)
         except SystemExit as exc:  # uvicorn exits when it cannot bind
             raise OSError(f"OpenAI API could not listen on {self.host}:{self.port}") from exc
 
@@ -370,7 +379,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[[], Awaitable[None]] | None:
+async def start_from_args(
+    engine: Engine, args: argparse.Namespace, sock: socket.socket | None = None
+) -> Callable[[], Awaitable[None]] | None:
     """The `tokenwire serve` starter: the OpenAI API on --host:--http-port (0 = off)."""
     port = getattr(args, "http_port", 8000)
     if not port:
@@ -379,6 +390,7 @@ async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[
         engine,
         getattr(args, "host", "127.0.0.1"),
         port,
+        sock,
         api_key=getattr(args, "api_key", None) or None,
         max_queued=getattr(args, "max_queued", 256),
         metrics=_metrics_exposition(),
