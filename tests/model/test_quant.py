@@ -27,9 +27,10 @@ from tokenwire.model.quant import (
 from tokenwire.model.quant_model import build_quantized_model, quantize_state
 
 QTYPES = [Q4_0, Q4_1, Q8_0]
-# |quantised matmul - fp32 matmul of the dequantised weight| / max|fp32 result|: both sum the
-# same exact products in fp32, in a different order (K <= 1536 here gives ~1e-7 in practice)
-MATMUL_RTOL = 2e-6
+# |quantised matmul - fp32 matmul of the dequantised weight| / max|fp32 result|. From 4 rows on
+# both sum the same exact products in fp32, in another order (~1e-7 seen); decode rows (M < 4)
+# take activations as int16 per 32-value block (~3e-5 seen; docs/engine.md).
+MATMUL_RTOL = {"fp32": 2e-6, "int16": 1e-4}
 
 
 def _blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
@@ -66,7 +67,7 @@ def test_real_gguf_blocks_dequantize_bit_exactly(smollm2_source) -> None:
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows", [1, 7, 32, DENSE_FROM_ROWS + 5])
+@pytest.mark.parametrize("rows", [1, 3, 7, 32, DENSE_FROM_ROWS + 5])
 def test_quantized_linear_equals_fp32_matmul(qtype: int, rows: int) -> None:
     packed, reference = _blocks(130, 576, qtype, seed=rows)
     bias = torch.randn(130)
@@ -75,7 +76,8 @@ def test_quantized_linear_equals_fp32_matmul(qtype: int, rows: int) -> None:
     expected = x @ torch.from_numpy(reference).T + bias
     got = layer(x)
     assert got.shape == (rows, 130)
-    assert ((got - expected).abs().max() / expected.abs().max()).item() <= MATMUL_RTOL
+    rtol = MATMUL_RTOL["int16" if rows < 4 else "fp32"]
+    assert ((got - expected).abs().max() / expected.abs().max()).item() <= rtol
     # leading dimensions are kept
     assert layer(x.view(1, rows, 576)).shape == (1, rows, 130)
 

@@ -1,13 +1,16 @@
-"""`tokenwire bench engine`: our engine against transformers' generate(), in one run.
+"""`tokenwire bench engine`: our engine against llama.cpp and transformers, in one run.
 
 Same model directory, same prompts, same machine, measured side by side:
 - single_stream: greedy decode tok/s of one stream (decode only: the first token's time,
   which includes the prefill, is excluded on both sides);
 - streams_32: aggregate tok/s of N concurrent streams, wall clock including prefill
   (transformers gets them as one left-padded batch, its best case);
+- prefill_1k: prompt tokens/s of a 1,000-token prompt until its first generated token;
 - turn2_ttft: time to the first token of a second turn on a long session, reusing the
   session's KV against re-prefilling the whole conversation (prefix cache off).
-Each figure is the median of --repeats runs.
+llama.cpp runs the very GGUF through llama-cpp-python (the `bench` extra) in this process,
+interleaved round by round with ours; transformers runs the converted fp32 weights in a process
+of its own. Each figure is the median of --repeats runs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -119,80 +123,141 @@ def hf_baseline(
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def ours_prefill(engine: Engine, prompt: list[int]) -> float:
+    """Prompt tokens per second until the first generated token (prefix cache off)."""
+    start = time.perf_counter()
+    engine.generate(None, prompt, _greedy(1, use_prefix_cache=False)).result()
+    return len(prompt) / (time.perf_counter() - start)
+
+
+def long_prompt(engine: Engine, n: int) -> list[int]:
+    tok = engine.tokenizer
+    text = " ".join(
+        f"Line {i}: the river passes mill number {i * 7 % 97} before the bridge." for i in range(n)
+    )
+    return tok.encode(text)[:n]
+
+
 def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
+    from tokenwire.bench import llamacpp_baseline
+    from tokenwire.model.quant import resident_bytes
+
     settings.progress = False
     engine = build_engine(settings)
     n, reps = args.decode_tokens, args.repeats
+    key = f"streams_{args.streams}"
+    ours: dict[str, list[float]] = {"single_stream": [], key: [], "prefill_1k": []}
+    peer: dict[str, list[float]] = {name: [] for name in ours}
+    gguf = engine.source.source if engine.source.source.suffix.lower() == ".gguf" else None
+    llama = None
+    if args.llamacpp and gguf is not None and llamacpp_baseline.available():
+        llama = llamacpp_baseline.LlamaCpp(gguf, torch.get_num_threads(), args.streams, 512)
     try:
         prompts = _prompts(engine, args.streams)
+        long = long_prompt(engine, args.prefill_tokens)
         model_dir = str(engine.source.model_dir)
+        resident_mb = engine.call_on_model_thread(lambda: resident_bytes(engine.model)).result() / 2**20
         ours_single(engine, prompts[0], 8)  # warm-up
-        single = _median(lambda: ours_single(engine, prompts[0], n), reps)
-        streams = _median(lambda: ours_streams(engine, prompts, n), reps)
+        if llama is not None:
+            llama.single_decode(prompts[0], 8)
+        # interleaved rounds: each measure runs ours then llama.cpp, so both see the same machine
+        for _ in range(reps):
+            ours["single_stream"].append(ours_single(engine, prompts[0], n))
+            ours[key].append(ours_streams(engine, prompts, n))
+            ours["prefill_1k"].append(ours_prefill(engine, long))
+            if llama is not None:
+                peer["single_stream"].append(llama.single_decode(prompts[0], n))
+                peer[key].append(llama.streams(prompts, n))
+                peer["prefill_1k"].append(llama.prefill(long))
         turn2 = (
             _median(lambda: ours_turn2(engine, args.session_tokens, True), reps),
             _median(lambda: ours_turn2(engine, args.session_tokens, False), reps),
         )
         # the engine idles (its threads asleep) while the baseline runs in its own process
-        hf = hf_baseline(model_dir, prompts, n, reps, ftz=False)
-        hf_ftz = hf_baseline(model_dir, prompts, n, reps, ftz=True) if args.ftz_baseline else None
+        hf = hf_baseline(model_dir, prompts, n, reps, ftz=False) if args.hf else None
     finally:
+        if llama is not None:
+            llama.close()
         engine.shutdown()
-    key = f"streams_{args.streams}"
-    result: dict[str, dict[str, float]] = {
-        "single_stream": {
-            "tokenwire_tok_s": single,
-            "hf_tok_s": hf["single_decode_tok_s"],
-            "ratio": single / hf["single_decode_tok_s"],
-        },
-        key: {
-            "tokenwire_tok_s": streams,
-            "hf_tok_s": hf["streams_tok_s"],
-            "ratio": streams / hf["streams_tok_s"],
-        },
-        "turn2_ttft": {"reuse_s": turn2[0], "reprefill_s": turn2[1], "ratio": turn2[1] / turn2[0]},
-    }
-    if hf_ftz is not None:
-        result["single_stream"]["hf_flush_denormal_tok_s"] = hf_ftz["single_decode_tok_s"]
-        result[key]["hf_flush_denormal_tok_s"] = hf_ftz["streams_tok_s"]
+    result: dict[str, Any] = {}
+    hf_keys = {"single_stream": "single_decode_tok_s", key: "streams_tok_s"}
+    for measure, runs in ours.items():
+        row: dict[str, float] = {"tokenwire_tok_s": statistics.median(runs)}
+        if hf is not None and measure in hf_keys:
+            row["hf_tok_s"] = hf[hf_keys[measure]]
+            row["ratio"] = row["tokenwire_tok_s"] / row["hf_tok_s"]
+        if peer[measure]:
+            row["llamacpp_tok_s"] = statistics.median(peer[measure])
+            row["ratio_vs_llamacpp"] = row["tokenwire_tok_s"] / row["llamacpp_tok_s"]
+        result[measure] = row
+    result["turn2_ttft"] = {"reuse_s": turn2[0], "reprefill_s": turn2[1], "ratio": turn2[1] / turn2[0]}
+    result["weights"] = engine.weights
+    result["resident_weight_mb"] = resident_mb
+    if gguf is not None:
+        result["gguf_file_mb"] = gguf.stat().st_size / 2**20
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    threads = torch.get_num_threads()
-    print(f"tokenwire bench engine — {engine.name}, {settings.dtype}, {threads} threads, median of {reps}")
-    print(f"{'measure':<26}{'tokenwire':>14}{'baseline':>14}{'ratio':>9}")
-    for label, row in (
-        ("single-stream decode", result["single_stream"]),
-        (f"{args.streams} streams aggregate", result[key]),
-    ):
-        print(
-            f"{label:<26}{row['tokenwire_tok_s']:>10.1f} t/s{row['hf_tok_s']:>10.1f} t/s{row['ratio']:>8.2f}x"
-        )
-    t = result["turn2_ttft"]
-    print(
-        f"{'turn-2 TTFT (reuse/re-pf)':<26}{t['reuse_s'] * 1000:>11.1f} ms{t['reprefill_s'] * 1000:>11.1f} ms"
-        f"{t['ratio']:>8.2f}x"
-    )
-    print("baseline: stock transformers generate() in its own process (decode rows); re-prefill of the whole")
-    print("session, prefix cache off (TTFT row)")
-    if hf_ftz is not None:
-        print(
-            f"transformers with denormals flushed: {hf_ftz['single_decode_tok_s']:.1f} t/s single, "
-            f"{hf_ftz['streams_tok_s']:.1f} t/s at {args.streams} streams"
-        )
+    _print_table(result, engine.name, args, reps, llama_missing=gguf is not None and llama is None)
     return 0
 
 
+def _print_table(
+    result: dict[str, Any], name: str, args: argparse.Namespace, reps: int, llama_missing: bool
+) -> None:
+    threads = torch.get_num_threads()
+    print(
+        f"tokenwire bench engine — {name}, weights {result['weights']}, {threads} threads, median of {reps}"
+    )
+    print(f"{'measure':<24}{'tokenwire':>12}{'llama.cpp':>12}{'ratio':>8}{'transformers':>14}{'ratio':>8}")
+
+    def cell(row: dict[str, float], value: str, ratio: str) -> str:
+        if value not in row:
+            return f"{'-':>12}{'-':>8}"
+        return f"{row[value]:>8.1f} t/s{row[ratio]:>7.2f}x"
+
+    labels = {
+        "single_stream": "single-stream decode",
+        f"streams_{args.streams}": f"{args.streams} streams aggregate",
+        "prefill_1k": f"prefill {args.prefill_tokens} tokens",
+    }
+    for measure, label in labels.items():
+        row = result[measure]
+        hf = cell(row, "hf_tok_s", "ratio")
+        peer = cell(row, "llamacpp_tok_s", "ratio_vs_llamacpp")
+        print(f"{label:<24}{row['tokenwire_tok_s']:>8.1f} t/s{peer}  {hf}")
+    t = result["turn2_ttft"]
+    print(
+        f"{'turn-2 TTFT reuse/re-pf':<24}{t['reuse_s'] * 1000:>9.1f} ms{t['reprefill_s'] * 1000:>9.1f} ms"
+        f"{t['ratio']:>7.2f}x"
+    )
+    file_mb = result.get("gguf_file_mb")
+    ratio = f" ({result['resident_weight_mb'] / file_mb:.2f}x the {file_mb:.1f} MiB GGUF)" if file_mb else ""
+    print(f"resident weights: {result['resident_weight_mb']:.1f} MiB{ratio}")
+    print(
+        "baselines: llama.cpp (llama-cpp-python, same GGUF, same token ids and threads, interleaved rounds);"
+    )
+    print("transformers generate() on the converted fp32 weights in its own process; turn-2 row: re-prefill")
+    print("of the whole session with the prefix cache off")
+    if llama_missing:
+        print("llama.cpp baseline not run: install the bench extra (`make bench`, or pip install '.[bench]')")
+
+
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenwire.cli import add_model_args, settings_from
+    from tokenwire.cli_args import add_model_args, settings_from
 
     be = bench_sub.add_parser("engine", help="engine vs transformers generate()")
     add_model_args(be)
     be.add_argument("--json", action="store_true")
-    be.add_argument("--decode-tokens", type=int, default=64)
+    be.add_argument("--decode-tokens", type=int, default=128, help="new tokens per stream")
     be.add_argument("--streams", type=int, default=32)
     be.add_argument("--session-tokens", type=int, default=1000)
-    be.add_argument("--repeats", type=int, default=3)
+    be.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians reported)")
+    be.add_argument("--prefill-tokens", type=int, default=1000, help="prompt length of the prefill measure")
+    be.add_argument(
+        "--no-llamacpp", dest="llamacpp", action="store_false", help="skip the llama.cpp baseline"
+    )
+    be.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
     be.add_argument(
         "--ftz-baseline", action="store_true", help="also run transformers with denormals flushed"
     )

@@ -30,6 +30,7 @@
 namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+bool g_int16_activations = true;  // set_int16_activations(): the exact-fp32 decode path when false
 constexpr int kBlock = 32;
 
 int64_t block_bytes(int64_t qtype) {
@@ -172,34 +173,134 @@ void dequant_row(const uint8_t* row, int64_t qtype, int64_t nb, float* out) {
 }
 
 // out[m, n] = sum_k x[m, k] * W[n, k] for rows n in [n0, n1), M < 4: blocks dequantised in
-// registers and shared by the M activation rows.
-void matmul_small(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype, int64_t n0,
-                  int64_t n1, float* out, int64_t N) {
+// registers and shared by the M activation rows. Each activation row keeps several independent
+// accumulators: with one, every FMA waits for the previous one's 4-cycle latency (measured
+// 0.8 cycles per weight with one accumulator on a Zen 3 core).
+#ifdef TW_AVX2
+template <int M>
+void matmul_small_avx2(const float* x, int64_t K, const uint8_t* w, int64_t qtype, int64_t n0, int64_t n1,
+                       float* out, int64_t N) {
+  constexpr int kAcc = M == 1 ? 4 : 2;  // accumulators per activation row (registers: 16)
   const int64_t nb = K / kBlock, bb = block_bytes(qtype), row_bytes = nb * bb;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
-#ifdef TW_AVX2
-    __m256 acc[3] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[M][kAcc];
+    for (int m = 0; m < M; ++m)
+      for (int a = 0; a < kAcc; ++a) acc[m][a] = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; ++j) {
       __m256 wv[4];
       dequant_block_avx2(row + j * bb, qtype, wv);
-      for (int64_t m = 0; m < M; ++m) {
+      for (int m = 0; m < M; ++m) {
         const float* xb = x + m * K + j * kBlock;
-        for (int i = 0; i < 4; ++i) acc[m] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + 8 * i), acc[m]);
+        for (int i = 0; i < 4; ++i)
+          acc[m][i % kAcc] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + 8 * i), acc[m][i % kAcc]);
       }
     }
-    for (int64_t m = 0; m < M; ++m) out[m * N + n] = hsum(acc[m]);
+    for (int m = 0; m < M; ++m) {
+      __m256 total = acc[m][0];
+      for (int a = 1; a < kAcc; ++a) total = _mm256_add_ps(total, acc[m][a]);
+      out[m * N + n] = hsum(total);
+    }
+  }
+}
+#endif
+
+// Decode rows (M < 4) with activations as int16 per 32-value block (scale = max|x| / 32767,
+// round to nearest): one vpmaddwd does 16 multiply-adds where the fp32 path needs a convert and
+// an FMA per 8 weights, so a block costs ~16 instructions instead of ~30 (measured ~2x faster
+// per core on Q4_1 3072x576). The activation rounding error is at most 1.5e-5 of the block's
+// largest value; the minimum (Q4_1) and offset (Q4_0) terms use the exact fp32 block sums.
+#ifdef TW_AVX2
+struct QuantizedActivations {
+  std::vector<int16_t> q;    // [M, K]
+  std::vector<float> scale;  // [M, K/32]
+  std::vector<float> sum;    // [M, K/32], fp32 sums of the original values
+};
+
+QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / kBlock;
+  QuantizedActivations a{std::vector<int16_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  for (int64_t r = 0; r < M * nb; ++r) {
+    const float* xb = x + r * kBlock;
+    float mx = 0, total = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      mx = std::max(mx, std::fabs(xb[i]));
+      total += xb[i];
+    }
+    const float s = mx / 32767.0f, inv = mx > 0 ? 32767.0f / mx : 0.0f;
+    for (int i = 0; i < kBlock; ++i) a.q[r * kBlock + i] = static_cast<int16_t>(std::nearbyint(xb[i] * inv));
+    a.scale[r] = s;
+    a.sum[r] = total;
+  }
+  return a;
+}
+
+// sum over the block of q_i * xq_i as 8 int32 lanes (q: the stored integers, 0..15 or -128..127)
+inline __m256i block_dot_i16(const uint8_t* b, int64_t qtype, const int16_t* xq) {
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
+  __m256i w0, w1;
+  if (qtype == kQ8_0) {
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)));
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (qtype == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
+    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+  }
+  return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+}
+
+template <int M>
+void matmul_small_i16(const QuantizedActivations& a, int64_t K, const uint8_t* w, int64_t qtype, int64_t n0,
+                      int64_t n1, float* out, int64_t N) {
+  const int64_t nb = K / kBlock, bb = block_bytes(qtype), row_bytes = nb * bb;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[M][2];
+    float extra[M];
+    for (int m = 0; m < M; ++m) {
+      acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+      extra[m] = 0;
+    }
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint8_t* b = row + j * bb;
+      const float d = half_to_float(b);
+      const float offset = qtype == kQ4_1 ? half_to_float(b + 2) : (qtype == kQ4_0 ? -8.0f * d : 0.0f);
+      for (int m = 0; m < M; ++m) {
+        const int64_t r = m * nb + j;
+        const __m256 dots = _mm256_cvtepi32_ps(block_dot_i16(b, qtype, a.q.data() + r * kBlock));
+        acc[m][j & 1] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.scale[r]), dots, acc[m][j & 1]);
+        extra[m] += offset * a.sum[r];
+      }
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + extra[m];
+  }
+}
+#endif
+
+void matmul_small(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype, int64_t n0,
+                  int64_t n1, float* out, int64_t N) {
+#ifdef TW_AVX2
+  switch (M) {
+    case 1: return matmul_small_avx2<1>(x, K, w, qtype, n0, n1, out, N);
+    case 2: return matmul_small_avx2<2>(x, K, w, qtype, n0, n1, out, N);
+    default: return matmul_small_avx2<3>(x, K, w, qtype, n0, n1, out, N);
+  }
 #else
-    float wb[kBlock];
+  const int64_t nb = K / kBlock, bb = block_bytes(qtype), row_bytes = nb * bb;
+  float wb[kBlock];
+  for (int64_t n = n0; n < n1; ++n) {
     float acc[3] = {0, 0, 0};
     for (int64_t j = 0; j < nb; ++j) {
-      dequant_block_scalar(row + j * bb, qtype, wb);
+      dequant_block_scalar(w + n * row_bytes + j * bb, qtype, wb);
       for (int64_t m = 0; m < M; ++m)
         for (int i = 0; i < kBlock; ++i) acc[m] += wb[i] * x[m * K + j * kBlock + i];
     }
     for (int64_t m = 0; m < M; ++m) out[m * N + n] = acc[m];
-#endif
   }
+#endif
 }
 
 // M >= 4: two weight rows dequantised into an L1 buffer, then a 2 x 4 register tile of
@@ -280,6 +381,17 @@ void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::T
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (M < 4) {
+#ifdef TW_AVX2
+    if (g_int16_activations) {
+      const QuantizedActivations acts = quantize_activations(xp, M, K);
+      at::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+        if (M == 1) matmul_small_i16<1>(acts, K, wp, qtype, a, b, op, N);
+        else if (M == 2) matmul_small_i16<2>(acts, K, wp, qtype, a, b, op, N);
+        else matmul_small_i16<3>(acts, K, wp, qtype, a, b, op, N);
+      });
+      return;
+    }
+#endif
     at::parallel_for(0, N, 16, [&](int64_t a, int64_t b) { matmul_small(xp, M, K, wp, qtype, a, b, op, N); });
   } else {
     // grain keeps pairs of rows together (the tile works on two weight rows)
@@ -438,9 +550,12 @@ void decode_layer(at::Tensor x, const at::Tensor& input_norm, const at::Tensor& 
   for (int64_t i = 0; i < M * H; ++i) xp[i] += pp[i];
 }
 
+void set_int16_activations(bool on) { g_int16_activations = on; }
+
 }  // namespace
 
 TORCH_LIBRARY(tokenwire, m) {
+  m.def("set_int16_activations(bool on) -> ()");
   m.def("qmatmul(Tensor x, Tensor w, int qtype) -> Tensor");
   m.def("dequantize(Tensor w, int qtype, int k, Tensor rows) -> Tensor");
   m.def(
@@ -455,5 +570,7 @@ TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("decode_layer", &decode_layer);
 }
+
+TORCH_LIBRARY_IMPL(tokenwire, CatchAll, m) { m.impl("set_int16_activations", &set_int16_activations); }
 
 TORCH_LIBRARY_IMPL(tokenwire, Meta, m) { m.impl("qmatmul", &qmatmul_meta); }
