@@ -152,3 +152,27 @@ def test_plans_check_before_touching_the_engine(limits: core.ModelLimits) -> Non
     assert greedy.choices[0][1].sampling.temperature == 0.0
     penalised = core.plan_chat(_chat(presence_penalty=1.0), limits, None)
     assert isinstance(penalised.choices[0][1].constraint, PenaltyConstraint)
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function') | map(attribute='name') "
+    "| join(',') }}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_auto_tools_reach_a_template_that_reads_them(tok: Any, limits: core.ModelLimits) -> None:
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    with pytest.raises(OpenAIError) as info:  # SmolLM2's own template has no tools
+        core.plan_chat(_chat(tools=tools), limits, None)
+    assert info.value.param == "tool_choice"
+    original = tok.hf.chat_template
+    tok.hf.chat_template = TOOLS_TEMPLATE
+    try:
+        plan = core.plan_chat(_chat(tools=tools), limits, None)
+        assert plan.tool_mode == "auto" and plan.choices[0][1].constraint is None
+        assert "Tools: get_time" in tok.decode(plan.prompts[0])
+        none = core.plan_chat(_chat(tools=tools, tool_choice="none"), limits, None)
+        assert "Tools:" not in tok.decode(none.prompts[0])
+    finally:
+        tok.hf.chat_template = original

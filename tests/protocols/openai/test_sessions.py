@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -97,3 +98,37 @@ def test_session_positions_are_checked(openai_server: str) -> None:
     status, _, body = http("POST", f"{openai_server}/sessions", {"prompt": [10**9]})
     assert status == 400 and body["error"]["code"] == "invalid_token"
     http("DELETE", f"{openai_server}/sessions/{sid}")
+
+
+def test_n_choices_on_a_session_leave_only_the_first_in_it(
+    client: Any, openai_server: str, root: str
+) -> None:
+    _, _, session = http("POST", f"{openai_server}/sessions", {})
+    sid = session["id"]
+    before = http("GET", f"{root}/health")[2]["sessions"]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say a word."}],
+        n=2,
+        seed=11,
+        temperature=1.0,
+        max_tokens=8,
+        extra_body={"session": sid},
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.choices[0].message.content != reply.choices[1].message.content
+    state = http("GET", f"{openai_server}/sessions/{sid}")[2]
+    first = reply.choices[0]
+    ending = first.message.content + ("<|im_end|>" if first.finish_reason == "stop" else "")
+    assert state["text"].endswith(ending)
+    assert http("GET", f"{root}/health")[2]["sessions"] == before  # the forks of choice 1 are gone
+    http("DELETE", f"{openai_server}/sessions/{sid}")
+
+
+def test_a_session_expires_after_its_ttl(openai_server: str) -> None:
+    _, _, session = http("POST", f"{openai_server}/sessions", {"prompt": "hello", "ttl": 0.5})
+    deadline = time.monotonic() + 10
+    while http("GET", f"{openai_server}/sessions/{session['id']}")[0] == 200:
+        assert time.monotonic() < deadline, "the session never expired"
+        time.sleep(0.2)
+    assert http("GET", f"{openai_server}/sessions/{session['id']}")[0] == 404
