@@ -22,9 +22,10 @@ BLOCK = 32
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 
 # From this many rows on, a matmul dequantises the whole weight into fp32 and runs one GEMM:
-# the dequantisation is paid once for many rows and MKL's GEMM beats our tile kernel there
-# (measured on ffn_gate 1536x576, M=128: 10.6 ms tiled vs 9.4 ms dense; M=32: 2.5 vs 12.4).
-DENSE_FROM_ROWS = 96
+# the dequantisation is paid once for many rows and MKL's GEMM catches up with our register
+# tile there (CPU time on one core, Q4_1: 3072x576 at M=96 5.7 ms ours vs 10.6 dense, M=256
+# 13.8 vs 13.9, M=512 32.9 vs 25.3; 576x1536 at M=256 7.9 vs 5.4).
+DENSE_FROM_ROWS = 256
 
 
 def _ops():
