@@ -66,6 +66,7 @@ class Execution:
         self.handles: list[RequestHandle] = []
         self.forks: list[str] = []
         self.mux = EventMux(len(plan.choices))
+        self.aborted = False  # the server is stopping: cancelled choices end in an error
 
     def submit(self) -> None:
         """Start every choice, or none (the ones started are cancelled and the error raised)."""
@@ -96,7 +97,18 @@ class Execution:
                         raise OpenAIError(
                             500, event.error or "generation failed", type="server_error", code="engine_error"
                         )
+                    if event.reason == "cancelled" and (self.aborted or event.error):
+                        # the server or the engine is shutting down (a client that left reads nothing)
+                        raise OpenAIError(
+                            503, "server shutting down", type="service_unavailable", code="shutting_down"
+                        )
             yield batch
+
+    def abort(self) -> None:
+        """The server stops: end the request now, with a 503 error for the client."""
+        self.aborted = True
+        for handle in self.handles:
+            handle.cancel()
 
     def close(self) -> None:
         """Cancel what still runs (a client that went away) and drop the forks."""
