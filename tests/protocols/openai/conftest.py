@@ -47,6 +47,8 @@ def openai_server() -> Iterator[str]:
             "0",
             "--graphpipe-port",
             "0",
+            "--metrics-port",
+            "0",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -85,3 +87,50 @@ def http(method: str, url: str, body: Any = None, key: str | None = API_KEY) -> 
 @pytest.fixture(scope="session")
 def root(openai_server: str) -> str:
     return openai_server.removesuffix("/v1")
+
+
+class InProcess:
+    """An OpenAIServer over `engine` on its own event loop thread (for tests that need the engine
+    or the server object itself)."""
+
+    def __init__(self, engine: Any, **options: Any) -> None:
+        import asyncio
+        import threading
+
+        from tokenwire.protocols.openai.transport import OpenAIServer
+
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = self.call(OpenAIServer(engine, "127.0.0.1", 0, **options).start())
+        self.url = self.server.url
+
+    def call(self, coro: Any) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.call(self.server.stop())
+            self.server = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def random_engine(smollm2_source: Any) -> Iterator[Any]:
+    """The engine on the no-model backend (RandomTokenModel): real scheduling, no forward pass."""
+    from tokenwire.bench.random_tokens import RandomTokenModel
+    from tokenwire.engine.engine import Engine
+
+    engine = Engine(
+        lambda: RandomTokenModel(smollm2_source.config),
+        smollm2_source.tokenizer,
+        name=MODEL,
+        kv_cache_mb=64,
+        max_running=1,
+    )
+    yield engine
+    engine.shutdown()

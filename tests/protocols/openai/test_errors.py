@@ -3,7 +3,6 @@ that disconnects mid-stream freeing its engine request."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.protocols.openai.conftest import API_KEY, MODEL, http
+from tests.protocols.openai.conftest import API_KEY, MODEL, InProcess, http
 
 pytestmark = pytest.mark.slow
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -141,30 +140,11 @@ def test_a_busy_session_is_a_409_and_the_server_keeps_serving(
 
 # ----------------------------------------------------------------------------- saturation (429)
 @pytest.fixture
-def saturable(smollm2_source: Any) -> Iterator[str]:
-    """An in-process API over the no-model backend that runs one request at a time and queues one."""
-    from tokenwire.bench.random_tokens import RandomTokenModel
-    from tokenwire.engine.engine import Engine
-    from tokenwire.protocols.openai.transport import OpenAIServer
-
-    engine = Engine(
-        lambda: RandomTokenModel(smollm2_source.config),
-        smollm2_source.tokenizer,
-        name=MODEL,
-        kv_cache_mb=64,
-        max_running=1,
-    )
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server = asyncio.run_coroutine_threadsafe(
-        OpenAIServer(engine, "127.0.0.1", 0, max_queued=1).start(), loop
-    ).result()
+def saturable(random_engine: Any) -> Iterator[str]:
+    """An in-process API that runs one request at a time and queues one."""
+    server = InProcess(random_engine, max_queued=1)
     yield server.url
-    asyncio.run_coroutine_threadsafe(server.stop(), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    engine.shutdown()
+    server.close()
 
 
 def test_a_saturated_engine_answers_429_with_retry_after(saturable: str) -> None:
@@ -203,3 +183,24 @@ def test_api_key_env_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parser.parse_args([]).api_key == "from-env"
     assert parser.parse_args(["--api-key", API_KEY]).api_key == API_KEY
     assert parser.parse_args([]).http_port == 8000
+
+
+def test_a_stream_open_when_the_server_stops_ends_in_an_error(random_engine: Any) -> None:
+    server = InProcess(random_engine)
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+        stream = client.chat.completions.create(
+            **{**CHAT, "max_tokens": 8000}, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = iter(stream)
+        next(chunks)
+        stopping = threading.Thread(target=server.close)
+        stopping.start()
+        with pytest.raises(openai.APIError, match="server shutting down"):
+            for _ in chunks:
+                pass
+        stopping.join(10)
+        assert not stopping.is_alive()
+        assert random_engine.stats()["running"] == 0
+    finally:
+        server.close()

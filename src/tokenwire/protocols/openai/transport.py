@@ -89,6 +89,7 @@ class OpenAIApp:
         self.api_key = api_key
         self.max_queued = max_queued
         self.metrics = metrics
+        self.active: set[Execution] = set()  # requests running now, aborted when the server stops
         self.app = FastAPI(title="tokenwire OpenAI-compatible API", version="1.0")
         self._install()
 
@@ -209,6 +210,7 @@ class OpenAIApp:
         plan = make_plan(tokens)
         run = Execution(self.engine, plan)
         run.submit()
+        self.active.add(run)
         if plan.stream:
             return StreamingResponse(self._stream(run), media_type="text/event-stream", headers=SSE_HEADERS)
         watcher = asyncio.create_task(_watch_disconnect(request, run))
@@ -219,6 +221,7 @@ class OpenAIApp:
         finally:
             watcher.cancel()
             run.close()
+            self.active.discard(run)
         build = core.chat_response if plan.kind == "chat" else core.completion_response
         return _json(build(plan))
 
@@ -252,6 +255,13 @@ class OpenAIApp:
             yield DONE
         finally:
             run.close()
+            self.active.discard(run)
+
+    def abort_all(self) -> None:
+        """The server stops: every running request ends now with a 503 'server shutting down'
+        (a stream gets it as its last event), so uvicorn's graceful shutdown does not wait."""
+        for run in list(self.active):
+            run.abort()
 
 
 async def _watch_disconnect(request: Request, run: Execution) -> None:
@@ -347,6 +357,7 @@ class OpenAIServer:
     async def stop(self) -> None:
         if self._server is None or self._task is None:
             return
+        self.api.abort_all()
         self._server.should_exit = True
         with contextlib.suppress(Exception):
             await self._task
