@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from tokenwire.engine.engine import Engine
+from tokenwire.engine.errors import InvalidRequestError
 from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, TokenEvent
 
@@ -23,32 +24,57 @@ def prompt_tokens(engine: Engine, prompt: str, raw: bool) -> list[int]:
     return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
 
 
+def _grammar_args(args: argparse.Namespace) -> tuple[str, str] | None:
+    """(kind, source) of the one constraint flag given, or None."""
+    flags = (("regex", args.regex), ("json_schema", args.json_schema), ("lark", args.lark))
+    given = [(kind, value) for kind, value in flags if value]
+    if len(given) > 1:
+        raise ValueError("use at most one of --regex, --json-schema, --lark")
+    if not given:
+        return None
+    kind, value = given[0]
+    return kind, value if kind == "regex" else _text_or_file(value)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every check that needs no model: sampling values and the constraint's grammar."""
+    sampling_from(args).validate()
+    if args.max_tokens < 0:
+        raise ValueError(f"--max-tokens must be >= 0, got {args.max_tokens}")
+    grammar = _grammar_args(args)
+    if grammar is not None:
+        from tokenwire.engine.grammar import check_grammar
+
+        check_grammar(*grammar)
+
+
+def sampling_from(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
 def options_from(args: argparse.Namespace, engine: Engine) -> GenerateOptions:
     constraint = None
-    grammar_args = [a for a in (args.regex, args.json_schema, args.lark) if a]
-    if len(grammar_args) > 1:
-        raise ValueError("use at most one of --regex, --json-schema, --lark")
-    if grammar_args:
+    grammar = _grammar_args(args)
+    if grammar is not None:
         from tokenwire.engine.grammar import GrammarConstraint
 
+        kind, source = grammar
         hf, width = engine.tokenizer.hf, engine.logits_size
-        if args.regex:
-            constraint = GrammarConstraint.regex(hf, width, args.regex)
-        elif args.json_schema:
-            constraint = GrammarConstraint.json_schema(hf, width, _text_or_file(args.json_schema))
-        else:
-            constraint = GrammarConstraint.lark(hf, width, _text_or_file(args.lark))
+        constraint = getattr(GrammarConstraint, kind)(hf, width, source)
     return GenerateOptions(
         max_tokens=args.max_tokens,
-        sampling=SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
-        ),
+        sampling=sampling_from(args),
         stop=list(args.stop),
         constraint=constraint,
+        special_text=getattr(args, "special", False),
     )
 
 
 def run_generate(args: argparse.Namespace, settings: EngineSettings) -> int:
+    try:
+        check_args(args)  # before the model loads: a typo costs no load
+    except InvalidRequestError as exc:
+        raise ValueError(str(exc)) from None
     settings.progress = sys.stderr.isatty()
     engine = build_engine(settings)
     try:

@@ -1,69 +1,132 @@
-"""`tokenwire serve`: load the model, start the engine and every enabled protocol server.
+"""`tokenwire serve`: bind every enabled protocol's port, load the model, serve, stop cleanly.
 
-Each protocol transport listed in SERVE_MODULES offers `add_serve_args(parser)` (its port
-flag and options; port 0 turns it off) and `start_from_args(engine, args)`, which starts serving
-on --host and returns an async function that stops it (or None when turned off). The process
-runs until SIGINT/SIGTERM, then stops the servers in reverse order and then the engine.
+Order matters for a user: every flag is checked and every listening port taken before the
+model loads, so a mistake or a port clash costs a second, not a model load, and is reported
+in one line naming the flag. Then the engine loads (progress in the log) and each protocol
+starts on what it bound. On SIGINT/SIGTERM the servers stop in reverse order, each ending its
+open streams with its own "server shutting down" error, within --shutdown-grace seconds; the
+process then exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import logging
+import os
 import signal
-from collections.abc import Awaitable, Callable
+import sys
+import time
 
-from tokenwire.engine.engine import Engine
-from tokenwire.engine.factory import EngineSettings, build_engine
+from tokenwire import plugins
+from tokenwire.cli_args import add_model_args, settings_from
+from tokenwire.config import apply_config_defaults
+from tokenwire.model_spec import check_model_spec
+from tokenwire.protocols.serving import Listener, PortInUseError, Stopper
 
 log = logging.getLogger("tokenwire.server")
 
-SERVE_MODULES = [
-    "tokenwire.protocols.lmtp.ws_server",
-    "tokenwire.protocols.grpc_server",
-    "tokenwire.protocols.aici.rest",
-    "tokenwire.protocols.graphpipe.server",
-    "tokenwire.protocols.openai.transport",
-]
 
-# A protocol starter: given the engine and the parsed args, start serving and return an
-# async function that stops it. Returns None when its port flag turned it off.
-Starter = Callable[[Engine, argparse.Namespace], Awaitable[Callable[[], Awaitable[None]] | None]]
+def add_serve_args(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    parser.add_argument(
+        "--config",
+        help="TOML file of serve flags (`kv-cache-mb = 64`); precedence: flag > $TOKENWIRE_<FLAG> > file "
+        "> default",
+    )
+    add_model_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address every protocol binds")
+    g.add_argument("--session-ttl", type=float, default=1800.0, help="idle session lifetime, seconds")
+    g.add_argument(
+        "--shutdown-grace", type=float, default=10.0, help="seconds open streams get to end on SIGTERM"
+    )
+    g.add_argument(
+        "--metrics-port", type=int, default=9464, help="Prometheus /metrics HTTP port (0 = off)"
+    )
+    for plugin in plugins.SERVER_PLUGINS:
+        plugin.add_serve_args(parser)
+    apply_config_defaults(parser, argv)
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    for module in SERVE_MODULES:
-        importlib.import_module(module).add_serve_args(parser)
+async def _bind_all(args: argparse.Namespace) -> list[Listener]:
+    """Every protocol's listener, then the metrics endpoint's (last: it is not a protocol)."""
+    from tokenwire.metrics import bind_metrics
+
+    listeners: list[Listener] = []
+    try:
+        for plugin in plugins.SERVER_PLUGINS:
+            listener = await plugin.bind(args)
+            if listener is not None:
+                listeners.append(listener)
+        metrics = bind_metrics(args.host, args.metrics_port)
+        if metrics is not None:
+            listeners.append(metrics)
+    except BaseException:
+        for listener in listeners:
+            listener.close()
+        raise
+    return listeners
 
 
-def starters() -> list[Starter]:
-    return [importlib.import_module(m).start_from_args for m in SERVE_MODULES]
-
-
-async def _serve(engine: Engine, args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace) -> int:
+    check_model_spec(args.model)
+    listeners = await _bind_all(args)
+    try:
+        settings = settings_from(args, session_ttl_s=args.session_ttl)
+    except BaseException:
+        for listener in listeners:
+            listener.close()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    stoppers = []
-    for starter in starters():
-        stopper = await starter(engine, args)
-        if stopper is not None:
-            stoppers.append(stopper)
-    log.info("tokenwire ready: model %s on %s (%d protocol servers)", engine.name, args.host, len(stoppers))
-    await stop.wait()
-    log.info("shutting down")
-    for stopper in reversed(stoppers):
-        await stopper()
+    from tokenwire.engine.factory import build_engine
 
-
-def serve(args: argparse.Namespace, settings: EngineSettings) -> int:
-    engine = build_engine(settings)
     try:
-        asyncio.run(_serve(engine, args))
+        engine = await loop.run_in_executor(None, build_engine, settings)
+    except BaseException:
+        for listener in listeners:
+            listener.close()
+        raise
+    stoppers: list[Stopper] = []
+    try:
+        from tokenwire.metrics import watch_engine
+
+        watch_engine(engine)
+        for listener in listeners:
+            stoppers.append(await listener.start(engine))
+        protocols = len(stoppers) - (1 if args.metrics_port else 0)
+        log.info(
+            "tokenwire ready: model %s on %s (%d protocol servers), RSS %.0f MiB",
+            engine.name, args.host, protocols, resident_mib(),
+        )  # fmt: skip
+        await stop.wait()
+        log.info("shutting down (grace %.0fs)", args.shutdown_grace)
+        deadline = time.monotonic() + args.shutdown_grace
+        for stopper in reversed(stoppers):
+            try:
+                await asyncio.wait_for(stopper(), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                log.warning("a server did not stop within --shutdown-grace; going on")
     finally:
         engine.shutdown()
     log.info("stopped")
     return 0
+
+
+def resident_mib() -> float:
+    """This process's resident memory now (Linux; 0 where /proc is missing)."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_serve(args))
+    except PortInUseError as exc:
+        print(f"tokenwire serve: {exc.strerror or exc}", file=sys.stderr)
+        return 1

@@ -12,7 +12,10 @@ from tokenwire.engine.concepts import ConceptSet
 
 CMD = [sys.executable, "-m", "tokenwire.cli"]
 # the lifecycle test serves no protocol (tests/e2e/test_serve_all.py starts them all)
-NO_PROTOCOLS = ["--lmtp-port", "0", "--grpc-port", "0", "--graphpipe-port", "0"]
+NO_PROTOCOLS = [
+    *("--lmtp-port", "0", "--grpc-port", "0", "--graphpipe-port", "0", "--http-port", "0"),
+    *("--metrics-port", "0"),
+]
 
 
 def test_serve_logs_and_stops_cleanly_on_sigterm() -> None:
@@ -23,9 +26,8 @@ def test_serve_logs_and_stops_cleanly_on_sigterm() -> None:
     )
     try:
         log = wait_ready(proc, timeout=120)
-        assert "model smol (LlamaForCausalLM)" in log and "dtype fp32" in log and "KV cache 32 MiB" in log, (
-            log
-        )
+        assert "model smol (LlamaForCausalLM)" in log and "weights gguf" in log, log
+        assert "KV cache 32 MiB = 720 tokens" in log, log
         assert "tokenwire ready" in log and "(0 protocol servers)" in log, log
         stop_cleanly(proc)
     finally:

@@ -58,6 +58,7 @@ def test_serve_starts_every_protocol_and_stops_cleanly() -> None:
             sys.executable, "-m", "tokenwire.cli", "serve", "--kv-cache-mb", "64",
             "--lmtp-port", str(lmtp), "--grpc-port", str(grpc_port),
             "--graphpipe-port", str(graphpipe), "--aici", "--aici-port", str(aici),
+            "--http-port", "0", "--metrics-port", "0",
         ],
         stderr=subprocess.PIPE,
         text=True,

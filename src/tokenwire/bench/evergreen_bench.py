@@ -34,7 +34,6 @@ from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
 from tokenwire.protocols.evergreen.gen import evergreen_service_pb2_grpc as rpc
 from tokenwire.protocols.evergreen.gen import tokenwire_evergreen_pb2 as twpb
 
-MODULE = "tokenwire.protocols.evergreen.servicer"
 EOT = "application/x-protobuf; type=EndOfTurn"
 
 
@@ -190,22 +189,23 @@ def _median(values: list[float]) -> float:
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     from tokenwire.bench.random_tokens import RandomTokenModel
-    from tokenwire.cli import settings_from
+    from tokenwire.cli_args import settings_from
     from tokenwire.engine.engine import Engine
     from tokenwire.engine.factory import build_engine
+    from tokenwire.protocols.evergreen.servicer import add_to_server as SERVICE
     from tokenwire.protocols.grpc_server import GrpcServer
 
     engine = build_engine(settings_from(args, progress=False))
     results: dict[str, Any] = {"model": engine.name}
     ns = argparse.Namespace(evergreen_max_tokens=16)
-    server = await GrpcServer(engine, ns, "127.0.0.1", 0, modules=[MODULE]).start()
+    server = await GrpcServer(engine, ns, "127.0.0.1", 0, services=[SERVICE]).start()
     no_reuse = await GrpcServer(
-        engine, argparse.Namespace(evergreen_reuse=False), "127.0.0.1", 0, modules=[MODULE]
+        engine, argparse.Namespace(evergreen_reuse=False), "127.0.0.1", 0, services=[SERVICE]
     ).start()
     random_engine = Engine(
         lambda: RandomTokenModel(engine.config), engine.tokenizer, name="random", kv_cache_mb=64
     )
-    random_server = await GrpcServer(random_engine, ns, "127.0.0.1", 0, modules=[MODULE]).start()
+    random_server = await GrpcServer(random_engine, ns, "127.0.0.1", 0, services=[SERVICE]).start()
     echo = grpc.aio.server()
     rpc.add_EvergreenServiceServicer_to_server(EchoServicer(), echo)
     echo_port = echo.add_insecure_port("127.0.0.1:0")
@@ -295,7 +295,7 @@ def run_evergreen_bench(args: argparse.Namespace) -> int:
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenwire.cli import add_model_args
+    from tokenwire.cli_args import add_model_args
 
     p = bench_sub.add_parser(
         "evergreen", help="Evergreen: streamed-chain TTFT, turn-2 reuse, per-token overhead"

@@ -38,6 +38,7 @@ from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParam
 from tokenwire.protocols.grpc_server import GrpcServer
 from tokenwire.protocols.salience.gen import salience_pb2 as pb
 from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc
+from tokenwire.protocols.salience.service import add_to_server as add_salience
 
 ECHO_METHOD = "/tokenwire.bench.Echo/Stream"
 FRAME = 5  # gRPC length-prefixed message header
@@ -277,7 +278,7 @@ async def _start_server(engine: Engine) -> GrpcServer:
         argparse.Namespace(session_ttl=600.0),
         "127.0.0.1",
         0,
-        modules=["tokenwire.protocols.salience.service"],
+        services=[add_salience],
     ).start()
 
 
@@ -367,7 +368,7 @@ def run_salience_bench(args: argparse.Namespace, settings: EngineSettings) -> in
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenwire.cli import add_model_args, settings_from
+    from tokenwire.cli_args import add_model_args, settings_from
 
     p = bench_sub.add_parser("salience", help="Salience gRPC: streaming overhead, wire bytes, session TTFT")
     add_model_args(p)

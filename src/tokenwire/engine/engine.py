@@ -89,6 +89,8 @@ class Engine:
         self.steps = 0
         self.computed_tokens = 0  # positions run through the model (prefill + decode), all steps
         self.source: Any = None  # the ModelSource when built by factory.build_engine
+        # called (model thread, lock held) with each request as it finishes: metrics, access log
+        self.on_finish: Callable[[Request, FinishEvent], None] | None = None
         loaded: Future[_Loaded] = Future()
         assigned = threading.Event()
         self._thread = threading.Thread(
@@ -290,7 +292,7 @@ class Engine:
             request.generator = torch.Generator().manual_seed(
                 int.from_bytes(uuid.uuid4().bytes[:8], "little")
             )
-        request.decoder = self.tokenizer.incremental_decoder()
+        request.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=not opts.special_text)
         if opts.stop:
             request.stopper = StopStringMatcher(list(opts.stop))
         if opts.constraint is not None:
@@ -378,9 +380,13 @@ class Engine:
         session.touch()
         # a request cut short may leave prompt positions that were never computed; that is fine:
         # the session keeps its tokens and the next request computes them.
-        request.emit(
-            FinishEvent(finish.reason, request.prompt_len, request.generated, finish.error, finish.detail)
-        )
+        event = FinishEvent(finish.reason, request.prompt_len, request.generated, finish.error, finish.detail)
+        request.emit(event)
+        if self.on_finish is not None:
+            try:
+                self.on_finish(request, event)
+            except Exception:  # observing must never break serving
+                log.exception("on_finish observer failed")
         if session.ephemeral:
             self._sessions.pop(session.id, None)
             session.release(self.kv)

@@ -11,9 +11,19 @@ import torch
 
 from tokenwire.engine.concepts import ConceptSet
 from tokenwire.engine.engine import Engine
+from tokenwire.engine.kv_cache import KVCache
+from tokenwire.model.config import ModelConfig
 from tokenwire.model.gguf import PACKED_FILE
 from tokenwire.model.llama import LlamaModel, build_model
-from tokenwire.model.loader import ModelSource, load_packed, load_weights, resolve_model
+from tokenwire.model.loader import (
+    ModelSource,
+    cache_key,
+    default_cache_dir,
+    default_model_path,
+    load_packed,
+    load_weights,
+    resolve_model,
+)
 from tokenwire.model.quant import Q4_1, Q8_0
 from tokenwire.model.quant_model import build_quantized_model, quantize_state
 
@@ -34,6 +44,7 @@ class EngineSettings:
     device: str = "auto"
     kv_cache_mb: float | None = None
     max_model_len: int | None = None
+    max_num_seqs: int = 1  # full-length sequences the default KV budget holds
     max_batch_tokens: int = 512
     session_ttl_s: float = 1800.0
     concepts: Path | None = None
@@ -49,18 +60,30 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def default_kv_cache_mb(device: torch.device) -> float:
-    """A quarter of the free memory, capped at 4 GiB: room for the model and the rest."""
+def free_memory_mb(device: torch.device) -> float | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return min(free / 2**20 * 0.5, 16384)
+        return free / 2**20
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return min(int(line.split()[1]) / 1024 * 0.25, 4096)
+                return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return 1024
+    return None
+
+
+def default_kv_cache_mb(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int, max_num_seqs: int
+) -> float:
+    """Room for `max_num_seqs` sequences of `max_model_len` tokens (shorter ones share it),
+    capped at half the free GPU memory or a quarter of the free RAM (the model and the rest of
+    the process need the others)."""
+    wanted = max_num_seqs * max_model_len * KVCache.bytes_per_block(config, 1, dtype) / 2**20
+    free = free_memory_mb(device)
+    if free is None:
+        return wanted
+    return max(1.0, min(wanted, free * (0.5 if device.type == "cuda" else 0.25)))
 
 
 def resolve_weights(settings: EngineSettings, source: ModelSource, device: torch.device) -> str:
@@ -97,6 +120,23 @@ def load_model(source: ModelSource, weights: str, device: torch.device, max_len:
     return build_model(source.config, state, dtype=DTYPES[weights], device=device, max_positions=positions)
 
 
+def _log_conversion(settings: EngineSettings) -> None:
+    """Say so when the model's first start converts its GGUF (tens of seconds, silent otherwise
+    when stderr is not a terminal and the conversion's progress bar is off)."""
+    try:
+        path = Path(settings.model) if settings.model is not None else default_model_path()
+        if path.suffix.lower() != ".gguf" or not path.is_file():
+            return
+        cache = settings.cache_dir if settings.cache_dir is not None else default_cache_dir()
+        if (cache / cache_key(path) / "tokenwire_source.json").is_file():
+            return
+    except OSError:
+        return  # resolve_model reports what is wrong with the path
+    log.info(
+        "converting %s (%.0f MiB GGUF) into %s: first start only", path, path.stat().st_size / 2**20, cache
+    )
+
+
 def build_engine(settings: EngineSettings) -> Engine:
     if settings.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {settings.dtype!r}: use fp32 or bf16")
@@ -104,15 +144,23 @@ def build_engine(settings: EngineSettings) -> Engine:
         torch.set_num_threads(settings.threads)
     device = pick_device(settings.device)
     started = time.monotonic()
+    _log_conversion(settings)
     source = resolve_model(
         settings.model, cache_dir=settings.cache_dir, name=settings.model_name, progress=settings.progress
     )
+    if time.monotonic() - started > 1:
+        log.info("model files ready in %.1fs", time.monotonic() - started)
     concepts = None
     if settings.concepts is not None:
         concepts = ConceptSet.load(
             settings.concepts, hidden_size=source.config.hidden_size, num_layers=source.config.num_layers
         )
-    kv_mb = settings.kv_cache_mb if settings.kv_cache_mb is not None else default_kv_cache_mb(device)
+    context = min(settings.max_model_len or source.config.max_position_embeddings,
+                  source.config.max_position_embeddings)  # fmt: skip
+    kv_mb = settings.kv_cache_mb
+    if kv_mb is None:
+        kv_dtype = DTYPES[settings.dtype]
+        kv_mb = default_kv_cache_mb(source.config, kv_dtype, device, context, settings.max_num_seqs)
     weights = resolve_weights(settings, source, device)
 
     def make_model() -> LlamaModel:
@@ -124,6 +172,7 @@ def build_engine(settings: EngineSettings) -> Engine:
             load_kernels(settings.cache_dir)
         return model
 
+    log.info("loading %s weights from %s, KV cache %.0f MiB", weights, source.model_dir, kv_mb)
     engine = Engine(
         make_model,
         source.tokenizer,
@@ -137,13 +186,15 @@ def build_engine(settings: EngineSettings) -> Engine:
     engine.source = source
     engine.weights = weights
     log.info(
-        "model %s (%s) loaded in %.1fs: weights %s, device %s, KV cache %.0f MiB (%d blocks), context %d",
+        "model %s (%s) loaded in %.1fs: weights %s, device %s, KV cache %.0f MiB = %d tokens "
+        "(%d blocks), context %d",
         source.name,
         source.config.architecture,
         time.monotonic() - started,
         weights,
         device,
         engine.kv_cache_mb,
+        engine.kv.num_blocks * engine.kv.block_size,
         engine.kv.num_blocks,
         engine.max_model_len,
     )

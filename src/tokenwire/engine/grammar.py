@@ -17,6 +17,7 @@ The constraint only covers the generated part: prompt tokens given to :meth:`sta
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -240,3 +241,38 @@ class GrammarConstraint(Constraint):
 
 def _clean(msg: str) -> str:
     return msg.replace("<non-verbose/>", "").strip()
+
+
+_FLAGS = {"regex": "--regex", "json_schema": "--json-schema", "lark": "--lark"}
+
+
+def check_grammar(kind: str, source: str) -> None:
+    """ValueError naming the flag and what is wrong with a regex, JSON schema or Lark grammar,
+    checked without a tokenizer (so before any model loads). llguidance's message echoes its
+    internal grammar (`start: /(/`); only the user's part is kept."""
+    flag = _FLAGS[kind]
+    try:
+        if kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(source)
+        elif kind == "json_schema":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(source))
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(source)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: not valid JSON: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{flag}: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    if error:
+        raise ValueError(f"invalid {flag} {source!r}: {_user_part(_clean(error))}")
+
+
+def _user_part(message: str) -> str:
+    """The reason in an llguidance error: its `error: ...` line, else the first line without
+    the position prefix and without the echoed grammar."""
+    lines = [line.strip() for line in message.splitlines()]
+    for line in lines:
+        if line.startswith("error:"):
+            return line[len("error:") :].strip()
+    first = re.sub(r"^at \d+\(\d+\):\s*", "", lines[0]) if lines else message
+    return first.split(" (in regex)")[0].rstrip(":")

@@ -8,6 +8,7 @@ which the engine loop applies.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,7 +133,7 @@ def _next_token(
             count = min(step.backtrack, request.generated)
             session.truncate(len(session.tokens) - count, ctx.kv)
             request.generated -= count
-            request.decoder = ctx.tokenizer.incremental_decoder()
+            request.decoder = ctx.tokenizer.incremental_decoder(skip_special_tokens=not opts.special_text)
             constraint.on_backtrack(count)
             # recompute the new last token so its logits are available to sample from
             session.uncompute_from(len(session.tokens) - 1, ctx.kv)
@@ -184,6 +185,7 @@ def _append(
     position = len(session.tokens)
     session.tokens.append(token)
     request.generated += 1
+    request.token_times.append(time.monotonic())
     logprob = top = None
     wants_lp = opts.logprobs if opts.logprob_ranges is None else covers(opts.logprob_ranges, position)
     if wants_lp:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -66,6 +67,9 @@ class GenerateOptions:
     priority: int = 5  # 0 interactive ... 10 batch
     constraint: Constraint | None = None
     use_prefix_cache: bool = True  # False forces recomputation (benchmarks, debugging)
+    origin: Origin | None = None  # who asked (access log, metrics)
+    # TokenEvent.text of special tokens (end of turn, BOS): "" unless asked for; ids stay exact
+    special_text: bool = False
 
     def validate(self, names: Mapping[str, str] | None = None) -> None:
         """Raise InvalidRequestError for a value out of range. `names` renames fields in the
@@ -90,6 +94,15 @@ class GenerateOptions:
                 if end < start:
                     raise InvalidRequestError(f"{name}[{i}]: start {start} > end {end}")
         self.sampling.validate()
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who asked: for the access log and the per-protocol metrics (the engine only passes it on)."""
+
+    protocol: str  # "salience", "lmtp", ...
+    method: str  # the protocol's RPC, message or action: "Generate", "GENERATE", ...
+    peer: str | None = None  # the client's address
 
 
 def covers(ranges: Ranges, position: int) -> bool:
@@ -210,6 +223,9 @@ class Request:
         self.options = options
         self.prompt_len = prompt_len  # session length when generation starts
         self.generated = 0
+        # timing for the access log and the latency metrics (time.monotonic())
+        self.arrived = time.monotonic()
+        self.token_times: list[float] = []  # when each generated token was sampled or forced
         self.finished = False
         self.sync_queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None

@@ -1,32 +1,30 @@
 """The one grpc.aio server of `tokenwire serve`: Salience and Evergreen share its port.
 
-Each gRPC protocol module listed in GRPC_SERVICE_MODULES has
-`add_to_server(server, engine, args) -> GrpcRegistration`; this module adds the standard
-health service (every registered service reported SERVING, NOT_SERVING while stopping) and
-server reflection, so `grpcurl -plaintext HOST:PORT list` shows everything.
+A gRPC protocol provides `add_to_server(server, engine, args) -> GrpcRegistration`; this
+module adds the standard health service (every registered service reported SERVING,
+NOT_SERVING while stopping) and server reflection, so `grpcurl -plaintext HOST:PORT list`
+shows everything. The port is bound (`bind`) before the model loads, without SO_REUSEPORT,
+so a second server on the same port fails at once instead of splitting the clients.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
-import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokenwire.engine.engine import Engine
+from tokenwire.protocols.serving import PortInUseError, bind_tcp
+
+if TYPE_CHECKING:
+    from tokenwire.engine.engine import Engine
 
 log = logging.getLogger("tokenwire.grpc")
-
-GRPC_SERVICE_MODULES: list[str] = [
-    "tokenwire.protocols.salience.service",
-    "tokenwire.protocols.evergreen.servicer",
-]
 
 # Big enough for long prompts and readout-heavy streams; gRPC's default is 4 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -38,87 +36,110 @@ class GrpcRegistration:
 
     service_names: list[str]
     close: Callable[[], Awaitable[None]] | None = None
+    # ends its open streams with the protocol's "server shutting down" error (before the stop)
+    shutdown: Callable[[str], Awaitable[None]] | None = None
+
+
+AddService = Callable[[grpc.aio.Server, "Engine", argparse.Namespace], GrpcRegistration]
+
+
+def default_services() -> list[AddService]:
+    """The gRPC protocols `tokenwire serve` runs, in registration order."""
+    from tokenwire.protocols.evergreen.servicer import add_to_server as evergreen
+    from tokenwire.protocols.salience.service import add_to_server as salience
+
+    return [salience, evergreen]
 
 
 class GrpcServer:
-    """A grpc.aio server with the given protocol modules, health and reflection."""
+    """A grpc.aio server with the given protocol services, health and reflection."""
 
     def __init__(
-        self, engine: Engine, args: argparse.Namespace, host: str, port: int, modules: list[str] | None = None
+        self,
+        engine: Engine | None,
+        args: argparse.Namespace,
+        host: str,
+        port: int,
+        services: Sequence[AddService] | None = None,
     ) -> None:
         self.engine = engine
         self.args = args
         self.host = host
         self.requested_port = port
-        self.modules = GRPC_SERVICE_MODULES if modules is None else modules
+        self.services = None if services is None else list(services)  # None: default_services()
         self.port = 0
         self.server: grpc.aio.Server | None = None
         self.registrations: list[GrpcRegistration] = []
         self.health = health.aio.HealthServicer()
 
-    async def start(self) -> GrpcServer:
+    async def bind(self) -> GrpcServer:
+        """Take the port now (credentials read, address checked); serve it in `start`."""
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),  # grpc's default (1) lets two servers share the port
             ]
         )
-        for module in self.modules:
-            self.registrations.append(
-                importlib.import_module(module).add_to_server(server, self.engine, self.args)
+        address = f"{self.host}:{self.requested_port}"
+        if self.requested_port:
+            # a plain bind first, for a clean one-line error: grpc's own failure logs a C-core
+            # error line to stderr
+            bind_tcp(self.host, self.requested_port, "--grpc-port").close()
+        credentials = server_credentials(self.args)
+        try:
+            port = (
+                server.add_secure_port(address, credentials)
+                if credentials is not None
+                else server.add_insecure_port(address)
             )
+        except RuntimeError:
+            port = 0  # grpc raises "Failed to bind" where older versions returned 0
+        if port == 0:
+            raise PortInUseError(
+                f"--grpc-port {self.requested_port}: address already in use ({address})"
+            )
+        self.port, self.server = port, server
+        return self
+
+    async def start(self, engine: Engine | None = None) -> GrpcServer:
+        if self.server is None:
+            await self.bind()
+        assert self.server is not None
+        self.engine = engine or self.engine
+        assert self.engine is not None, "GrpcServer.start needs the engine"
+        for add in default_services() if self.services is None else self.services:
+            self.registrations.append(add(self.server, self.engine, self.args))
         names = [n for r in self.registrations for n in r.service_names]
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            server,
+            self.server,
         )
-        address = f"{self.host}:{self.requested_port}"
-        credentials = server_credentials(self.args)
-        self.port = (
-            server.add_secure_port(address, credentials)
-            if credentials is not None
-            else server.add_insecure_port(address)
-        )
-        if self.port == 0:
-            raise OSError(f"gRPC: cannot bind {self.host}:{self.requested_port}")
-        await server.start()
+        await self.server.start()
         for name in ["", *names]:
-            await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
-        self.server = server
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("gRPC on %s:%d: %s", self.host, self.port, ", ".join(names) or "(no services)")
         return self
 
-    async def _set_health(self, name: str, status: int) -> None:
-        await self.health.set(name, status)
-
-    async def stop(self, grace: float = 2.0) -> None:
+    async def stop(self, grace: float = 2.0, message: str = "server shutting down") -> None:
+        """Stop accepting, end open streams with each protocol's shutdown error, then stop."""
         if self.server is None:
             return
         for name in ["", *(n for r in self.registrations for n in r.service_names)]:
-            await self._set_health(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for registration in self.registrations:
+            if registration.shutdown is not None:
+                await registration.shutdown(message)
         await self.server.stop(grace)
         for registration in self.registrations:
             if registration.close is not None:
                 await registration.close()
         self.server = None
 
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--grpc-port", type=int, default=50051, help="gRPC port for Salience and Evergreen (0 = off)"
-    )
-    parser.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
-    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    parser.add_argument(
-        "--auth-token",
-        default=os.environ.get("TOKENWIRE_AUTH_TOKEN") or None,
-        help="require `authorization: Bearer <token>` on Salience RPCs (default: $TOKENWIRE_AUTH_TOKEN)",
-    )
-    for module in GRPC_SERVICE_MODULES:  # a service's own options (e.g. Evergreen's --allow-ref-root)
-        service_args = getattr(importlib.import_module(module), "add_serve_args", None)
-        if service_args is not None:
-            service_args(parser)
+    def close(self) -> None:
+        """Start-up abandoned before `start`: nothing is served; the port goes with the server."""
+        self.server = None
 
 
 def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | None:
@@ -130,11 +151,3 @@ def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | Non
         raise ValueError("--tls-cert and --tls-key must be given together")
     with open(cert, "rb") as c, open(key, "rb") as k:
         return grpc.ssl_server_credentials([(k.read(), c.read())])
-
-
-async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[[], Awaitable[None]] | None:
-    port = getattr(args, "grpc_port", 50051)
-    if not port or not GRPC_SERVICE_MODULES:
-        return None
-    server = await GrpcServer(engine, args, getattr(args, "host", "127.0.0.1"), port).start()
-    return server.stop

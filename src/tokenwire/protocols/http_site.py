@@ -1,19 +1,26 @@
-"""Starting an aiohttp application on host:port, shared by the HTTP-based transports."""
+"""Starting an aiohttp application on a bound socket, shared by the HTTP-based transports."""
 
 from __future__ import annotations
 
+import socket
+
 from aiohttp import web
 
+from tokenwire.protocols.serving import bind_tcp
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port (0 = a free port); returns its runner and the bound port.
 
-    Signals stay with `tokenwire serve` (handle_signals=False); no access log per request."""
+async def start_site(
+    app: web.Application, host: str, port: int, sock: socket.socket | None = None, flag: str = "port"
+) -> tuple[web.AppRunner, int]:
+    """Serve `app` on `sock` (bound by `tokenwire serve` before the model loaded), or else on
+    host:port (0 = a free port); returns its runner and the bound port.
+
+    Signals stay with `tokenwire serve` (handle_signals=False); the protocols write their own
+    access log lines."""
+    if sock is None:
+        sock = bind_tcp(host, port, flag)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.SockSite(runner, sock)
     await site.start()
-    server = getattr(site, "_server", None)
-    if port == 0 and server is not None and server.sockets:
-        port = server.sockets[0].getsockname()[1]
-    return runner, port
+    return runner, int(sock.getsockname()[1])

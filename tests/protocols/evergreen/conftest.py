@@ -14,9 +14,8 @@ import pytest
 from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
 from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
 from tokenwire.protocols.evergreen.gen import evergreen_service_pb2_grpc as spb_grpc
+from tokenwire.protocols.evergreen.servicer import add_to_server as SERVICE
 from tokenwire.protocols.grpc_server import GrpcServer
-
-MODULE = "tokenwire.protocols.evergreen.servicer"
 
 
 class ServerThread:
@@ -26,7 +25,7 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="evergreen-test", daemon=True)
         self.thread.start()
-        self.server = self.call(GrpcServer(engine, args, "127.0.0.1", 0, modules=[MODULE]).start())
+        self.server = self.call(GrpcServer(engine, args, "127.0.0.1", 0, services=[SERVICE]).start())
 
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 60) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -114,18 +114,19 @@ def test_onnx_runs_in_pool_with_two_intra_op_threads(onnx_dir) -> None:
 def test_cli_describes_and_runs(onnx_server: ServerThread, tmp_path, capsys) -> None:
     from tokenwire.cli import main
 
-    assert main(["graphpipe", onnx_server.url("mlp"), "--json"]) == 0
+    server = ["--url", onnx_server.url(""), "--model-name", "mlp"]
+    assert main(["graphpipe", *server, "--json"]) == 0
     described = json.loads(capsys.readouterr().out)
     assert described["inputs"] == [{"name": "x", "type": "Float32", "shape": [-1, 8]}]
     x = np.ones((1, 8), np.float32)
     np.save(tmp_path / "x.npy", x)
-    assert main(["graphpipe", onnx_server.url("mlp"), "--input", str(tmp_path / "x.npy"), "--json"]) == 0
+    assert main(["graphpipe", *server, "--input", str(tmp_path / "x.npy"), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out.splitlines()[0])
     assert printed["shape"] == [1, 4]
     session = ort.InferenceSession(str(onnx_dir_path(onnx_server)), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(printed["value"], session.run(["y"], {"x": x})[0], rtol=1e-5)
     assert (
-        main(["graphpipe", onnx_server.url("mlp"), "--input", str(tmp_path / "x.npy"), "--input-name", "q"])
+        main(["graphpipe", *server, "--input", str(tmp_path / "x.npy"), "--input-name", "q"])
         == 1
     )
     assert "unknown input 'q'" in capsys.readouterr().err

@@ -28,7 +28,7 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([1] if add_special_tokens else []) + list(text.encode())
 
-    def incremental_decoder(self) -> Any:
+    def incremental_decoder(self, skip_special_tokens: bool = False) -> Any:
         import codecs
 
         class Decoder:

@@ -16,13 +16,13 @@ import grpc
 import pytest
 
 from tokenwire.protocols.grpc_server import GrpcServer
+from tokenwire.protocols.salience.service import add_to_server as SERVICE
 
 HERE = Path(__file__).parent
 SEED = HERE / "seed_001_salience.txt"  # the spec file exactly as it arrived (one line)
 COMMITTED_PROTO = (
     Path(__file__).parents[3] / "src" / "tokenwire" / "protocols" / "salience" / "proto" / "salience.proto"
 )
-MODULE = "tokenwire.protocols.salience.service"
 
 
 def without_whitespace(text: str) -> str:
@@ -40,7 +40,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="salience-test", daemon=True)
         self.thread.start()
         self.server: GrpcServer = self.call(
-            GrpcServer(engine, namespace, "127.0.0.1", 0, modules=[MODULE]).start()
+            GrpcServer(engine, namespace, "127.0.0.1", 0, services=[SERVICE]).start()
         )
         self.target = f"127.0.0.1:{self.server.port}"
 

@@ -94,7 +94,7 @@ def test_cli_chat_shows_logprobs(salience_server, smollm2_engine, monkeypatch, c
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello!\nAnd again?\n"))
     before = smollm2_engine.stats()["sessions"]
-    rc = main(["salience", "--target", salience_server.target, "--max-tokens", "4"])
+    rc = main(["salience", "--url", salience_server.target, "--max-tokens", "4"])
     out = capsys.readouterr().out
     assert rc == 0
     assert out.count("model> ") == 2 and out.count("(4 tokens") + out.count("(3 tokens") >= 1

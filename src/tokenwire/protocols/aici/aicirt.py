@@ -20,90 +20,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from tokenwire.protocols.aici.codec import ProtocolError, decode_message, encode_message, error_reply
 from tokenwire.protocols.aici.controller import ControllerLimits
+from tokenwire.protocols.aici.plugin import add_runtime_args
 from tokenwire.protocols.aici.registry import ModuleRegistry
 from tokenwire.protocols.aici.runtime import AiciRuntime, StopRuntime
-from tokenwire.protocols.aici.shm import DEFAULT_PREFIX, MessageChannel, SharedRegion, channel_names
+from tokenwire.protocols.aici.shm import MessageChannel, SharedRegion, channel_names
 
 log = logging.getLogger("tokenwire.aicirt")
-
-# flags later AICI engines pass; accepted so any of them can start this runtime
-_CAPABILITY_FLAGS = [
-    "--futex",
-    "--restricted",
-    "--wasm-timer-resolution-us",
-    "--wasm-max-memory",
-    "--wasm-max-pre-step-time",
-    "--wasm-max-step-time",
-    "--wasm-max-init-time",
-    "--wasm-max-timeout-steps",
-    "--cap-backtrack",
-    "--cap-ff-tokens",
-    "--cap-fork",
-    "--shm-prefix",
-    "--module-upload",
-    "--bench",
-    "--save-tokenizer",
-    "--add-tokens",
-    "--json-size-mb",
-]
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--tokenizer",
-        default="default",
-        help="'default' (SmolLM2), a served model name, a model dir, .gguf or tokenizer.json",
-    )
-    p.add_argument("--json-size", type=int, default=128, help="MiB of each JSON channel (engine-created)")
-    p.add_argument("--bin-size", type=int, default=128, help="MiB of the bias region (engine-created)")
-    p.add_argument("--name", default=DEFAULT_PREFIX, help="shared memory prefix (default %(default)s)")
-    p.add_argument("--server", action="store_true", help="serve the channels (aicirt compatibility)")
-    p.add_argument(
-        "--store-dir",
-        type=Path,
-        default=Path.home() / ".cache" / "tokenwire" / "aici",
-        help="where uploaded modules and tags persist (default %(default)s)",
-    )
-    p.add_argument("--max-pre-ms", type=float, default=1.0, help="pre_process time limit")
-    p.add_argument("--max-post-ms", type=float, default=1.0, help="post_process time limit")
-    p.add_argument("--max-mid-ms", type=float, default=20.0, help="mid_process time limit")
-    p.add_argument("--max-init-ms", type=float, default=1000.0, help="instantiate time limit")
-    p.add_argument(
-        "--time-tolerance-ms",
-        type=float,
-        default=5.0,
-        help="scheduling slack added to every limit (a shared CPU preempts)",
-    )
-    p.add_argument("--max-memory-mb", type=float, default=64.0, help="memory per jsctrl/Wasm controller")
-    p.add_argument(
-        "--busy-wait-time",
-        type=float,
-        default=200.0,
-        help="ms to spin for the next main-channel command before sleeping (AICI's default; "
-        "0 when the engine computes on the same CPU cores)",
-    )
-    p.add_argument("--side-workers", type=int, default=2, help="threads serving the side channel")
-    for flag in _CAPABILITY_FLAGS:
-        p.add_argument(flag, nargs="?", const="1", default=None, help=argparse.SUPPRESS)
-
-
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("aicirt", help="AICI controller runtime over shared memory (started by the engine)")
-    add_args(p)
-    p.set_defaults(handler=run)
-
 
 def main(argv: list[str] | None = None) -> int:
     """Console script `tokenwire-aicirt`."""
     p = argparse.ArgumentParser(prog="tokenwire-aicirt", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
-    add_args(p)
+    add_runtime_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

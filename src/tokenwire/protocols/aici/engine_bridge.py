@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from tokenwire.engine.constraints import Constraint, ConstraintStep
+from tokenwire.metrics import AICI_ROUND
 from tokenwire.protocols.aici.client import AiciClient
 
 __all__ = ["AiciConstraint", "Coordinator", "RoundStats", "SeqOutcome", "SeqState"]
@@ -354,6 +355,7 @@ class AiciConstraint(Constraint):
             waited = True
         if waited:
             waited_s = time.perf_counter() - t0
+            AICI_ROUND.observe(waited_s)
             coord.stats.wait_s += waited_s
             by_step = coord.stats.wait_by_step
             if by_step is not None:

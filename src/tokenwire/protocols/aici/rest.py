@@ -14,8 +14,7 @@ import asyncio
 import base64
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+import socket
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -24,6 +23,7 @@ from tokenwire.protocols.aici.client import AiciClient, AiciError
 from tokenwire.protocols.aici.engine_bridge import Coordinator
 from tokenwire.protocols.aici.run import RunRequest, run_events
 from tokenwire.protocols.http_site import start_site
+from tokenwire.protocols.serving import Stopper
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenwire.aici")
 MAX_WASM_BYTES = 64 * 2**20
 
-__all__ = ["AiciServer", "add_serve_args", "start_from_args"]
+__all__ = ["AiciServer", "start_on"]
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -39,12 +39,20 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class AiciServer:
-    def __init__(self, engine: Engine, client: AiciClient, host: str = "127.0.0.1", port: int = 4242) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        client: AiciClient,
+        host: str = "127.0.0.1",
+        port: int = 4242,
+        sock: socket.socket | None = None,
+    ) -> None:
         self.engine = engine
         self.client = client
         self.coord = Coordinator(client, engine.vocab_size, step_count=lambda: engine.steps)
         self.host = host
         self.port = port
+        self.sock = sock  # bound before the model loaded (tokenwire serve)
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> AiciServer:
@@ -53,7 +61,7 @@ class AiciServer:
         app.router.add_get("/v1/controllers/tags", self._get_tags)
         app.router.add_post("/v1/controllers/tags", self._set_tags)
         app.router.add_post("/v1/run", self._run)
-        self._runner, self.port = await start_site(app, self.host, self.port)
+        self._runner, self.port = await start_site(app, self.host, self.port, self.sock, "--aici-port")
         log.info(
             "AICI REST listening on http://%s:%d/v1/ (runtime %s)", self.host, self.port, self.client.prefix
         )
@@ -121,24 +129,6 @@ async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
     return body
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("AICI")
-    g.add_argument("--aici", action="store_true", help="start the AICI runtime and serve AICI's REST API")
-    g.add_argument(
-        "--aici-port", type=int, default=4242, help="AICI REST port (default %(default)s; 0 = any)"
-    )
-    g.add_argument("--aici-store-dir", type=Path, help="where uploaded controllers and tags persist")
-    g.add_argument(
-        "--aici-runtime-arg", action="append", default=[], help="extra runtime argument (repeatable)"
-    )
-    g.add_argument(
-        "--aici-busy-wait-ms",
-        type=float,
-        help="ms the runtime spins for the next command (default: 200 when the model runs on a GPU, "
-        "0 on the CPU, whose cores the forward needs)",
-    )
-
-
 def runtime_args_from(args: argparse.Namespace) -> list[str]:
     extra = list(getattr(args, "aici_runtime_arg", []) or [])
     store = getattr(args, "aici_store_dir", None)
@@ -153,9 +143,8 @@ def tokenizer_spec(engine: Engine) -> str:
     return str(source.model_dir) if source is not None else "default"
 
 
-async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[[], Awaitable[None]] | None:
-    if not getattr(args, "aici", False):
-        return None
+async def start_on(engine: Engine, args: argparse.Namespace, sock: socket.socket) -> Stopper:
+    """`tokenwire serve --aici`: start the runtime, then serve the REST API on `sock`."""
     loop = asyncio.get_running_loop()
     spin_ms = getattr(args, "aici_busy_wait_ms", None)
     if spin_ms is None:
@@ -166,7 +155,7 @@ async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[
             tokenizer=tokenizer_spec(engine), runtime_args=runtime_args_from(args), busy_wait_ms=spin_ms
         ),
     )
-    server = await AiciServer(engine, client, args.host, args.aici_port).start()
+    server = await AiciServer(engine, client, args.host, args.aici_port, sock).start()
 
     async def stop() -> None:
         await server.stop()

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokenwire.engine.errors import EngineError
-from tokenwire.engine.request import BacktrackEvent, FinishEvent, GenerateOptions, SamplingParams, TokenEvent
+from tokenwire.engine.request import (
+    BacktrackEvent,
+    FinishEvent,
+    GenerateOptions,
+    Origin,
+    SamplingParams,
+    TokenEvent,
+)
 from tokenwire.protocols.aici.client import AiciClient, AiciError
 from tokenwire.protocols.aici.engine_bridge import AiciConstraint, Coordinator, SeqState
 
@@ -156,7 +163,10 @@ async def _fork_task(
         while finish is None:
             sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
             opts = GenerateOptions(
-                max_tokens=max(1, req.max_tokens - generated), sampling=sampling, constraint=constraint
+                max_tokens=max(1, req.max_tokens - generated),
+                sampling=sampling,
+                constraint=constraint,
+                origin=Origin("aici", "run"),
             )
             constraint.outcome = None
             handle = engine.generate(session, append=append, options=opts)

@@ -380,14 +380,15 @@ class Chat:
     """Multi-turn chat on one session: each turn's prompt is the previous prompt, the previous
     answer and the new user turn, so the server extends turn 1's computation."""
 
-    def __init__(self, session: EvergreenSession, system: str | None = None) -> None:
+    def __init__(self, session: EvergreenSession, system: str | None = None, target: str = "") -> None:
         self.session = session
+        self.target = target  # the model name (target_spec.id); empty: the server's
         self.history: list[Node] = []
         if system:
             self.history += [session.text(system, role="system"), session.end_of_turn()]
 
     def say(self, text: str, config: GenerateConfig | None = None) -> Output:
-        answer = self.session.generate([*self.history, self.session_turn(text)], config)
+        answer = self.session.generate([*self.history, self.session_turn(text)], config, target=self.target)
         assert answer.prompt is not None
         self.history = [answer.prompt, answer]
         return answer

@@ -26,6 +26,7 @@ from tokenwire.engine.request import (
     BacktrackEvent,
     FinishEvent,
     GenerateOptions,
+    Origin,
     SamplingParams,
     TokenEvent,
 )
@@ -37,8 +38,8 @@ from tokenwire.protocols.evergreen.errors import SessionAbort, invalid
 from tokenwire.protocols.evergreen.flatten import Flattened
 from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
 from tokenwire.protocols.evergreen.gen import tokenwire_evergreen_pb2 as twpb
+from tokenwire.protocols.evergreen.nodes import DEFAULT_MAX_TOKENS
 
-DEFAULT_MAX_TOKENS = 256
 TEXT_OUTPUTS = ("response", "text")
 
 
@@ -94,6 +95,7 @@ def generate_options(
         logprobs=config.logprobs,
         top_logprobs=config.top_logprobs,
         priority=2,  # interactive
+        origin=Origin("evergreen", "GENERATE"),
     )
     constraint = spec.config(twpb.ConstraintConfig)
     if constraint is not None:
@@ -235,7 +237,9 @@ async def _score(host: ActionHost, action: ActionState) -> None:
         raise invalid(f"action {spec.label}: the continuation is empty")
     tokens = context + continuation
     first = max(len(context), 1)  # the very first token of a sequence has no logprob
-    options = GenerateOptions(max_tokens=0, logprob_ranges=[(first, len(tokens))], priority=2)
+    options = GenerateOptions(
+        max_tokens=0, logprob_ranges=[(first, len(tokens))], priority=2, origin=Origin("evergreen", "SCORE")
+    )
     handle = host.engine.generate(None, tokens, options)
     scored: list[dict] = []
     async for event in handle:

@@ -17,6 +17,8 @@ import grpc
 from tokenwire.protocols.evergreen.errors import SessionAbort, exhausted, invalid
 from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
 
+DEFAULT_MAX_TOKENS = 256  # GENERATE's max_tokens when its GenerateConfig sets none
+
 
 @dataclass
 class SessionLimits:

@@ -107,34 +107,6 @@ def limits_from_args(args: argparse.Namespace) -> SessionLimits:
     )
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("evergreen")
-    g.add_argument(
-        "--allow-ref-root",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="Evergreen: read file:// refs under this directory (repeatable; none by default)",
-    )
-    d = SessionLimits()
-    g.add_argument("--evergreen-max-depth", type=int, default=d.max_depth, help="node nesting depth limit")
-    g.add_argument("--evergreen-max-nodes", type=int, default=d.max_nodes, help="nodes per session")
-    g.add_argument("--evergreen-max-bytes", type=int, default=d.max_bytes, help="bytes per session")
-    g.add_argument("--evergreen-max-actions", type=int, default=d.max_actions, help="actions per session")
-    g.add_argument(
-        "--evergreen-max-tokens",
-        type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help="GENERATE's max_tokens when its GenerateConfig sets none",
-    )
-    g.add_argument(
-        "--evergreen-no-reuse",
-        dest="evergreen_reuse",
-        action="store_false",
-        help="benchmarks/debugging: never extend earlier engine sessions, prefix cache off",
-    )
-
-
 def add_to_server(server: grpc.aio.Server, engine: Engine, args: argparse.Namespace):  # -> GrpcRegistration
     from tokenwire.protocols.grpc_server import GrpcRegistration
 

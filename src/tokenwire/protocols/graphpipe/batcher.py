@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenwire.metrics import GRAPHPIPE_BATCH
 from tokenwire.protocols.graphpipe.models.base import TensorModel
 
 
@@ -63,6 +64,7 @@ class Batcher:
         self._worker: asyncio.Task[None] | None = None
         self._busy = False  # a model call is running (the worker's or a direct one)
         self._lone_call_s = math.inf  # recent duration of a lone request's call (smoothed)
+        self._batch_sizes = GRAPHPIPE_BATCH.labels(model.name)  # rows per model call (Prometheus)
 
     async def submit(
         self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any, *, alone: bool = False
@@ -87,6 +89,11 @@ class Batcher:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._work(), name=f"graphpipe-batcher-{self.model.name}")
 
+    def _count_call(self, rows: int) -> None:
+        self.model_calls += 1
+        self.largest_batch = max(self.largest_batch, rows)
+        self._batch_sizes.observe(rows)
+
     async def _run_direct(
         self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any, rows: int
     ) -> list[np.ndarray]:
@@ -94,8 +101,7 @@ class Batcher:
         hand-over to the worker and back (two event loop turns). Requests that arrive
         meanwhile queue for the worker, which starts once this call is done."""
         self._busy = True
-        self.model_calls += 1
-        self.largest_batch = max(self.largest_batch, rows)
+        self._count_call(rows)
         run_inline = self.model.run_inline
         if run_inline is not None and self._lone_call_s < self.inline_max_s:
             # A short call and no other client to serve meanwhile: run it on this thread.
@@ -179,8 +185,7 @@ class Batcher:
             await self._run_one(live[0])
             return
         merged = {name: np.concatenate([c.inputs[name] for c in live]) for name in live[0].inputs}
-        self.model_calls += 1
-        self.largest_batch = max(self.largest_batch, sum(c.rows for c in live))
+        self._count_call(sum(c.rows for c in live))
         try:
             results = await self.model.run(merged, live[0].outputs, live[0].config)
             total = sum(c.rows for c in live)
@@ -200,8 +205,7 @@ class Batcher:
 
     async def _run_one(self, call: Call) -> None:
         assert call.future is not None
-        self.model_calls += 1
-        self.largest_batch = max(self.largest_batch, call.rows)
+        self._count_call(call.rows)
         try:
             result = await self.model.run(call.inputs, call.outputs, call.config)
         except Exception as exc:

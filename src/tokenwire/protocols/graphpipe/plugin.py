@@ -1,18 +1,39 @@
-"""`tokenwire graphpipe URL`: describe a GraphPipe model, or run a request with .npy inputs."""
+"""GraphPipe in the `tokenwire` command: `tokenwire graphpipe` (describe a model, or run a
+request with .npy inputs) and the HTTP server of `tokenwire serve` (--graphpipe-port).
+
+Imported to build the command line: the transport and numpy load when a command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+from tokenwire.cli_args import HelpFormatter
+from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
+
+if TYPE_CHECKING:
+    from tokenwire.engine.engine import Engine
+
+DEFAULT_PORT = 9000
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("graphpipe", help="GraphPipe client: show a model's metadata or run a request")
-    p.add_argument("url", help="model URL, e.g. http://127.0.0.1:9000/mlp")
+def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "graphpipe",
+        help="GraphPipe client: show a model's metadata or run a request",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the GraphPipe server")
+    p.add_argument(
+        "--model-name",
+        default="",
+        help="the model's path on the server, e.g. mlp (default: the server's default model)",
+    )
     p.add_argument(
         "--input", action="append", default=[], type=Path, help="input tensor as .npy (repeatable)"
     )
@@ -28,12 +49,35 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(handler=run_graphpipe)
 
 
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from tokenwire.protocols.graphpipe.server import add_serve_args as graphpipe_args
+
+    graphpipe_args(parser)
+
+
+async def bind(args: argparse.Namespace) -> SocketListener | None:
+    if not args.graphpipe_port:
+        return None
+    sock = bind_tcp(args.host, args.graphpipe_port, "--graphpipe-port")
+    return SocketListener(sock, lambda e, s: _serve(e, s, args))
+
+
+async def _serve(engine: Engine, sock: socket.socket, args: argparse.Namespace) -> Stopper:
+    from tokenwire.protocols.graphpipe.server import build_server
+
+    server = await build_server(engine, args, args.host, args.graphpipe_port, sock).start()
+    return server.stop
+
+
 def run_graphpipe(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from tokenwire.protocols.graphpipe.client import Client, GraphPipeClientError
     from tokenwire.protocols.graphpipe.types import type_name
 
+    url = args.url.rstrip("/") + "/" + args.model_name
     try:
-        with Client(args.url) as client:
+        with Client(url) as client:
             if not args.input:
                 meta = client.metadata()
                 described = {

@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from collections.abc import Awaitable, Callable
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from tokenwire.logs import access_log
+from tokenwire.metrics import REQUESTS
 from tokenwire.protocols.graphpipe.cache import ResponseCache
 from tokenwire.protocols.graphpipe.core import ModelEndpoint, Reply, error_reply
 from tokenwire.protocols.graphpipe.errors import ErrorCode, GraphPipeError
@@ -49,10 +52,12 @@ class GraphPipeServer:
         cache_mb: float = 0.0,
         inline_ms: float = DEFAULT_INLINE_MS,
         executor: ThreadPoolExecutor | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
         if not models:
             raise ValueError("GraphPipe needs at least one model")
         self.host, self.port = host, port
+        self.sock = sock  # bound before the model loaded (tokenwire serve)
         self.max_request_bytes = int(max_request_mb * 2**20)
         self.cache = ResponseCache(int(cache_mb * 2**20)) if cache_mb > 0 else None
         self.endpoints = {
@@ -78,7 +83,7 @@ class GraphPipeServer:
         app.router.add_get("/control/stats", self._stats)
         app.router.add_route("*", "/", self._model_route)
         app.router.add_route("*", "/{name}", self._model_route)
-        self._runner, self.port = await start_site(app, self.host, self.port)
+        self._runner, self.port = await start_site(app, self.host, self.port, self.sock, "--graphpipe-port")
         self.ready = True
         log.info("GraphPipe listening on %s (models %s)", self.url, ", ".join(self.paths()))
         return self
@@ -142,13 +147,23 @@ class GraphPipeServer:
         self, request: web.Request, endpoint: ModelEndpoint | None, name: str
     ) -> web.StreamResponse:
         self._posts_in_flight += 1
+        started = time.monotonic()
+        reply: Reply | None = None
         try:
             body = await self._read_body(request)
             if body is None or endpoint is None:
-                return self._respond(self._refusal(body is None, name))
-            return self._respond(await endpoint.handle(body, alone=self._alone()))
+                reply = self._refusal(body is None, name)
+            else:
+                reply = await endpoint.handle(body, alone=self._alone())
+            return self._respond(reply)
         finally:
             self._posts_in_flight -= 1
+            outcome = "error" if reply is None or reply.error_code is not None else "ok"
+            REQUESTS.labels("graphpipe", outcome).inc()
+            access_log(
+                "graphpipe", f"POST /{name}", outcome, peer=request.remote,
+                duration_s=time.monotonic() - started,
+            )  # fmt: skip
 
     def _alone(self) -> bool:
         """This is the only request in flight and its connection the only one open, so no
@@ -248,7 +263,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_server(engine: Engine | None, args: argparse.Namespace, host: str, port: int) -> GraphPipeServer:
+def build_server(
+    engine: Engine | None,
+    args: argparse.Namespace,
+    host: str,
+    port: int,
+    sock: socket.socket | None = None,
+) -> GraphPipeServer:
     from tokenwire.protocols.graphpipe.models.onnx_model import OnnxModel
 
     models: list[TensorModel] = []
@@ -273,13 +294,5 @@ def build_server(engine: Engine | None, args: argparse.Namespace, host: str, por
         cache_mb=getattr(args, "graphpipe_cache_mb", 0.0),
         inline_ms=getattr(args, "graphpipe_inline_ms", DEFAULT_INLINE_MS),
         executor=executor,
+        sock=sock,
     )
-
-
-async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[[], Awaitable[None]] | None:
-    """The `tokenwire serve` starter: GraphPipe on --host:--graphpipe-port (0 = off)."""
-    port = getattr(args, "graphpipe_port", 9000)
-    if not port:
-        return None
-    server = await build_server(engine, args, getattr(args, "host", "127.0.0.1"), port).start()
-    return server.stop

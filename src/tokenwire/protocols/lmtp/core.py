@@ -19,6 +19,7 @@ from tokenwire.engine.request import (
     Event,
     FinishEvent,
     GenerateOptions,
+    Origin,
     RequestHandle,
 )
 from tokenwire.protocols.lmtp import info
@@ -52,9 +53,16 @@ _STREAM_MESSAGES = ("GENERATE", "SCORE")  # their errors are TOKEN records: they
 
 class LmtpConnection:
     def __init__(
-        self, engine: Engine | None, watch: Watch, *, aliases: Iterable[str] = (), replay_limit: int = 256
+        self,
+        engine: Engine | None,
+        watch: Watch,
+        *,
+        aliases: Iterable[str] = (),
+        replay_limit: int = 256,
+        peer: str | None = None,
     ) -> None:
         self.engine = engine
+        self.peer = peer  # the client's address, for the access log
         self._watch = watch
         self._aliases = set(aliases)
         self.enabled: set[str] = set()
@@ -294,11 +302,13 @@ class LmtpConnection:
         engine = self._engine()
         records = not isinstance(stream, BufferStream)
         if "text" in self.enabled and records:
-            stream.decoder = engine.tokenizer.incremental_decoder()
+            # text is for reading: no end-of-turn markup (the token ids stay exact)
+            stream.decoder = engine.tokenizer.incremental_decoder(skip_special_tokens=True)
         if "retry" in self.enabled and records:
             stream.sent = []
         base = self.buffers.session(engine, buffer) if buffer is not None else None
         engine.check(base, tokens, options, needs_room=generates)  # before a session is forked or made
+        options.origin = Origin("lmtp", type(stream).__name__.removesuffix("Stream").upper(), self.peer)
         if base is not None:
             stream.session = engine.fork_session(base)
         elif persistent:

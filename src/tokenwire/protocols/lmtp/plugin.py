@@ -1,34 +1,66 @@
-"""`tokenwire lmtp`: serve LMTP on stdin/stdout (--stdio), or stream a completion from a server."""
+"""LMTP in the `tokenwire` command: `tokenwire lmtp` (serve on stdin/stdout with --stdio, or
+stream a completion from a server) and the WebSocket server of `tokenwire serve` (--lmtp-port).
+
+Imported to build the command line: the transport and the engine load when a command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import socket
 import sys
+from typing import TYPE_CHECKING
 
-from tokenwire.engine.factory import EngineSettings
+from tokenwire.cli_args import HelpFormatter, add_model_args, settings_from
+from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
+
+if TYPE_CHECKING:
+    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.factory import EngineSettings
+
+DEFAULT_PORT = 8080
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenwire.cli import add_model_args, settings_from
-
-    p = sub.add_parser("lmtp", help="LMTP: serve on stdin/stdout, or stream a completion from a server")
+def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "lmtp",
+        help="LMTP: serve on stdin/stdout, or stream a completion from a server",
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("prompt", nargs="?", help="text to complete (client mode)")
     p.add_argument("--stdio", action="store_true", help="serve LMTP on stdin/stdout (loads the model)")
     add_model_args(p)
     g = p.add_argument_group("client")
-    g.add_argument("--url", default="ws://127.0.0.1:8080/", help="LMTP server (default %(default)s)")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--url", default=f"ws://127.0.0.1:{DEFAULT_PORT}/", help="LMTP server")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=int, help="sampling seed")
     g.add_argument("--json", action="store_true", help="print the TOKEN records, one per line")
-    p.set_defaults(handler=lambda args: run_lmtp(args, settings_from(args)))
+    p.set_defaults(handler=run_lmtp)
 
 
-def run_lmtp(args: argparse.Namespace, settings: EngineSettings) -> int:
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lmtp-port", type=int, default=DEFAULT_PORT, help="LMTP WebSocket port (0 = off)")
+
+
+async def bind(args: argparse.Namespace) -> SocketListener | None:
+    if not args.lmtp_port:
+        return None
+    return SocketListener(bind_tcp(args.host, args.lmtp_port, "--lmtp-port"), lambda e, s: _serve(e, s, args))
+
+
+async def _serve(engine: Engine, sock: socket.socket, args: argparse.Namespace) -> Stopper:
+    from tokenwire.protocols.lmtp.ws_server import LmtpServer
+
+    server = await LmtpServer(engine, args.host, args.lmtp_port, sock=sock).start()
+    return server.stop
+
+
+def run_lmtp(args: argparse.Namespace) -> int:
     if args.stdio:
-        return _serve_stdio(settings)
+        return _serve_stdio(settings_from(args))
     if args.prompt is None:
         print("tokenwire lmtp: give a prompt, or --stdio to serve", file=sys.stderr)
         return 2

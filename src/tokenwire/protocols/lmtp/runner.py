@@ -30,10 +30,16 @@ Send = Callable[[str], Awaitable[None]]
 
 class ConnectionRunner:
     def __init__(
-        self, engine: Engine | None, send: Send, *, aliases: Iterable[str] = (), tick_s: float = 0.5
+        self,
+        engine: Engine | None,
+        send: Send,
+        *,
+        aliases: Iterable[str] = (),
+        tick_s: float = 0.5,
+        peer: str | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
-        self.core = LmtpConnection(engine, self._watch, aliases=aliases)
+        self.core = LmtpConnection(engine, self._watch, aliases=aliases, peer=peer)
         self._send = send
         self._lock = threading.Lock()
         self._pending: list[tuple[Stream, Event]] = []

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+import socket
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from aiohttp import WSMsgType, web
@@ -21,11 +21,18 @@ MAX_MESSAGE_BYTES = 64 * 2**20  # a full-vocabulary logit_bias is a few MiB
 
 class LmtpServer:
     def __init__(
-        self, engine: Engine, host: str = "127.0.0.1", port: int = 8080, *, aliases: Iterable[str] = ()
+        self,
+        engine: Engine,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        *,
+        aliases: Iterable[str] = (),
+        sock: socket.socket | None = None,
     ) -> None:
         self.engine = engine
         self.host = host
         self.port = port
+        self.sock = sock  # bound before the model loaded (tokenwire serve)
         self.aliases = tuple(aliases)
         self._connections: dict[ConnectionRunner, web.WebSocketResponse] = {}
         self._runner: web.AppRunner | None = None
@@ -33,7 +40,7 @@ class LmtpServer:
     async def start(self) -> LmtpServer:
         app = web.Application()
         app.router.add_get("/", self._handle)
-        self._runner, self.port = await start_site(app, self.host, self.port)
+        self._runner, self.port = await start_site(app, self.host, self.port, self.sock, "--lmtp-port")
         log.info("LMTP listening on ws://%s:%d/ (model %s)", self.host, self.port, self.engine.name)
         return self
 
@@ -52,7 +59,7 @@ class LmtpServer:
                 status=426, text="LMTP endpoint: connect with a WebSocket\n", headers={"Upgrade": "websocket"}
             )
         await ws.prepare(request)
-        runner = ConnectionRunner(self.engine, ws.send_str, aliases=self.aliases)
+        runner = ConnectionRunner(self.engine, ws.send_str, aliases=self.aliases, peer=request.remote)
         self._connections[runner] = ws
         try:
             async for msg in ws:
@@ -76,15 +83,3 @@ class LmtpServer:
             await self._runner.cleanup()
             self._runner = None
 
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lmtp-port", type=int, default=8080, help="LMTP WebSocket port (0 = off)")
-
-
-async def start_from_args(engine: Engine, args: argparse.Namespace) -> Callable[[], Awaitable[None]] | None:
-    """The `tokenwire serve` starter: LMTP on --host:--lmtp-port (0 = off)."""
-    port = getattr(args, "lmtp_port", 8080)
-    if not port:
-        return None
-    server = await LmtpServer(engine, getattr(args, "host", "127.0.0.1"), port).start()
-    return server.stop

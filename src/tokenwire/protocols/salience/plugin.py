@@ -13,18 +13,28 @@ import math
 import os
 import sys
 
+from tokenwire.cli_args import HelpFormatter, add_model_args
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenwire.cli import add_model_args
+DEFAULT_URL = "127.0.0.1:50051"
 
-    p = sub.add_parser("salience", help="Salience: chat over one gRPC session, with per-token logprobs")
+
+def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "salience",
+        help="Salience: chat over one gRPC session, with per-token logprobs",
+        formatter_class=HelpFormatter,
+    )
     add_model_args(p)  # only --model/--model-name/--cache-dir matter: the tokenizer is loaded locally
     g = p.add_argument_group("client")
-    g.add_argument("--target", default="127.0.0.1:50051", help="gRPC server (default %(default)s)")
-    g.add_argument("--auth-token", default=os.environ.get("TOKENWIRE_AUTH_TOKEN"), help="bearer token")
+    g.add_argument("--url", default=DEFAULT_URL, help="the server's gRPC address (HOST:PORT)")
+    g.add_argument(
+        "--auth-token",
+        default=os.environ.get("TOKENWIRE_AUTH_TOKEN"),
+        help="bearer token (default: $TOKENWIRE_AUTH_TOKEN)",
+    )
     g.add_argument("--tls", action="store_true", help="connect with TLS")
     g.add_argument("--ca", help="PEM root certificate(s) to trust (implies --tls)")
-    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens per reply")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (sent as top_k=1)")
     g.add_argument("--system", help="system message")
     g.add_argument("--no-logprobs", action="store_true", help="print the reply text only")
@@ -63,7 +73,7 @@ def run_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     sampling = {"top_k": 1} if args.temperature == 0 else {"temperature": args.temperature}
     interactive = sys.stdin.isatty()
-    with Client(args.target, auth_token=args.auth_token, tls=args.tls, root_certificates=root) as client:
+    with Client(args.url, auth_token=args.auth_token, tls=args.tls, root_certificates=root) as client:
         try:
             session = client.open(source.name)
             while True:
@@ -78,7 +88,7 @@ def run_chat(args: argparse.Namespace) -> int:
                 full = tok.apply_chat_template(messages, add_generation_prompt=True)
                 keep = common_prefix(session.tokens, full)
                 session.truncate(keep)
-                decoder = tok.incremental_decoder()
+                decoder = tok.incremental_decoder(skip_special_tokens=True)
                 reply: list[int] = []
                 print("model> ", end="", flush=True)
                 for token in session.generate(

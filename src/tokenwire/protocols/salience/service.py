@@ -18,7 +18,7 @@ import grpc
 
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.errors import EngineError
-from tokenwire.engine.request import FinishEvent, RequestHandle, TokenEvent
+from tokenwire.engine.request import FinishEvent, Origin, RequestHandle, TokenEvent
 from tokenwire.engine.session import Ttl
 from tokenwire.protocols.grpc_server import GrpcRegistration
 from tokenwire.protocols.salience import core
@@ -65,6 +65,8 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self._expected_auth = f"Bearer {auth_token}".encode() if auth_token else None
         self._images: dict[str, list[ImageBlock]] = {}  # only sessions that hold images
         self._streaming: set[str] = set()  # sessions with a Generate stream open here
+        self._handles: dict[str, RequestHandle] = {}  # their engine requests
+        self._shutting_down: str | None = None  # the message streams end with, once stopping
         self._opened: set[str] = set()  # sessions this servicer created (closed on shutdown)
 
     # ------------------------------------------------------------------ helpers
@@ -147,22 +149,27 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateEvent]:
         await self._authorize(context)
         sid = request.session_id
+        if self._shutting_down is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._shutting_down)
         if sid in self._streaming:
             await context.abort(grpc.StatusCode.ABORTED, f"session {sid} has a Generate running")
         self._streaming.add(sid)
         handle: RequestHandle | None = None
         try:
             try:
-                handle, plan = self._start(sid, request)
+                handle, plan = self._start(sid, request, context.peer())
             except (SalienceStatus, EngineError) as exc:
                 await self._abort(context, exc)
             if handle is None:
                 yield core.done_message(plan.prompt_len, 0, pb.GenerateDone.FINISH_REASON_LENGTH)
                 return
+            self._handles[sid] = handle
             async for event in handle:
                 if isinstance(event, TokenEvent):
                     yield core.token_message(event)
                 elif isinstance(event, FinishEvent):
+                    if event.reason == "cancelled" and self._shutting_down is not None:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, self._shutting_down)
                     if event.reason == "error":
                         await context.abort(grpc.StatusCode.INTERNAL, event.error or "generation failed")
                     yield core.finish_message(event)
@@ -171,9 +178,12 @@ class SalienceServicer(pb_grpc.SalienceServicer):
             # stop the engine request at once. Tokens decoded so far stay in the session.
             if handle is not None:
                 handle.cancel()
+            self._handles.pop(sid, None)
             self._streaming.discard(sid)
 
-    def _start(self, sid: str, request: pb.GenerateRequest) -> tuple[RequestHandle | None, core.GeneratePlan]:
+    def _start(
+        self, sid: str, request: pb.GenerateRequest, peer: str | None = None
+    ) -> tuple[RequestHandle | None, core.GeneratePlan]:
         """Check, rewind, and submit to the engine. Raises before any change when refused."""
         engine = self.engine
         tokens = engine.session_tokens(sid)
@@ -189,7 +199,15 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         engine.touch_session(sid)
         if plan.options is None:
             return None, plan
+        plan.options.origin = Origin("salience", "Generate", peer)
         return engine.generate(sid, plan.append, plan.options), plan
+
+    async def shutdown(self, message: str) -> None:
+        """Server stopping: refuse new Generates and end the open ones with UNAVAILABLE(message)
+        instead of grpc's bare "Cancelling all calls"."""
+        self._shutting_down = message
+        for handle in list(self._handles.values()):
+            handle.cancel()
 
     async def close(self) -> None:
         """Server shutdown: release every session this servicer opened."""
@@ -207,4 +225,4 @@ def add_to_server(server: grpc.aio.Server, engine: Engine, args: argparse.Namesp
     )
     pb_grpc.add_SalienceServicer_to_server(servicer, server)
     server_names = [pb.DESCRIPTOR.services_by_name["Salience"].full_name]
-    return GrpcRegistration(server_names, servicer.close)
+    return GrpcRegistration(server_names, servicer.close, servicer.shutdown)

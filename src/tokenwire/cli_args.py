@@ -1,0 +1,105 @@
+"""Argument groups several commands share (model, sampling) and the EngineSettings they make.
+
+Light on purpose: building the `tokenwire` parser imports only argparse-level modules, so
+`tokenwire --help` stays fast; the engine is imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenwire.engine.factory import EngineSettings
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model",
+        help="a GGUF file, a Hugging Face model directory (config.json, safetensors, tokenizer), or "
+        "the built-in default's name SmolLM2-135M-Instruct (default: the built-in model)",
+    )
+    g.add_argument("--model-name", help="name the protocols report and accept (default: the file/dir name)")
+    g.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="where converted GGUF weights are cached (default: $TOKENWIRE_CACHE_DIR or ~/.cache/tokenwire)",
+    )
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights and KV cache dtype")
+    g.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "gguf", "fp32", "bf16", "int8", "int4"],
+        help="weight format: auto = a GGUF's own quantisation on the CPU (else --dtype); gguf = the "
+        "file's Q4_0/Q4_1/Q8_0 blocks as they are; int8/int4 = quantise at load (Q8_0/Q4_1)",
+    )
+    g.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run decode steps through the eager PyTorch layers instead of the fused C++ kernels",
+    )
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    g.add_argument(
+        "--kv-cache-mb",
+        type=float,
+        help="KV cache budget in MiB (default: --max-num-seqs sequences of --max-model-len tokens, "
+        "capped by free memory)",
+    )
+    g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    g.add_argument(
+        "--max-num-seqs", type=int, default=1, help="sequences the default KV budget holds at full length"
+    )
+    g.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per model step")
+    g.add_argument("--concepts", type=Path, help="concept vectors (safetensors) for readouts")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+
+
+def settings_from(args: argparse.Namespace, **extra: object) -> EngineSettings:
+    from tokenwire.model_spec import check_model_spec
+
+    model = check_model_spec(args.model)  # before the engine's (heavy) imports: fail fast
+    from tokenwire.engine.factory import EngineSettings
+
+    return EngineSettings(
+        model=model,
+        model_name=args.model_name,
+        cache_dir=args.cache_dir,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_mb=args.kv_cache_mb,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_batch_tokens=args.max_batch_tokens,
+        concepts=args.concepts,
+        threads=args.threads,
+        weights=args.weights,
+        compile=args.compile,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k best tokens (0 = off)")
+    g.add_argument("--seed", type=int, help="same seed, same prompt: same output")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--regex", help="constrain the output to this regular expression")
+    g.add_argument("--json-schema", help="constrain the output to this JSON schema (JSON text or @file)")
+    g.add_argument("--lark", help="constrain the output to this Lark grammar (text or @file)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where the help text already does or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = "%(default)" in text or "(default" in text or "default:" in text
+        if shown or action.nargs == 0 or action.default in (None, [], "", argparse.SUPPRESS):
+            return text  # on/off flags and flags without a default say nothing more
+        return super()._get_help_string(action)

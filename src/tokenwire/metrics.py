@@ -1,0 +1,162 @@
+"""Prometheus metrics: one registry for the whole server, exposed at /metrics.
+
+`tokenwire serve` serves it on --metrics-port (default 9464); an HTTP protocol may mount it on
+its own port with `exposition()`. Request metrics come from the engine (`watch_engine` hooks
+every finished request, labelled with the protocol in its GenerateOptions.origin); the engine's
+state (running and queued requests, KV blocks, prefix-cache hits, sessions) is read at scrape
+time. The AICI runtime and GraphPipe's batcher observe their own histograms here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from tokenwire.logs import access_log
+from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
+
+if TYPE_CHECKING:
+    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.request import FinishEvent, Request
+
+log = logging.getLogger("tokenwire.metrics")
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+REQUESTS = Counter(
+    "tokenwire_requests", "Finished generation requests", ["protocol", "outcome"], registry=REGISTRY
+)
+TTFT = Histogram(
+    "tokenwire_time_to_first_token_seconds",
+    "From a request's arrival in the engine to its first generated token",
+    ["protocol"],
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
+ITL = Histogram(
+    "tokenwire_inter_token_latency_seconds",
+    "Between consecutive generated tokens of one request",
+    ["protocol"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
+    registry=REGISTRY,
+)
+PROMPT_TOKENS = Counter(
+    "tokenwire_prompt_tokens", "Prompt tokens of finished requests", ["protocol"], registry=REGISTRY
+)
+GENERATED_TOKENS = Counter(
+    "tokenwire_generated_tokens", "Generated tokens of finished requests", ["protocol"], registry=REGISTRY
+)
+AICI_ROUND = Histogram(
+    "tokenwire_aici_round_seconds",
+    "AICI runtime rounds (pre/mid/post of every sequence of a step), as the engine waits for them",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+    registry=REGISTRY,
+)
+GRAPHPIPE_BATCH = Histogram(
+    "tokenwire_graphpipe_batch_size",
+    "Rows per merged GraphPipe model call",
+    ["model"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    registry=REGISTRY,
+)
+
+
+class EngineCollector:
+    """The engine's state, read at each scrape."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        yield GaugeMetricFamily("tokenwire_requests_running", "Requests being run", stats["running"])
+        yield GaugeMetricFamily("tokenwire_requests_queued", "Requests awaiting admission", stats["waiting"])
+        blocks = GaugeMetricFamily("tokenwire_kv_blocks", "KV cache blocks by state", labels=["state"])
+        free = stats["kv_blocks_available"]
+        blocks.add_metric(["used"], stats["kv_blocks_total"] - free)
+        blocks.add_metric(["free"], free)
+        yield blocks
+        yield CounterMetricFamily(
+            "tokenwire_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV came from the prefix cache",
+            stats["prefix_cache_hits"] * self.engine.kv.block_size,
+        )
+        yield GaugeMetricFamily("tokenwire_sessions_open", "Engine sessions alive", stats["sessions"])
+
+
+_engine_collector: EngineCollector | None = None
+
+
+def observe_request(request: Request, finish: FinishEvent) -> None:
+    """The engine's on_finish hook: latency and token metrics, and the access log line."""
+    origin = request.options.origin
+    protocol = origin.protocol if origin is not None else "engine"
+    times = request.token_times
+    REQUESTS.labels(protocol, finish.reason).inc()
+    PROMPT_TOKENS.labels(protocol).inc(finish.prompt_tokens)
+    GENERATED_TOKENS.labels(protocol).inc(finish.completion_tokens)
+    ttft = times[0] - request.arrived if times else None
+    if ttft is not None:
+        TTFT.labels(protocol).observe(ttft)
+    if len(times) > 1:
+        itl = ITL.labels(protocol)
+        for earlier, later in itertools.pairwise(times):
+            itl.observe(later - earlier)
+    end = times[-1] if times else request.arrived
+    access_log(
+        protocol,
+        origin.method if origin is not None else "generate",
+        finish.reason,
+        peer=origin.peer if origin is not None else None,
+        session=None if request.session.ephemeral else request.session.id,
+        prompt_tokens=finish.prompt_tokens,
+        generated_tokens=finish.completion_tokens,
+        ttft_s=ttft,
+        duration_s=max(end, request.arrived) - request.arrived,
+        error=finish.error,
+    )
+
+
+def watch_engine(engine: Engine) -> None:
+    """Report this engine's requests and state (one engine per process)."""
+    global _engine_collector
+    if _engine_collector is not None:
+        REGISTRY.unregister(_engine_collector)  # type: ignore[arg-type]
+    _engine_collector = EngineCollector(engine)
+    REGISTRY.register(_engine_collector)  # type: ignore[arg-type]
+    engine.on_finish = observe_request
+
+
+def exposition() -> tuple[bytes, str]:
+    """The text exposition of every metric and its content type (for a /metrics route)."""
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def bind_metrics(host: str, port: int) -> SocketListener | None:
+    """--metrics-port: bound with the protocols' ports, served once the engine is up."""
+    if not port:
+        return None
+    return SocketListener(bind_tcp(host, port, "--metrics-port"), _serve_metrics)
+
+
+async def _serve_metrics(engine: Engine, sock: socket.socket) -> Stopper:
+    from aiohttp import web
+
+    from tokenwire.protocols.http_site import start_site
+
+    async def metrics(request: web.Request) -> web.Response:
+        body, content_type = exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner, port = await start_site(app, "", 0, sock)
+    log.info("Prometheus metrics on http://%s:%d/metrics", sock.getsockname()[0], port)
+    return runner.cleanup

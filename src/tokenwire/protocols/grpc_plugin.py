@@ -1,0 +1,54 @@
+"""The gRPC server of `tokenwire serve`, which Salience and Evergreen share (--grpc-port).
+
+Imported to build the command line: grpc and the services load when the server binds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from tokenwire.protocols.evergreen import plugin as evergreen
+from tokenwire.protocols.serving import Stopper
+
+if TYPE_CHECKING:
+    from tokenwire.engine.engine import Engine
+    from tokenwire.protocols.grpc_server import GrpcServer
+
+DEFAULT_PORT = 50051
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("gRPC (Salience and Evergreen)")
+    g.add_argument(
+        "--grpc-port", type=int, default=DEFAULT_PORT, help="gRPC port for Salience and Evergreen (0 = off)"
+    )
+    g.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument(
+        "--auth-token",
+        default=os.environ.get("TOKENWIRE_AUTH_TOKEN") or None,
+        help="require `authorization: Bearer <token>` on Salience RPCs (default: $TOKENWIRE_AUTH_TOKEN)",
+    )
+    evergreen.add_serve_args(parser)
+
+
+class _GrpcListener:
+    def __init__(self, server: GrpcServer) -> None:
+        self.server = server
+
+    async def start(self, engine: Engine) -> Stopper:
+        await self.server.start(engine)
+        return self.server.stop
+
+    def close(self) -> None:
+        self.server.close()
+
+
+async def bind(args: argparse.Namespace) -> _GrpcListener | None:
+    if not args.grpc_port:
+        return None
+    from tokenwire.protocols.grpc_server import GrpcServer
+
+    return _GrpcListener(await GrpcServer(None, args, args.host, args.grpc_port).bind())

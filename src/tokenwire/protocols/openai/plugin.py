@@ -1,0 +1,46 @@
+"""The OpenAI-compatible HTTP API in `tokenwire serve` (--http-port).
+
+Imported to build the command line: FastAPI and uvicorn load when `serve` builds its flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from typing import TYPE_CHECKING
+
+from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
+
+if TYPE_CHECKING:
+    from tokenwire.engine.engine import Engine
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("OpenAI-compatible HTTP API")
+    g.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible API port (0 = off)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENWIRE_API_KEY"),
+        help="require Authorization: Bearer KEY on /v1 routes (default: $TOKENWIRE_API_KEY)",
+    )
+    g.add_argument(
+        "--max-queued",
+        type=int,
+        default=256,
+        help="requests waiting in the engine beyond which the API answers 429",
+    )
+
+
+async def bind(args: argparse.Namespace) -> SocketListener | None:
+    if not args.http_port:
+        return None
+    return SocketListener(bind_tcp(args.host, args.http_port, "--http-port"), lambda e, s: _serve(e, s, args))
+
+
+async def _serve(engine: Engine, sock: socket.socket, args: argparse.Namespace) -> Stopper:
+    from tokenwire.protocols.openai.transport import start_from_args
+
+    stop = await start_from_args(engine, args, sock)
+    assert stop is not None
+    return stop
