@@ -50,8 +50,11 @@ def benchmarks() -> list[ModuleType]:
         evergreen_bench,
         graphpipe_bench,
         lmtp_bench,
+        openai_bench,
         salience_bench,
     )
 
-    return [salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench]
+    return [
+        salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench
+    ]  # fmt: skip
 

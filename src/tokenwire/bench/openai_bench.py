@@ -331,7 +331,7 @@ def run_openai_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenwire.cli import add_model_args, settings_from
+    from tokenwire.cli_args import add_model_args, settings_from
 
     p = bench_sub.add_parser(
         "openai", help="OpenAI API: SSE throughput vs the engine, overhead, session turn 2"
