@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,9 +25,8 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenwire.engine.errors import EngineError
-from tokenwire.protocols.openai import core
+from tokenwire.protocols.openai import core, responses
 from tokenwire.protocols.openai.errors import OpenAIError, from_engine
-from tokenwire.protocols.openai.plugin import add_serve_args  # noqa: F401 - its flags live there
 from tokenwire.protocols.openai.runner import Execution
 from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenwire.protocols.openai.sessions import add_session_routes
@@ -222,7 +222,7 @@ class OpenAIApp:
             watcher.cancel()
             run.close()
             self.active.discard(run)
-        build = core.chat_response if plan.kind == "chat" else core.completion_response
+        build = responses.chat_response if plan.kind == "chat" else responses.completion_response
         return _json(build(plan))
 
     async def _stream(self, run: Execution) -> AsyncIterator[bytes]:
@@ -238,16 +238,16 @@ class OpenAIApp:
                     delta = out.feed(event)
                     finished = out.finish is not None and out.finish is event
                     if plan.kind == "chat":
-                        chunk = core.chat_chunk(plan, out, delta, first=first[index], finished=finished)
+                        chunk = responses.chat_chunk(plan, out, delta, first=first[index], finished=finished)
                         first[index] = False
                     else:
-                        chunk = core.completion_chunk(plan, out, delta, finished=finished)
+                        chunk = responses.completion_chunk(plan, out, delta, finished=finished)
                     if chunk is not None:
                         chunks.append(_sse(chunk))
                 if chunks:
                     yield b"".join(chunks)
             if plan.include_usage:
-                yield _sse(core.usage_chunk(plan))
+                yield _sse(responses.usage_chunk(plan))
             yield DONE
         except OpenAIError as exc:
             # the status line is sent: the error goes as an event (the openai client raises it)
@@ -372,6 +372,22 @@ def _metrics_exposition() -> Callable[[], tuple[bytes, str]] | None:
         return None
     exposition = getattr(metrics, "exposition", None)
     return exposition if callable(exposition) else None
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("OpenAI-compatible HTTP API")
+    g.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible API port (0 = off)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENWIRE_API_KEY"),
+        help="require Authorization: Bearer KEY on /v1 routes (default: $TOKENWIRE_API_KEY)",
+    )
+    g.add_argument(
+        "--max-queued",
+        type=int,
+        default=256,
+        help="requests waiting in the engine beyond which the API answers 429",
+    )
 
 
 async def start_from_args(
