@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenwire.engine.errors import EngineError
 from tokenwire.protocols.openai import core, responses
 from tokenwire.protocols.openai.errors import OpenAIError, from_engine
+from tokenwire.protocols.openai.plugin import add_serve_args  # noqa: F401 - its flags live there
 from tokenwire.protocols.openai.runner import Execution
 from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenwire.protocols.openai.sessions import add_session_routes
@@ -372,22 +372,6 @@ def _metrics_exposition() -> Callable[[], tuple[bytes, str]] | None:
         return None
     exposition = getattr(metrics, "exposition", None)
     return exposition if callable(exposition) else None
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("OpenAI-compatible HTTP API")
-    g.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible API port (0 = off)")
-    g.add_argument(
-        "--api-key",
-        default=os.environ.get("TOKENWIRE_API_KEY"),
-        help="require Authorization: Bearer KEY on /v1 routes (default: $TOKENWIRE_API_KEY)",
-    )
-    g.add_argument(
-        "--max-queued",
-        type=int,
-        default=256,
-        help="requests waiting in the engine beyond which the API answers 429",
-    )
 
 
 async def start_from_args(
