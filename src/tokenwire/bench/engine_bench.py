@@ -246,7 +246,7 @@ def _print_table(
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from tokenwire.cli_args import add_model_args, settings_from
 
-    be = bench_sub.add_parser("engine", help="engine vs transformers generate()")
+    be = bench_sub.add_parser("engine", help="engine vs llama.cpp on the same GGUF and transformers")
     add_model_args(be)
     be.add_argument("--json", action="store_true")
     be.add_argument("--decode-tokens", type=int, default=128, help="new tokens per stream")
@@ -262,3 +262,7 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         "--ftz-baseline", action="store_true", help="also run transformers with denormals flushed"
     )
     be.set_defaults(handler=lambda args: run_engine_bench(args, settings_from(args)))
+
+    from tokenwire.bench.quality_bench import add_quality_parser
+
+    add_quality_parser(bench_sub, add_model_args, settings_from)

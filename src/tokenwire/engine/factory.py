@@ -106,6 +106,26 @@ def resolve_weights(settings: EngineSettings, source: ModelSource, device: torch
     return weights
 
 
+QUANTIZED_WEIGHTS = ("gguf", "int8", "int4")
+
+
+def _with_kernels(settings: EngineSettings, weights: str) -> str:
+    """Build or load the CPU kernels quantised weights run on (model/kernels). Where they cannot
+    be built (no C++ compiler), `auto` falls back to fp32 with a warning; an explicit format fails."""
+    from tokenwire.model.kernels import load_kernels
+
+    try:
+        load_kernels(settings.cache_dir)
+    except Exception as e:  # the compiler's or ninja's failure, whatever its type
+        if settings.weights != "auto":
+            raise ValueError(
+                f"--weights {weights} needs tokenwire's CPU kernels, which failed to build: {e}"
+            ) from e
+        log.warning("CPU kernels unavailable (%s): running fp32 weights instead of the GGUF's blocks", e)
+        return "fp32"
+    return weights
+
+
 def load_model(source: ModelSource, weights: str, device: torch.device, max_len: int | None) -> LlamaModel:
     positions = min(max_len or source.config.max_position_embeddings, source.config.max_position_embeddings)
     if weights == "gguf":
@@ -163,13 +183,12 @@ def build_engine(settings: EngineSettings) -> Engine:
         kv_mb = default_kv_cache_mb(source.config, kv_dtype, device, context, settings.max_num_seqs)
     weights = resolve_weights(settings, source, device)
 
+    if weights in QUANTIZED_WEIGHTS:
+        weights = _with_kernels(settings, weights)
+
     def make_model() -> LlamaModel:
         model = load_model(source, weights, device, settings.max_model_len)
         model.fuse_decode = settings.compile
-        if model.can_fuse_decode:
-            from tokenwire.model.kernels import load_kernels
-
-            load_kernels(settings.cache_dir)
         return model
 
     log.info("loading %s weights from %s, KV cache %.0f MiB", weights, source.model_dir, kv_mb)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -67,6 +69,10 @@ def load_kernels(cache_dir: Path | None = None) -> None:
         if not cached:
             log.info("compiling tokenwire CPU kernels into %s (once per machine, ~30-60 s)", build)
         os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+        # the `ninja` wheel installs beside this interpreter, which need not be on PATH
+        bindir = os.path.dirname(sys.executable)
+        if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         cpp_extension.load(
             name="tokenwire_quant_cpu",
             sources=[str(_SOURCE)],

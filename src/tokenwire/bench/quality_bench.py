@@ -1,0 +1,112 @@
+"""`tokenwire bench quality`: the quantised path's logits against the fp32 reference.
+
+Both run the same GGUF: the reference dequantises it to fp32 (`--weights fp32`); the candidate
+keeps its blocks (`--weights gguf`, or what --weights names). The text is teacher-forced: every
+position's logprob of the true next token and the top-1 token are compared. The candidate is
+measured twice, because the two paths differ: prefill (512-token chunks) and decode (one token
+per step through the fused decode kernel, as generation runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from tokenwire.engine.engine import Engine
+from tokenwire.engine.factory import EngineSettings, build_engine
+from tokenwire.engine.request import GenerateOptions, TokenEvent
+
+DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")  # plain English prose on every Debian machine
+
+Scored = list[tuple[float, int]]  # per position p >= 1: (logprob of token p, top-1 token id)
+
+
+def score_prefill(engine: Engine, tokens: list[int]) -> Scored:
+    opts = GenerateOptions(
+        max_tokens=0, logprob_ranges=[(1, len(tokens))], top_logprobs=1, use_prefix_cache=False
+    )
+    events, _ = engine.generate(None, tokens, opts).result()
+    return [(e.logprob, e.top_logprobs[0][0]) for e in events if isinstance(e, TokenEvent)]
+
+
+def score_decode(engine: Engine, tokens: list[int]) -> Scored:
+    """One token per engine step, appended to a session: each step is a decode row."""
+    sid = engine.create_session(tokens[:1])
+    out: Scored = []
+    try:
+        for p in range(1, len(tokens)):
+            opts = GenerateOptions(max_tokens=0, logprob_ranges=[(p, p + 1)], top_logprobs=1)
+            events, _ = engine.generate(sid, tokens[p : p + 1], opts).result()
+            (event,) = [e for e in events if isinstance(e, TokenEvent)]
+            out.append((event.logprob, event.top_logprobs[0][0]))
+    finally:
+        engine.close_session(sid)
+    return out
+
+
+def compare(reference: Scored, candidate: Scored) -> dict[str, float]:
+    diffs = [abs(a - b) for (a, _), (b, _) in zip(reference, candidate, strict=True)]
+    agree = sum(ra == ca for (_, ra), (_, ca) in zip(reference, candidate, strict=True))
+    return {
+        "top1_agreement": agree / len(reference),
+        "mean_abs_logprob_diff": statistics.fmean(diffs),
+        "max_abs_logprob_diff": max(diffs),
+        "perplexity": math.exp(-statistics.fmean(lp for lp, _ in candidate)),
+    }
+
+
+def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
+    settings.progress = False
+    text = Path(args.text).read_text(encoding="utf-8", errors="replace")
+    reference_engine = build_engine(replace(settings, weights="fp32"))
+    try:
+        tokens = reference_engine.tokenizer.encode(text)[: args.tokens]
+        reference = score_prefill(reference_engine, tokens)
+    finally:
+        reference_engine.shutdown()
+    engine = build_engine(settings)
+    try:
+        weights = engine.weights
+        prefill = score_prefill(engine, tokens)
+        decode = score_decode(engine, tokens)
+    finally:
+        engine.shutdown()
+    result = {
+        "weights": weights,
+        "tokens": len(tokens),
+        "reference_perplexity": math.exp(-statistics.fmean(lp for lp, _ in reference)),
+        "prefill": compare(reference, prefill),
+        "decode": compare(reference, decode),
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"tokenwire bench quality — {engine.name}: {weights} vs fp32 (dequantised), {len(tokens)} tokens")
+    print(f"{'path':<10}{'top-1 agree':>13}{'mean |dlogp|':>14}{'max |dlogp|':>13}{'perplexity':>12}")
+    print(f"{'fp32 ref':<10}{'':>13}{'':>14}{'':>13}{result['reference_perplexity']:>12.3f}")
+    for path in ("prefill", "decode"):
+        r = result[path]
+        print(
+            f"{path:<10}{r['top1_agreement'] * 100:>12.2f}%{r['mean_abs_logprob_diff']:>14.2e}"
+            f"{r['max_abs_logprob_diff']:>13.2e}{r['perplexity']:>12.3f}"
+        )
+    print(f"text: {args.text}, teacher-forced; decode = one token per step through the fused kernel")
+    return 0
+
+
+def add_quality_parser(
+    bench_sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+    add_model_args: Callable[[argparse.ArgumentParser], None],
+    settings_from: Callable[[argparse.Namespace], EngineSettings],
+) -> None:
+    bq = bench_sub.add_parser("quality", help="quantised weights' logits vs the fp32 reference")
+    add_model_args(bq)
+    bq.add_argument("--json", action="store_true")
+    bq.add_argument("--text", default=str(DEFAULT_TEXT), help="text to teacher-force (default: the GPL-3)")
+    bq.add_argument("--tokens", type=int, default=2000, help="tokens of the text to score")
+    bq.set_defaults(handler=lambda args: run_quality_bench(args, settings_from(args)))
