@@ -34,8 +34,8 @@ class ServerPlugin(Protocol):
     async def bind(self, args: argparse.Namespace) -> Listener | None: ...
 
 
-# `tokenwire salience`, `tokenwire lmtp`, `tokenwire evergreen`, `tokenwire graphpipe`, `tokenwire aicirt`
-CLI_PLUGINS: list[CliPlugin] = [salience, lmtp, evergreen, graphpipe, aici]
+# `tokenwire salience`, `lmtp`, `evergreen`, `graphpipe`, `aicirt`, `chat` (OpenAI-compatible)
+CLI_PLUGINS: list[CliPlugin] = [salience, lmtp, evergreen, graphpipe, aici, openai]
 
 # what `tokenwire serve` binds and starts, in this order (stopped in reverse)
 SERVER_PLUGINS: list[ServerPlugin] = [lmtp, grpc_plugin, aici, graphpipe, openai]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -204,3 +205,12 @@ def test_a_stream_open_when_the_server_stops_ends_in_an_error(random_engine: Any
         assert random_engine.stats()["running"] == 0
     finally:
         server.close()
+
+
+def test_metrics_are_served_on_the_api_port(client: Any, root: str) -> None:
+    client.chat.completions.create(**CHAT, temperature=0)
+    with urllib.request.urlopen(f"{root}/metrics", timeout=30) as response:  # open, like /health
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    assert 'tokenwire_requests_total{outcome="length",protocol="openai"}' in text
+    assert "tokenwire_requests_running" in text

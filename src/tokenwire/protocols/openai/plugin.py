@@ -16,6 +16,13 @@ if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
 
 
+def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`tokenwire chat`: an interactive chat with any OpenAI-compatible server."""
+    from tokenwire.protocols.openai.chat_cli import register_cli as chat_cli
+
+    chat_cli(sub)
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("OpenAI-compatible HTTP API")
     g.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible API port (0 = off)")

@@ -24,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenwire.engine.errors import EngineError
+from tokenwire.engine.request import Origin
 from tokenwire.protocols.openai import core, responses
 from tokenwire.protocols.openai.errors import OpenAIError, from_engine
 from tokenwire.protocols.openai.plugin import add_serve_args  # noqa: F401 - its flags live there
@@ -208,6 +209,10 @@ class OpenAIApp:
             except EngineError as exc:
                 raise from_engine(exc) from exc
         plan = make_plan(tokens)
+        peer = f"{request.client.host}:{request.client.port}" if request.client else None
+        origin = Origin("openai", "chat.completions" if plan.kind == "chat" else "completions", peer)
+        for _, options in plan.choices:
+            options.origin = origin  # the access log and the per-protocol metrics
         run = Execution(self.engine, plan)
         run.submit()
         self.active.add(run)
