@@ -17,9 +17,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
+from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.request import GenerateOptions, TokenEvent
+from tokenwire.model.llama import PagedDecode
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")  # plain English prose on every Debian machine
 
@@ -35,18 +39,25 @@ def score_prefill(engine: Engine, tokens: list[int]) -> Scored:
 
 
 def score_decode(engine: Engine, tokens: list[int]) -> Scored:
-    """One token per engine step, appended to a session: each step is a decode row."""
-    sid = engine.create_session(tokens[:1])
-    out: Scored = []
-    try:
-        for p in range(1, len(tokens)):
-            opts = GenerateOptions(max_tokens=0, logprob_ranges=[(p, p + 1)], top_logprobs=1)
-            events, _ = engine.generate(sid, tokens[p : p + 1], opts).result()
-            (event,) = [e for e in events if isinstance(e, TokenEvent)]
-            out.append((event.logprob, event.top_logprobs[0][0]))
-    finally:
-        engine.close_session(sid)
-    return out
+    """One token per model step, as generation runs: each step is a PagedDecode batch of one row
+    (the fused decode kernel when the model has it) over a KV cache of its own."""
+
+    def run() -> Scored:
+        model = engine.model
+        block = 16
+        blocks = -(-len(tokens) // block)
+        kv = KVCache(model.config, blocks, block, model.dtype, model.device)
+        table = torch.arange(blocks, dtype=torch.long)[None]
+        out: Scored = []
+        with torch.inference_mode():
+            for p in range(len(tokens) - 1):
+                pos = torch.tensor([p])
+                hidden, _ = model(torch.tensor(tokens[p : p + 1]), pos, PagedDecode(kv.k, kv.v, pos, table))
+                logp = torch.log_softmax(model.logits(hidden)[0], -1)
+                out.append((float(logp[tokens[p + 1]]), int(logp.argmax())))
+        return out
+
+    return engine.call_on_model_thread(run).result()
 
 
 def compare(reference: Scored, candidate: Scored) -> dict[str, float]:
