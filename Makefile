@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# Oracle's GraphPipe client for the interoperability tests (its pinned deps are stale; ours cover it)
 	$(BIN)/pip install --quiet --no-deps graphpipe==1.0.4
+	# tokenwire's C++ CPU kernels, compiled once per machine (~40 s) rather than at the first start
+	$(BIN)/python -m tokenwire.model.kernels
 	touch $(STAMP)
 
 serve: $(STAMP)

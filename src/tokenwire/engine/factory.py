@@ -115,7 +115,7 @@ def _with_kernels(settings: EngineSettings, weights: str) -> str:
     from tokenwire.model.kernels import load_kernels
 
     try:
-        load_kernels(settings.cache_dir)
+        load_kernels()
     except Exception as e:  # the compiler's or ninja's failure, whatever its type
         if settings.weights != "auto":
             raise ValueError(

@@ -1,10 +1,11 @@
 """tokenwire's CPU kernels (quant_cpu.cpp), compiled once per machine and cached.
 
 The extension is built with torch's own C++ extension machinery (ninja, the system compiler)
-into `<cache_dir>/kernels/<key>`, key = hash of the source, the torch version and the compiler
-flags, so a later start only loads the shared library (~0.1 s) and a changed source or torch
-rebuilds. The first build takes ~30-60 s on 2 cores and is logged with its duration. The ops
-register as `torch.ops.tokenwire.*`.
+into `<cache>/kernels/<key>`: cache = `$TOKENWIRE_CACHE_DIR` or `~/.cache/tokenwire` (kernels
+belong to the machine, not to a model, so a model's `--cache-dir` does not rebuild them); key =
+hash of the source, the torch version and the compiler flags. A later start only loads the
+shared library (~0.1 s); a changed source or torch rebuilds. The first build takes ~40 s on 2
+cores and is logged with its duration. The ops register as `torch.ops.tokenwire.*`.
 """
 
 from __future__ import annotations
@@ -46,15 +47,15 @@ def compiler_flags() -> list[str]:
     return flags
 
 
-def kernel_dir(cache_dir: Path | None = None) -> Path:
+def kernel_dir() -> Path:
     from tokenwire.model.loader import default_cache_dir
 
     flags = compiler_flags()
     key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode())
-    return (cache_dir or default_cache_dir()) / "kernels" / key.hexdigest()[:16]
+    return default_cache_dir() / "kernels" / key.hexdigest()[:16]
 
 
-def load_kernels(cache_dir: Path | None = None) -> None:
+def load_kernels() -> None:
     """Build (first time) and load the extension; afterwards torch.ops.tokenwire.* exist."""
     global _loaded
     with _lock:
@@ -62,7 +63,7 @@ def load_kernels(cache_dir: Path | None = None) -> None:
             return
         from torch.utils import cpp_extension
 
-        build = kernel_dir(cache_dir)
+        build = kernel_dir()
         build.mkdir(parents=True, exist_ok=True)
         cached = any(build.glob("*.so"))
         started = time.monotonic()
@@ -92,3 +93,4 @@ def load_kernels(cache_dir: Path | None = None) -> None:
 def ops() -> object:
     load_kernels()
     return torch.ops.tokenwire
+
