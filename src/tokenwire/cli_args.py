@@ -103,3 +103,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if shown or action.nargs == 0 or action.default in (None, [], "", argparse.SUPPRESS):
             return text  # on/off flags and flags without a default say nothing more
         return super()._get_help_string(action)
+
+
+def unreachable(url: str, default_port: int) -> str | None:
+    """Why a client cannot reach the server at `url` (None when a TCP connection opens): said
+    before any protocol error, with the usual cause."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url if "//" in url else f"//{url}")
+    host, port = parts.hostname or "127.0.0.1", parts.port or default_port
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            return None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        return f"cannot connect to {url} ({reason}): is a server running there? Start one: `tokenwire serve`"

@@ -15,7 +15,7 @@ import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tokenwire.engine.request import FinishEvent, Request
 
 log = logging.getLogger("tokenwire.metrics")
+disable_created_metrics()  # no `_created` series beside every counter and histogram
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -73,8 +74,35 @@ def test_generate_with_hf_directory_and_regex(smollm2_source, raw: bool) -> None
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    text = out.stdout.strip().replace("<|im_end|>", "")
+    text = out.stdout.strip()  # no <|im_end|>: special tokens are not text
     assert len(text) == 4 and text.isdigit() and text[0] in "12", out.stdout
+
+
+def test_generate_prints_no_special_tokens_but_json_keeps_their_ids(smollm2_source) -> None:
+    base = [*CMD, "generate", "Say hi.", "--temperature", "0", "--max-tokens", "40", "--kv-cache-mb", "32"]
+    plain = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0 and "<|" not in plain.stdout, plain.stdout
+    events = [json.loads(line) for line in subprocess.run(
+        [*base, "--json"], capture_output=True, text=True, timeout=300
+    ).stdout.splitlines()]  # fmt: skip
+    tokens, finish = events[:-1], events[-1]
+    assert finish["reason"] == "eos" and tokens[-1]["id"] in smollm2_source.tokenizer.eos_token_ids
+    assert tokens[-1]["text"] == ""  # the id is exact, the text has no markup
+    special = subprocess.run([*base, "--special"], capture_output=True, text=True, timeout=300)
+    assert special.stdout.rstrip().endswith("<|im_end|>"), special.stdout  # asked for
+
+
+def test_a_cold_start_without_a_terminal_logs_conversion_and_load(tmp_path) -> None:
+    out = subprocess.run(
+        [*CMD, "generate", "Hi", "--max-tokens", "1", "--kv-cache-mb", "16", "--cache-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "converting " in out.stderr and "first start only" in out.stderr, out.stderr
+    assert "model files ready in" in out.stderr and "loading gguf weights" in out.stderr, out.stderr
+    assert " loaded in " in out.stderr, out.stderr
 
 
 def test_concepts_build_then_readouts(tmp_path) -> None:

@@ -143,3 +143,21 @@ def test_two_grpc_servers_can_never_share_a_port() -> None:
     finally:
         stock.stop(None)
     assert out.returncode == 1 and f"--grpc-port {port}: address already in use" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "url"),
+    [
+        (["lmtp", "hi", "--url", "ws://127.0.0.1:{port}/"], "ws://127.0.0.1:{port}/"),
+        (["salience", "--url", "127.0.0.1:{port}"], "127.0.0.1:{port}"),
+        (["evergreen", "hi", "--url", "127.0.0.1:{port}"], "127.0.0.1:{port}"),
+        (["graphpipe", "--url", "http://127.0.0.1:{port}"], "http://127.0.0.1:{port}"),
+    ],
+)
+def test_a_client_without_a_server_says_so(capsys, argv: list[str], url: str) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main([a.format(port=port) for a in argv]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot connect to {url.format(port=port)}" in err and "tokenwire serve" in err

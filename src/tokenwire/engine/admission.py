@@ -1,4 +1,4 @@
-"""Whether the engine will take a request: the one admission check.
+"""Whether the engine will take a request (the one admission check), and an admitted request's set-up.
 
 `Engine.generate` runs it before touching a session, and protocols run it (through
 `Engine.check`, or `check_request` with their own copy of the limits in sans-IO code) to refuse
@@ -7,11 +7,17 @@ a request early, in their own error shape, with the engine's words for what was 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from tokenwire.engine.errors import ContextOverflowError, InvalidTokenError, KVBudgetError, PositionError
-from tokenwire.engine.request import GenerateOptions
+from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.request import GenerateOptions, Request, covers
+from tokenwire.engine.stop import StopStringMatcher
+from tokenwire.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -73,3 +79,37 @@ def check_request(
             f"KV cache budget exhausted: {prompt_len} tokens need {blocks} blocks but the budget "
             f"holds {limits.kv_blocks}{size}"
         )
+
+
+def prepare(request: Request, tokenizer: Tokenizer, kv: KVCache) -> None:
+    """An admitted request's working state: which prompt positions owe events (logprobs,
+    readouts) and so must be computed by it, its sampling generator, decoder, stop matcher and
+    constraint."""
+    opts = request.options
+    session = request.session
+    prompt_len = request.prompt_len
+    lp_ranges = opts.logprob_ranges or ()
+    wanted = (
+        sorted(p for p in range(prompt_len) if covers(lp_ranges, p) or covers(opts.readout_ranges, p))
+        if (lp_ranges or opts.readout_ranges)
+        else []
+    )
+    request.pending_prompt = wanted
+    request.pending_set = set(wanted)
+    # Positions whose logits/hidden states we need must be computed by this request.
+    first = prompt_len - 1
+    for p in wanted:
+        first = min(first, p - 1 if covers(lp_ranges, p) and p > 0 else p)
+    request.recompute_from = max(first, 0)
+    session.uncompute_from(request.recompute_from, kv)
+    if opts.sampling.seed is not None:
+        request.generator = torch.Generator().manual_seed(opts.sampling.seed)
+    else:
+        request.generator = torch.Generator().manual_seed(
+            int.from_bytes(uuid.uuid4().bytes[:8], "little")
+        )
+    request.decoder = tokenizer.incremental_decoder(skip_special_tokens=not opts.special_text)
+    if opts.stop:
+        request.stopper = StopStringMatcher(list(opts.stop))
+    if opts.constraint is not None:
+        opts.constraint.start(list(session.tokens))

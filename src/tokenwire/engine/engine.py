@@ -20,27 +20,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from tokenwire.engine.admission import Limits, check_request, check_tokens
+from tokenwire.engine.admission import Limits, check_request, check_tokens, prepare
 from tokenwire.engine.concepts import ConceptSet
-from tokenwire.engine.errors import (
-    EngineClosedError,
-    PositionError,
-    SessionBusyError,
-    SessionNotFoundError,
-)
+from tokenwire.engine.errors import EngineClosedError, PositionError, SessionBusyError, SessionNotFoundError
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.postprocess import Finish, Outcome, StepContext, postprocess
-from tokenwire.engine.request import (
-    FinishEvent,
-    GenerateOptions,
-    Request,
-    RequestHandle,
-    covers,
-)
+from tokenwire.engine.request import FinishEvent, GenerateOptions, Request, RequestHandle
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session, Ttl
 from tokenwire.engine.step import run_step
-from tokenwire.engine.stop import StopStringMatcher
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.llama import LlamaModel
 from tokenwire.model.tokenizer import Tokenizer
@@ -57,6 +45,7 @@ class _Loaded:
     model: torch.nn.Module
     kv: KVCache
     max_model_len: int
+    kv_cache_mb: float  # what the blocks take (the budget rounded down to whole blocks)
 
 
 class Engine:
@@ -102,33 +91,27 @@ class Engine:
         self._thread.start()
         built = loaded.result()
         try:
-            self._assign(built, block_size, max_batch_tokens, max_running)
+            self._assign(built, max_batch_tokens, max_running)
         except BaseException:
             self._closed = True  # the loop sees it first and returns
             raise
         finally:
             assigned.set()  # the loop reads the fields _assign sets
 
-    def _assign(self, built: _Loaded, block_size: int, max_batch_tokens: int, max_running: int) -> None:
+    def _assign(self, built: _Loaded, max_batch_tokens: int, max_running: int) -> None:
         self.model = built.model
         self.config: ModelConfig = built.model.config
         self.kv = built.kv
         self.max_model_len = built.max_model_len
-        self.kv_cache_mb = self.kv.num_blocks * KVCache.bytes_per_block(
-            self.config, block_size, built.model.dtype
-        ) / 2**20
+        self.kv_cache_mb = built.kv_cache_mb
         self.vocab_size = max(self.tokenizer.vocab_size, 1)
         self.logits_size = self.config.vocab_size
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_running, self._idle_sessions)
         self.limits = Limits(
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            kv_blocks=self.kv.num_blocks,
-            kv_block_size=self.kv.block_size,
-            has_concepts=self.concepts is not None,
-            kv_cache_mb=self.kv_cache_mb,
-        )
+            self.vocab_size, self.max_model_len, self.kv.num_blocks, self.kv.block_size,
+            has_concepts=self.concepts is not None, kv_cache_mb=self.kv_cache_mb,
+        )  # fmt: skip
         self._step_context = StepContext(
             self.kv, self.tokenizer, self.vocab_size, self.max_model_len, self.eos_ids, self.concepts
         )
@@ -149,7 +132,8 @@ class Engine:
         per_block = KVCache.bytes_per_block(config, block_size, module.dtype)
         num_blocks = max(2, int(kv_cache_mb * 2**20 // per_block))
         kv = KVCache(config, num_blocks, block_size, module.dtype, module.device)
-        return _Loaded(module, kv, min(max_model_len or module.max_positions, module.max_positions))
+        context = min(max_model_len or module.max_positions, module.max_positions)
+        return _Loaded(module, kv, context, num_blocks * per_block / 2**20)
 
     def _run(self, setup: tuple[Any, ...], loaded: Future[_Loaded], assigned: threading.Event) -> None:
         torch.set_grad_enabled(False)
@@ -263,41 +247,11 @@ class Engine:
             session.tokens.extend(append)
             session.touch()
             request = Request(next(self._ids), session, options, prompt_len)
-            self._prepare(request)
+            prepare(request, self.tokenizer, self.kv)
             self._running[session.id] = request
             self.scheduler.add(request)
             self._wake.notify()
         return RequestHandle(request, self.cancel, self._queue_position)
-    def _prepare(self, request: Request) -> None:
-        opts = request.options
-        session = request.session
-        prompt_len = request.prompt_len
-        lp_ranges = opts.logprob_ranges or ()
-        wanted = (
-            sorted(p for p in range(prompt_len) if covers(lp_ranges, p) or covers(opts.readout_ranges, p))
-            if (lp_ranges or opts.readout_ranges)
-            else []
-        )
-        request.pending_prompt = wanted
-        request.pending_set = set(wanted)
-        # Positions whose logits/hidden states we need must be computed by this request.
-        first = prompt_len - 1
-        for p in wanted:
-            first = min(first, p - 1 if covers(lp_ranges, p) and p > 0 else p)
-        request.recompute_from = max(first, 0)
-        session.uncompute_from(request.recompute_from, self.kv)
-        if opts.sampling.seed is not None:
-            request.generator = torch.Generator().manual_seed(opts.sampling.seed)
-        else:
-            request.generator = torch.Generator().manual_seed(
-                int.from_bytes(uuid.uuid4().bytes[:8], "little")
-            )
-        request.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=not opts.special_text)
-        if opts.stop:
-            request.stopper = StopStringMatcher(list(opts.stop))
-        if opts.constraint is not None:
-            opts.constraint.start(list(session.tokens))
-
     def cancel(self, request: Request) -> None:
         with self._lock:
             self._finish(request, Finish("cancelled"))
@@ -381,12 +335,12 @@ class Engine:
         # a request cut short may leave prompt positions that were never computed; that is fine:
         # the session keeps its tokens and the next request computes them.
         event = FinishEvent(finish.reason, request.prompt_len, request.generated, finish.error, finish.detail)
-        request.emit(event)
-        if self.on_finish is not None:
+        if self.on_finish is not None:  # first: a client that saw its end finds it counted
             try:
                 self.on_finish(request, event)
             except Exception:  # observing must never break serving
                 log.exception("on_finish observer failed")
+        request.emit(event)
         if session.ephemeral:
             self._sessions.pop(session.id, None)
             session.release(self.kv)

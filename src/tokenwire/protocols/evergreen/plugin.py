@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import sys
 
-from tokenwire.cli_args import HelpFormatter
+from tokenwire.cli_args import HelpFormatter, unreachable
 
 DEFAULT_URL = "127.0.0.1:50051"
 
@@ -63,6 +63,10 @@ def run_evergreen(args: argparse.Namespace) -> int:
     if args.prompt is None and not args.chat:
         print("tokenwire evergreen: give a prompt, or --chat", file=sys.stderr)
         return 2
+    problem = unreachable(args.url, 50051)
+    if problem is not None:
+        print(f"tokenwire evergreen: {problem}", file=sys.stderr)
+        return 1
     return asyncio.run(_chat(args))
 
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenwire.cli_args import HelpFormatter
+from tokenwire.cli_args import HelpFormatter, unreachable
 from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
 
 if TYPE_CHECKING:
@@ -75,6 +75,10 @@ def run_graphpipe(args: argparse.Namespace) -> int:
     from tokenwire.protocols.graphpipe.client import Client, GraphPipeClientError
     from tokenwire.protocols.graphpipe.types import type_name
 
+    problem = unreachable(args.url, DEFAULT_PORT)
+    if problem is not None:
+        print(f"tokenwire graphpipe: {problem}", file=sys.stderr)
+        return 1
     url = args.url.rstrip("/") + "/" + args.model_name
     try:
         with Client(url) as client:

@@ -13,7 +13,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from tokenwire.cli_args import HelpFormatter, add_model_args, settings_from
+from tokenwire.cli_args import HelpFormatter, add_model_args, settings_from, unreachable
 from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
 
 if TYPE_CHECKING:
@@ -64,6 +64,10 @@ def run_lmtp(args: argparse.Namespace) -> int:
     if args.prompt is None:
         print("tokenwire lmtp: give a prompt, or --stdio to serve", file=sys.stderr)
         return 2
+    problem = unreachable(args.url, DEFAULT_PORT)
+    if problem is not None:
+        print(f"tokenwire lmtp: {problem}", file=sys.stderr)
+        return 1
     return asyncio.run(_complete(args))
 
 

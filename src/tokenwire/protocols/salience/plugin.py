@@ -13,7 +13,7 @@ import math
 import os
 import sys
 
-from tokenwire.cli_args import HelpFormatter, add_model_args
+from tokenwire.cli_args import HelpFormatter, add_model_args, unreachable
 
 DEFAULT_URL = "127.0.0.1:50051"
 
@@ -62,11 +62,17 @@ def _format(text: str, logprob: float | None, color: bool) -> str:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    problem = unreachable(args.url, 50051)
+    if problem is not None:
+        print(f"tokenwire salience: {problem}", file=sys.stderr)
+        return 1
     from tokenwire.model.loader import resolve_model
+    from tokenwire.model_spec import check_model_spec
     from tokenwire.protocols.salience.client import Client
     from tokenwire.protocols.salience.client_session import SalienceError
 
-    source = resolve_model(args.model, cache_dir=args.cache_dir, name=args.model_name, progress=False)
+    model = check_model_spec(args.model)
+    source = resolve_model(model, cache_dir=args.cache_dir, name=args.model_name, progress=False)
     tok = source.tokenizer
     root = open(args.ca, "rb").read() if args.ca else None
     color = sys.stdout.isatty()
