@@ -3,10 +3,8 @@ and a non-streaming request whose client goes away."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from tests.protocols.openai.conftest import MODEL, http
+from tests.protocols.openai.conftest import MODEL, InProcess, http
 
 pytestmark = pytest.mark.slow
 ASK = [{"role": "user", "content": "When was the Eiffel Tower built?"}]
@@ -89,25 +87,16 @@ def with_concepts(smollm2_source: Any) -> Iterator[str]:
     from tokenwire.bench.random_tokens import RandomTokenModel
     from tokenwire.engine.concepts import ConceptSet
     from tokenwire.engine.engine import Engine
-    from tokenwire.protocols.openai.transport import OpenAIServer
 
     hidden = smollm2_source.config.hidden_size
     concepts = ConceptSet(["honesty", "joy"], [0, 1], torch.randn(2, 2, hidden))
     engine = Engine(
-        lambda: RandomTokenModel(smollm2_source.config),
-        smollm2_source.tokenizer,
-        name=MODEL,
-        kv_cache_mb=64,
-        concepts=concepts,
+        lambda: RandomTokenModel(smollm2_source.config), smollm2_source.tokenizer, name=MODEL,
+        kv_cache_mb=64, concepts=concepts,
     )
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server = asyncio.run_coroutine_threadsafe(OpenAIServer(engine, "127.0.0.1", 0).start(), loop).result()
+    server = InProcess(engine)
     yield server.url
-    asyncio.run_coroutine_threadsafe(server.stop(), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
+    server.close()
     engine.shutdown()
 
 

@@ -92,7 +92,7 @@ class Execution:
             for index, event in batch:
                 if isinstance(event, FinishEvent):
                     out = self.plan.outputs[index]
-                    out.cached_tokens = _cached_tokens(self.handles[index])
+                    out.cached_tokens = self.handles[index].cached_tokens
                     if event.reason == "error":
                         raise OpenAIError(
                             500, event.error or "generation failed", type="server_error", code="engine_error"
@@ -118,6 +118,3 @@ class Execution:
             self.engine.close_session(fork)
         self.forks = []
 
-
-def _cached_tokens(handle: RequestHandle) -> int:
-    return handle.cached_tokens
