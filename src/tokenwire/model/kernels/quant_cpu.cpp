@@ -252,28 +252,29 @@ inline __m256i block_dot_i16(const uint8_t* b, int64_t qtype, const int16_t* xq)
   return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
 }
 
-template <int M>
-void matmul_small_i16(const QuantizedActivations& a, int64_t K, const uint8_t* w, int64_t qtype, int64_t n0,
-                      int64_t n1, float* out, int64_t N) {
-  const int64_t nb = K / kBlock, bb = block_bytes(qtype), row_bytes = nb * bb;
+template <int M, int64_t QT>
+void matmul_small_i16(const QuantizedActivations& a, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                      float* out, int64_t N) {
+  const int64_t nb = K / kBlock, bb = block_bytes(QT), row_bytes = nb * bb;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
+    // two slots per row for the vector sums and for the scalar min/offset terms: a single
+    // scalar accumulator alone would chain every block on an add's latency
     __m256 acc[M][2];
-    float extra[M];
+    float extra[M][2];
     for (int m = 0; m < M; ++m) {
       acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-      extra[m] = 0;
+      extra[m][0] = extra[m][1] = 0;
     }
-    // blocks in pairs, each with its own accumulator (constant indices keep them in registers)
     auto step = [&](int64_t j, int slot) {
       const uint8_t* b = row + j * bb;
       const float d = half_to_float(b);
-      const float offset = qtype == kQ4_1 ? half_to_float(b + 2) : (qtype == kQ4_0 ? -8.0f * d : 0.0f);
+      const float offset = QT == kQ4_1 ? half_to_float(b + 2) : (QT == kQ4_0 ? -8.0f * d : 0.0f);
       for (int m = 0; m < M; ++m) {
         const int64_t r = m * nb + j;
-        const __m256 dots = _mm256_cvtepi32_ps(block_dot_i16(b, qtype, a.q.data() + r * kBlock));
+        const __m256 dots = _mm256_cvtepi32_ps(block_dot_i16(b, QT, a.q.data() + r * kBlock));
         acc[m][slot] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.scale[r]), dots, acc[m][slot]);
-        extra[m] += offset * a.sum[r];
+        if (QT != kQ8_0) extra[m][slot] += offset * a.sum[r];
       }
     };
     int64_t j = 0;
@@ -282,8 +283,17 @@ void matmul_small_i16(const QuantizedActivations& a, int64_t K, const uint8_t* w
       step(j + 1, 1);
     }
     if (j < nb) step(j, 0);
-    for (int m = 0; m < M; ++m) out[m * N + n] = hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + extra[m];
+    for (int m = 0; m < M; ++m)
+      out[m * N + n] = hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + (extra[m][0] + extra[m][1]);
   }
+}
+
+template <int64_t QT>
+void matmul_small_i16_rows(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0,
+                           int64_t n1, float* out, int64_t N) {
+  if (M == 1) matmul_small_i16<1, QT>(a, K, w, n0, n1, out, N);
+  else if (M == 2) matmul_small_i16<2, QT>(a, K, w, n0, n1, out, N);
+  else matmul_small_i16<3, QT>(a, K, w, n0, n1, out, N);
 }
 #endif
 
@@ -387,9 +397,9 @@ void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::T
     if (g_int16_activations) {
       const QuantizedActivations acts = quantize_activations(xp, M, K);
       at::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
-        if (M == 1) matmul_small_i16<1>(acts, K, wp, qtype, a, b, op, N);
-        else if (M == 2) matmul_small_i16<2>(acts, K, wp, qtype, a, b, op, N);
-        else matmul_small_i16<3>(acts, K, wp, qtype, a, b, op, N);
+        if (qtype == kQ4_1) matmul_small_i16_rows<kQ4_1>(acts, M, K, wp, a, b, op, N);
+        else if (qtype == kQ4_0) matmul_small_i16_rows<kQ4_0>(acts, M, K, wp, a, b, op, N);
+        else matmul_small_i16_rows<kQ8_0>(acts, M, K, wp, a, b, op, N);
       });
       return;
     }
