@@ -27,10 +27,12 @@ from tokenwire.model.quant import (
 from tokenwire.model.quant_model import build_quantized_model, quantize_state
 
 QTYPES = [Q4_0, Q4_1, Q8_0]
-# |quantised matmul - fp32 matmul of the dequantised weight| / max|fp32 result|. From 4 rows on
-# both sum the same exact products in fp32, in another order (~1e-7 seen); decode rows (M < 4)
-# take activations as int16 per 32-value block (~3e-5 seen; docs/engine.md).
-MATMUL_RTOL = {"fp32": 2e-6, "int16": 1e-4}
+# |quantised matmul - fp32 matmul of the dequantised weight| / max|fp32 result|: both sum the
+# same exact products in fp32, in another order (~1e-7 seen)
+MATMUL_RTOL = 2e-6
+# the fused decode layer's matvecs take int16 activations per 32-value block: its logprobs
+# differ from the fp32 layers' by up to this (SmolLM2, 2,000 tokens: mean 5.6e-4, max 7.1e-3)
+INT16_DECODE_LOGPROB_TOL = 2e-2
 
 
 def _blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
@@ -76,8 +78,7 @@ def test_quantized_linear_equals_fp32_matmul(qtype: int, rows: int) -> None:
     expected = x @ torch.from_numpy(reference).T + bias
     got = layer(x)
     assert got.shape == (rows, 130)
-    rtol = MATMUL_RTOL["int16" if rows < 4 else "fp32"]
-    assert ((got - expected).abs().max() / expected.abs().max()).item() <= rtol
+    assert ((got - expected).abs().max() / expected.abs().max()).item() <= MATMUL_RTOL
     # leading dimensions are kept
     assert layer(x.view(1, rows, 576)).shape == (1, rows, 130)
 
@@ -139,27 +140,41 @@ def _greedy(engine, prompt: list[int], n: int) -> list[int]:
     return [e.token_id for e in events]
 
 
-def test_fused_decode_equals_eager_layers_in_the_engine(smollm2_source) -> None:
-    """Batched decode through the fused kernel (paged KV, several sequences of different
-    lengths, blocks shared by the prefix cache) gives the eager layers' tokens and logprobs."""
+def _decode_runs(model, tokenizer, fuse: bool, int16: bool) -> list[list[tuple[int, float]]]:
     from tokenwire.engine.engine import Engine
     from tokenwire.engine.request import GenerateOptions, SamplingParams
+    from tokenwire.model.kernels import ops
 
-    quantised, _ = _twins(Q8_0)
     prompts = [[1, 2, 3, 4, 5] * k + [7] for k in (1, 4, 9)]
-    results = []
-    for fuse in (True, False):
-        quantised.fuse_decode = fuse
-        engine = Engine(quantised, smollm2_source.tokenizer, name="tiny", kv_cache_mb=16)
-        try:
-            opts = GenerateOptions(
-                max_tokens=20, sampling=SamplingParams(temperature=0.0), ignore_eos=True, logprobs=True
-            )
-            handles = [engine.generate(None, p, opts) for p in prompts]  # decoded as one batch
-            results.append([[(e.token_id, e.logprob) for e in h.result()[0]] for h in handles])
-        finally:
-            engine.shutdown()
-    fused, eager = results
-    for a, b in zip(fused, eager, strict=True):
-        assert [t for t, _ in a] == [t for t, _ in b]
-        assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) <= 1e-4
+    model.fuse_decode = fuse
+    ops().set_int16_activations(int16)
+    engine = Engine(model, tokenizer, name="tiny", kv_cache_mb=16)
+    try:
+        opts = GenerateOptions(
+            max_tokens=20, sampling=SamplingParams(temperature=0.0), ignore_eos=True, logprobs=True
+        )
+        handles = [engine.generate(None, p, opts) for p in prompts]  # decoded as one batch
+        return [[(e.token_id, e.logprob) for e in h.result()[0]] for h in handles]
+    finally:
+        engine.shutdown()
+        ops().set_int16_activations(True)
+
+
+def _max_logprob_diff(a: list[list[tuple[int, float]]], b: list[list[tuple[int, float]]]) -> float:
+    for x, y in zip(a, b, strict=True):
+        assert [t for t, _ in x] == [t for t, _ in y]
+    return max(abs(p - q) for x, y in zip(a, b, strict=True) for (_, p), (_, q) in zip(x, y, strict=True))
+
+
+def test_fused_decode_equals_eager_layers_in_the_engine(smollm2_source) -> None:
+    """Batched decode through the fused kernel (paged KV, several sequences of different
+    lengths) gives the eager layers' tokens and logprobs: to 1e-4 with fp32 matvecs, and to
+    the documented int16 tolerance with the default int16 activations."""
+    quantised, _ = _twins(Q8_0)
+    tok = smollm2_source.tokenizer
+    eager = _decode_runs(quantised, tok, fuse=False, int16=True)  # eager layers are fp32 anyway
+    assert _max_logprob_diff(_decode_runs(quantised, tok, fuse=True, int16=False), eager) <= 1e-4
+    assert (
+        _max_logprob_diff(_decode_runs(quantised, tok, fuse=True, int16=True), eager)
+        <= INT16_DECODE_LOGPROB_TOL
+    )

@@ -30,7 +30,12 @@
 namespace {
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
-bool g_int16_activations = true;  // set_int16_activations(): the exact-fp32 decode path when false
+// The fused decode layer's matvecs take int16 activations (set_int16_activations(false): the
+// fp32 path). qmatmul, which prefill chunks and unfused steps use, is always fp32: a prompt's
+// KV then comes out the same (up to summation order) whether part of it came from the prefix
+// cache (a few rows) or not (one chunk), as on the fp32 path; int16 rows there changed greedy
+// continuations after a cache hit.
+bool g_int16_activations = true;
 constexpr int kBlock = 32;
 
 int64_t block_bytes(int64_t qtype) {
@@ -387,14 +392,14 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
 }
 
 // x [M, K] fp32 contiguous -> [M, N]
-void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& out) {
+void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& out, bool int16_rows) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (M < 4) {
 #ifdef TW_AVX2
-    if (g_int16_activations) {
+    if (int16_rows) {
       const QuantizedActivations acts = quantize_activations(xp, M, K);
       at::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
         if (qtype == kQ4_1) matmul_small_i16_rows<kQ4_1>(acts, M, K, wp, a, b, op, N);
@@ -418,7 +423,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype) {
   const at::Tensor x = x_in.reshape({-1, x_in.size(-1)}).contiguous();
   check_weight(w, qtype, x.size(1));
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
-  if (x.size(0) > 0) qmatmul_into(x, w, qtype, out);
+  if (x.size(0) > 0) qmatmul_into(x, w, qtype, out, false);
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = w.size(0);
   return out.view(shape);
@@ -483,7 +488,7 @@ void decode_layer(at::Tensor x, const at::Tensor& input_norm, const at::Tensor& 
   at::Tensor h = at::empty({M, H}, opts);
   rms_norm_rows(xp, input_norm.data_ptr<float>(), static_cast<float>(eps), M, H, h.data_ptr<float>());
   at::Tensor qkv = at::empty({M, qkv_n}, opts);
-  qmatmul_into(h, qkv_w, qkv_type, qkv);
+  qmatmul_into(h, qkv_w, qkv_type, qkv, g_int16_activations);
   float* qp = qkv.data_ptr<float>();
   if (qkv_bias.has_value()) {
     const float* bp = qkv_bias->data_ptr<float>();
@@ -544,12 +549,12 @@ void decode_layer(at::Tensor x, const at::Tensor& input_norm, const at::Tensor& 
     }
   });
   at::Tensor proj = at::empty({M, H}, opts);
-  qmatmul_into(attn, o_w, o_type, proj);
+  qmatmul_into(attn, o_w, o_type, proj, g_int16_activations);
   const float* pp = proj.data_ptr<float>();
   for (int64_t i = 0; i < M * H; ++i) xp[i] += pp[i];
   rms_norm_rows(xp, post_norm.data_ptr<float>(), static_cast<float>(eps), M, H, h.data_ptr<float>());
   at::Tensor gu = at::empty({M, 2 * inter}, opts);
-  qmatmul_into(h, gate_up_w, gate_up_type, gu);
+  qmatmul_into(h, gate_up_w, gate_up_type, gu, g_int16_activations);
   at::Tensor act = at::empty({M, inter}, opts);
   float* gp = gu.data_ptr<float>();
   float* actp = act.data_ptr<float>();
@@ -558,7 +563,7 @@ void decode_layer(at::Tensor x, const at::Tensor& input_norm, const at::Tensor& 
       const float g = gp[m * 2 * inter + i];
       actp[m * inter + i] = g / (1.0f + std::exp(-g)) * gp[m * 2 * inter + inter + i];
     }
-  qmatmul_into(act, down_w, down_type, proj);
+  qmatmul_into(act, down_w, down_type, proj, g_int16_activations);
   for (int64_t i = 0; i < M * H; ++i) xp[i] += pp[i];
 }
 
