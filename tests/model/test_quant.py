@@ -178,3 +178,25 @@ def test_fused_decode_equals_eager_layers_in_the_engine(smollm2_source) -> None:
         _max_logprob_diff(_decode_runs(quantised, tok, fuse=True, int16=True), eager)
         <= INT16_DECODE_LOGPROB_TOL
     )
+
+
+def test_k_quant_tensors_become_q8_0_blocks_at_conversion() -> None:
+    """Types the kernels do not run (here Q6_K, as Q4_K_M files mix in) are re-quantised once to
+    Q8_0 from their exact dequantised values; float tensors stay float."""
+    from types import SimpleNamespace
+
+    from tokenwire.model.gguf import _packed_tensor
+
+    rng = np.random.default_rng(3)
+    rows, cols, block_bytes = 8, 256, 210  # Q6_K: 256 weights in 210 bytes, fp16 d last
+    raw = rng.integers(0, 256, (rows, cols // 256 * block_bytes), dtype=np.uint8)
+    raw.reshape(-1, block_bytes)[:, 208:210] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    dense = np.asarray(gguf_dequantize(raw, GGMLQuantizationType.Q6_K), dtype=np.float32)
+    tensor = SimpleNamespace(tensor_type=GGMLQuantizationType.Q6_K, data=raw)
+    packed, qtype = _packed_tensor(tensor, dense, None)
+    assert qtype == Q8_0 and packed.dtype == torch.uint8
+    back = dequantize(packed, Q8_0, cols).numpy()
+    assert np.abs(back - dense).max() <= np.abs(dense).max() / 127  # one Q8_0 step at most
+    norm = SimpleNamespace(tensor_type=GGMLQuantizationType.F32, data=dense[0])
+    kept, none = _packed_tensor(norm, dense[0], None)
+    assert none is None and kept.dtype == torch.float32 and np.array_equal(kept.numpy(), dense[0])
