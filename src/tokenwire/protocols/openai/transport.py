@@ -27,6 +27,7 @@ from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import Origin
 from tokenwire.protocols.openai import core, responses
 from tokenwire.protocols.openai.errors import OpenAIError, from_engine
+from tokenwire.protocols.openai.playground import add_playground_routes
 from tokenwire.protocols.openai.plugin import add_serve_args  # noqa: F401 - its flags live there
 from tokenwire.protocols.openai.runner import Execution
 from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -128,6 +129,7 @@ class OpenAIApp:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions")(self.completions)
         add_session_routes(app, self.engine, self.limits)
+        add_playground_routes(app, self.engine)  # the web page at / (issue 19)
 
     def _check_capacity(self) -> None:
         waiting = self.engine.stats()["waiting"]
