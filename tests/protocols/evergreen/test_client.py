@@ -13,7 +13,7 @@ import pytest
 from tests.protocols.evergreen.test_server import greedy_text
 from tokenwire.engine.request import GenerateOptions, SamplingParams
 from tokenwire.evergreen import Chat, EvergreenError, EvergreenSession, GenerateConfig
-from tokenwire.protocols.evergreen import cli, client
+from tokenwire.protocols.evergreen import client, plugin
 
 GREEDY = GenerateConfig(temperature=0, max_tokens=8)
 
@@ -140,13 +140,13 @@ def test_cancel_from_the_client(evergreen_server):
 
 def test_cli_multi_turn_chat(evergreen_server, smollm2_engine, monkeypatch, capsys):
     parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers())
+    plugin.register_cli(parser.add_subparsers())
     args = parser.parse_args(
         [
             "evergreen",
             "Name a fruit.",
             "--chat",
-            "--server",
+            "--url",
             evergreen_server.target,
             "--temperature",
             "0",
