@@ -8,6 +8,7 @@ these tests fail, not skip, when they are missing.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -122,10 +123,19 @@ def browser(out_dir: Path) -> Iterator[Any]:
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_script_timeout(60)
+    viewport(driver, 1280, 800)
     try:
         yield driver
     finally:
         driver.quit()
+
+
+def viewport(driver: Any, width: int, height: int, mobile: bool = False) -> None:
+    """The page's viewport exactly (a headless window's size includes no chrome but varies)."""
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile},
+    )
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
@@ -271,6 +281,7 @@ def test_stream_tokens_hover_keyboard_fork_and_close(browser: Any, server: str, 
     driver.get(server + "/")
     wait_for(lambda: js(driver, "return document.body.dataset.ready === 'true'"), what="the page to start")
     assert driver.title == "tokenwire playground"
+    assert js(driver, "return [innerWidth, innerHeight]") == [1280, 800]
     assert js(driver, "return document.getElementById('model-name').textContent") == MODEL
     shot(driver, out_dir, "01-loaded")
 
@@ -358,6 +369,7 @@ def test_stream_tokens_hover_keyboard_fork_and_close(browser: Any, server: str, 
 
     # fork at token 3 and generate: a second branch, nested under the first, sharing 3 tokens
     parent_id = js(driver, "return document.querySelector('#tree > li').dataset.session")
+    js(driver, "document.getElementById('status').textContent = ''")  # wait_done waits for the next
     fork.click()
     wait_done(driver)
     assert js(driver, "return document.getElementById('error').hidden")
@@ -393,6 +405,7 @@ def test_stream_tokens_hover_keyboard_fork_and_close(browser: Any, server: str, 
     assert js(driver, "return document.querySelectorAll('#tree li[data-session]').length") == 1
     assert http("GET", f"{server}/v1/sessions/{parent_id}", key=None)[0] == 200
 
+    assert js(driver, "return document.documentElement.scrollWidth") <= 1280
     # the engine panel counted the work (tokens/s shown once two polls have been taken)
     wait_for(
         lambda: js(driver, "return /^[0-9.]+$/.test(document.getElementById('tps').textContent)"),
@@ -421,6 +434,34 @@ def test_invalid_regex_shows_the_server_error_and_the_page_keeps_working(
     assert js(driver, "return document.getElementById('error').hidden")
     answer = "".join(t["text"] for t in tokens(driver) if not t["prompt"])
     assert len(answer) == 4 and answer.isdigit()
+    # chat mode with a JSON schema: the reply parses and has the schema's keys
+    js(
+        driver,
+        """document.querySelector('input[name=mode][value=chat]').click();
+           document.getElementById('new-session').click();""",
+    )
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "year": {"type": "integer"}},
+        "required": ["city", "year"],
+        "additionalProperties": False,
+    }
+    js(
+        driver,
+        """document.getElementById('prompt').value = arguments[0];
+           document.getElementById('max_tokens').value = '40';
+           document.getElementById('constraint-kind').value = 'json';
+           document.getElementById('constraint').value = arguments[1];
+           document.getElementById('status').textContent = '';""",
+        "Name a city and a year as JSON.",
+        json.dumps(schema),
+    )
+    driver.find_element("id", "generate").click()
+    wait_done(driver)
+    assert js(driver, "return document.getElementById('error').hidden")
+    reply = json.loads("".join(t["text"] for t in tokens(driver)))
+    assert set(reply) == {"city", "year"} and isinstance(reply["year"], int)
+    shot(driver, out_dir, "07-chat-json")
     # 404s of the first request aside, nothing went to the console as an error
     assert [m for m in severe_console(driver) if "400" not in m] == []
 
@@ -451,14 +492,14 @@ def test_readout_colouring_and_chart(browser: Any, server: str, out_dir: Path) -
         what="the readout chart",
     )
     assert label.startswith("joy across layers: layer 0 ") and "layer 30" in label
-    shot(driver, out_dir, "07-readouts")
+    shot(driver, out_dir, "08-readouts")
     assert axe_serious(driver) == []
     assert severe_console(driver) == []
 
 
 def test_phone_width_has_no_horizontal_overflow(browser: Any, server: str, out_dir: Path) -> None:
     driver = browser
-    driver.set_window_size(390, 844)
+    viewport(driver, 390, 844, mobile=True)
     try:
         driver.get(server + "/")
         wait_for(
@@ -466,10 +507,10 @@ def test_phone_width_has_no_horizontal_overflow(browser: Any, server: str, out_d
         )
         generate(driver, prompt="A long line: " + "word " * 40, max_tokens=4)
         width = js(driver, "return window.innerWidth")
-        assert width <= 400
+        assert width == 390
         assert js(driver, "return document.documentElement.scrollWidth") <= width
-        shot(driver, out_dir, "08-phone")
+        shot(driver, out_dir, "09-phone")
         assert axe_serious(driver) == []
     finally:
-        driver.set_window_size(1280, 800)
+        viewport(driver, 1280, 800)
     assert severe_console(driver) == []
