@@ -370,7 +370,10 @@ def test_stream_tokens_hover_keyboard_fork_and_close(browser: Any, server: str, 
     # fork at token 3 and generate: a second branch, nested under the first, sharing 3 tokens
     parent_id = js(driver, "return document.querySelector('#tree > li').dataset.session")
     js(driver, "document.getElementById('status').textContent = ''")  # wait_done waits for the next
-    fork.click()
+    ActionChains(driver).send_keys(Keys.TAB).perform()  # from the selected token to its fork button
+    assert js(driver, "return document.activeElement.id") == "fork-here"
+    assert fork.text == "Fork here (keep 3 tokens) and generate"
+    ActionChains(driver).send_keys(Keys.ENTER).perform()
     wait_done(driver)
     assert js(driver, "return document.getElementById('error').hidden")
     ids = js(

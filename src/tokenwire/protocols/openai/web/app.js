@@ -183,6 +183,7 @@ function renderTokens() {
       el.addEventListener("mouseenter", () => showDetail(Number(el.dataset.index), false));
       el.addEventListener("focus", () => { state.focusIndex = Number(el.dataset.index); showDetail(state.focusIndex, false); });
       el.addEventListener("click", () => selectToken(Number(el.dataset.index)));
+      el.addEventListener("dblclick", () => forkAt(Number(el.dataset.index)));
       box.append(el);
     }
     el.textContent = visible(record.text);
@@ -251,6 +252,7 @@ function showDetail(index, pinned) {
     fork.type = "button";
     fork.id = "fork-here";
     fork.textContent = `Fork here (keep ${record.pos} tokens) and generate`;
+    fork.title = "Shortcuts: double-click a token, or press f on a focused token";
     fork.addEventListener("click", () => forkAt(index));
     const p = document.createElement("p");
     p.append(fork);
@@ -291,7 +293,11 @@ function readoutChart(record) {
     const t = document.createElementNS(ns, "text");
     t.setAttribute("x", x(i)); t.setAttribute("y", h - 2); t.setAttribute("font-size", "9"); t.setAttribute("text-anchor", "middle");
     t.textContent = state.layers[i];
-    svg.append(t);
+    const label = document.createElementNS(ns, "text");
+    label.setAttribute("x", x(i)); label.setAttribute("y", Math.max(9, y(v) - 4)); label.setAttribute("font-size", "9");
+    label.setAttribute("text-anchor", "middle");
+    label.textContent = v.toFixed(2);
+    svg.append(t, label);
   });
   const figure = document.createElement("figure");
   figure.className = "readout-chart";
@@ -308,6 +314,7 @@ function onTokensKey(event) {
   else if (event.key === "ArrowLeft" || event.key === "ArrowUp") i = Math.max(0, i - 1);
   else if (event.key === "Home") i = 0;
   else if (event.key === "End") i = last;
+  else if (event.key === "f" && !$("generate").disabled) { event.preventDefault(); forkAt(i); return; }
   else return;
   event.preventDefault();
   state.focusIndex = i;
@@ -511,6 +518,8 @@ async function init() {
   $("stop-btn").addEventListener("click", () => state.controller?.abort());
   $("new-session").addEventListener("click", () => { state.current = null; state.selected = null; renderTree(); renderTokens(); });
   $("tokens").addEventListener("keydown", onTokensKey);
+  // hovering other tokens shows them for a moment; leaving the row brings back the selected one
+  $("tokens").addEventListener("mouseleave", () => { if (state.selected !== null) showDetail(state.selected, true); });
   renderTree();
   renderTokens();
   pollEngine();
