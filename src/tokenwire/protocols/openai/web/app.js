@@ -496,6 +496,7 @@ async function init() {
   state.concepts = s.concepts;
   state.layers = s.layers;
   $("model-name").textContent = s.model;
+  if (matchMedia("(max-width: 700px)").matches) $("settings").open = false; // a phone: tokens sooner
   if (s.concepts.length) {
     const option = $("colour-by").querySelector('option[value="readout"]');
     option.disabled = false;
