@@ -15,15 +15,17 @@ import base64
 import json
 import logging
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from tokenwire.logs import access_log
 from tokenwire.protocols.aici.client import AiciClient, AiciError
 from tokenwire.protocols.aici.engine_bridge import Coordinator
 from tokenwire.protocols.aici.run import RunRequest, run_events
 from tokenwire.protocols.http_site import start_site
-from tokenwire.protocols.serving import Stopper
+from tokenwire.protocols.serving import SHUTDOWN_MESSAGE, Stopper
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -54,9 +56,11 @@ class AiciServer:
         self.port = port
         self.sock = sock  # bound before the model loaded (tokenwire serve)
         self._runner: web.AppRunner | None = None
+        self._runs: set[asyncio.Task[Any]] = set()  # /v1/run handlers streaming now
+        self._shutting_down: str | None = None
 
     async def start(self) -> AiciServer:
-        app = web.Application(client_max_size=MAX_WASM_BYTES)
+        app = web.Application(client_max_size=MAX_WASM_BYTES, middlewares=[_access_middleware])
         app.router.add_post("/v1/controllers", self._upload)
         app.router.add_get("/v1/controllers/tags", self._get_tags)
         app.router.add_post("/v1/controllers/tags", self._set_tags)
@@ -101,22 +105,75 @@ class AiciServer:
             req = RunRequest.from_json(body)
         except ValueError as e:
             return _error(400, str(e))
+        if self._shutting_down is not None:
+            return _error(503, self._shutting_down)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         events = run_events(self.engine, self.client, self.coord, req)
+        task = asyncio.current_task()
+        assert task is not None
+        self._runs.add(task)
         try:
             async for obj in events:
                 await resp.write(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
+        except asyncio.CancelledError:
+            if self._shutting_down is None:
+                raise  # the client went away
+            task.uncancel()
+            await events.aclose()
+            # the server stops: the run ends with AICI's own error form, a failed fork
+            await resp.write(f"data: {json.dumps(shutdown_event(self._shutting_down))}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
         finally:
+            self._runs.discard(task)
             await events.aclose()  # a client that went away: cancel the forks, free everything
         return resp
 
+    async def shutdown(self, message: str = SHUTDOWN_MESSAGE, wait_s: float = 2.0) -> None:
+        """Server stopping: refuse new runs (503) and end the streaming ones with a failed fork
+        whose error is `message`, then `[DONE]`."""
+        self._shutting_down = message
+        runs = list(self._runs)
+        for task in runs:
+            task.cancel()
+        if runs:
+            await asyncio.wait(runs, timeout=wait_s)
+
     async def stop(self) -> None:
+        await self.shutdown()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
         self.coord.close()
+
+
+def shutdown_event(message: str) -> dict[str, Any]:
+    fork = {"index": 0, "text": "", "logs": "", "storage": [], "error": message, "finish_reason": "fail"}
+    return {"object": "run", "forks": [fork], "error": {"message": message, "code": 503}}
+
+
+@web.middleware
+async def _access_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """One access-log line for each REST call (uploads, tags, runs incl. their instantiate);
+    a run's generations also get the engine's lines (method "run", with tokens and TTFT)."""
+    started = time.monotonic()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        access_log(
+            "aici",
+            f"{request.method} {request.path}",
+            "ok" if status < 400 else str(status),
+            peer=request.remote,
+            duration_s=time.monotonic() - started,
+        )
 
 
 async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:

@@ -8,7 +8,9 @@ generation starts. Output tokens stream out as fragments of the output leaf node
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Protocol
 
 import grpc
@@ -30,6 +32,7 @@ from tokenwire.engine.request import (
     SamplingParams,
     TokenEvent,
 )
+from tokenwire.logs import access_log
 from tokenwire.protocols.evergreen.actions import ActionSpec
 from tokenwire.protocols.evergreen.content import Prompt, PromptBuilder, plain_text
 from tokenwire.protocols.evergreen.core import ActionState, SessionCore
@@ -140,12 +143,27 @@ async def run_action(host: ActionHost, action: ActionState) -> None:
         elif spec.name == "SCORE":
             await _score(host, action)
         else:
-            await _token_tool(host, action)
+            await _logged_token_tool(host, action)
         host.send(host.core.finish(action))
     except SessionAbort as exc:
         host.send(host.core.fail(action, exc))
     except EngineError as exc:
         host.send(host.core.fail(action, engine_abort(spec.label, exc)))
+
+
+async def _logged_token_tool(host: ActionHost, action: ActionState) -> None:
+    """TOKENIZE/COUNT_TOKENS/DETOKENIZE never reach the engine's request hook: their access-log
+    line is written here (GENERATE and SCORE get theirs from the engine, by their Origin)."""
+    started = time.monotonic()
+    outcome = "error"
+    try:
+        await _token_tool(host, action)
+        outcome = "ok"
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+        raise
+    finally:
+        access_log("evergreen", action.spec.name, outcome, duration_s=time.monotonic() - started)
 
 
 async def _generate(host: ActionHost, action: ActionState) -> None:

@@ -86,6 +86,15 @@ class EvergreenServicer(spb_grpc.EvergreenServiceServicer):
         finally:
             runner.close_input()
 
+    async def shutdown(self, message: str, wait_s: float = 2.0) -> None:
+        """Server stopping: every open session ends with UNAVAILABLE(message), its in-flight
+        actions cancelled, before grpc's own stop would cancel the calls bare."""
+        for runner in list(self.runners):
+            runner.abort(SessionAbort(grpc.StatusCode.UNAVAILABLE, message))
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while self.runners and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)  # each StartSession sends its status and leaves the set
+
     async def close(self) -> None:
         for runner in list(self.runners):
             runner.abort(SessionAbort(grpc.StatusCode.UNAVAILABLE, "server shutting down"))
@@ -115,4 +124,4 @@ def add_to_server(server: grpc.aio.Server, engine: Engine, args: argparse.Namesp
     reuse = getattr(args, "evergreen_reuse", True)
     servicer = EvergreenServicer(engine, sandbox, limits_from_args(args), max_tokens, reuse=reuse)
     spb_grpc.add_EvergreenServiceServicer_to_server(servicer, server)
-    return GrpcRegistration([SERVICE_NAME], servicer.close)
+    return GrpcRegistration([SERVICE_NAME], servicer.close, servicer.shutdown)

@@ -23,9 +23,10 @@ class ErrorCode(IntEnum):
     MODEL_FAILURE = 7  # the model raised while running
     BAD_REQUEST = 8  # other invalid requests: name/tensor count mismatch, bad config, bad values
     UNKNOWN_MODEL = 9  # no model is served at the request's path
+    UNAVAILABLE = 10  # the server is shutting down: in-flight and new requests get this
 
 
-HTTP_STATUS = {ErrorCode.TOO_LARGE: 413, ErrorCode.UNKNOWN_MODEL: 404}
+HTTP_STATUS = {ErrorCode.TOO_LARGE: 413, ErrorCode.UNKNOWN_MODEL: 404, ErrorCode.UNAVAILABLE: 503}
 
 
 class GraphPipeError(Exception):

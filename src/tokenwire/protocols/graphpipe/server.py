@@ -9,6 +9,7 @@ name), `/` for the default model (the LM), and the lifecycle routes of Oracle's 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import socket
@@ -27,6 +28,7 @@ from tokenwire.protocols.graphpipe.models import DEFAULT_SPIN_US
 from tokenwire.protocols.graphpipe.models.base import TensorModel
 from tokenwire.protocols.graphpipe.pages import metadata_html, metadata_json
 from tokenwire.protocols.http_site import start_site
+from tokenwire.protocols.serving import SHUTDOWN_MESSAGE
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -75,6 +77,8 @@ class GraphPipeServer:
         self.ready = False
         self._runner: web.AppRunner | None = None
         self._posts_in_flight = 0  # POSTs being served, for ModelEndpoint.handle(alone=...)
+        self._posts: set[asyncio.Task[Any]] = set()  # their handler tasks (ended on shutdown)
+        self._shutting_down: str | None = None
 
     async def start(self) -> GraphPipeServer:
         app = web.Application(client_max_size=self.max_request_bytes + 1)
@@ -149,14 +153,27 @@ class GraphPipeServer:
         self._posts_in_flight += 1
         started = time.monotonic()
         reply: Reply | None = None
+        task = asyncio.current_task()
+        assert task is not None
+        self._posts.add(task)
         try:
-            body = await self._read_body(request)
-            if body is None or endpoint is None:
-                reply = self._refusal(body is None, name)
-            else:
-                reply = await endpoint.handle(body, alone=self._alone())
+            if self._shutting_down is not None:
+                reply = error_reply(GraphPipeError(ErrorCode.UNAVAILABLE, self._shutting_down))
+                return self._respond(reply)
+            try:
+                body = await self._read_body(request)
+                if body is None or endpoint is None:
+                    reply = self._refusal(body is None, name)
+                else:
+                    reply = await endpoint.handle(body, alone=self._alone())
+            except asyncio.CancelledError:
+                if self._shutting_down is None:
+                    raise  # the client went away
+                task.uncancel()
+                reply = error_reply(GraphPipeError(ErrorCode.UNAVAILABLE, self._shutting_down))
             return self._respond(reply)
         finally:
+            self._posts.discard(task)
             self._posts_in_flight -= 1
             outcome = "error" if reply is None or reply.error_code is not None else "ok"
             REQUESTS.labels("graphpipe", outcome).inc()
@@ -206,8 +223,16 @@ class GraphPipeServer:
         headers = {"X-GraphPipe-Error-Code": str(reply.error_code)} if reply.error_code is not None else None
         return web.Response(status=reply.status, body=reply.body, content_type=FLATBUFFER, headers=headers)
 
-    async def stop(self) -> None:
+    async def stop(self, message: str = SHUTDOWN_MESSAGE, wait_s: float = 2.0) -> None:
+        """Stop: requests being served get error UNAVAILABLE(message) (HTTP 503), then the
+        site closes."""
         self.ready = False
+        self._shutting_down = message
+        posts = list(self._posts)
+        for task in posts:
+            task.cancel()
+        if posts:
+            await asyncio.wait(posts, timeout=wait_s)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -9,9 +9,11 @@ sessions have a Generate stream open here (a second one is ABORTED at once).
 from __future__ import annotations
 
 import argparse
+import functools
 import hmac
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -20,6 +22,7 @@ from tokenwire.engine.engine import Engine
 from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import FinishEvent, Origin, RequestHandle, TokenEvent
 from tokenwire.engine.session import Ttl
+from tokenwire.logs import access_log
 from tokenwire.protocols.grpc_server import GrpcRegistration
 from tokenwire.protocols.salience import core
 from tokenwire.protocols.salience.gen import salience_pb2 as pb
@@ -53,6 +56,42 @@ def model_limits(engine: Engine) -> core.ModelLimits:
         vision=vision_tokens(engine),
         pad_count=None,
     )
+
+
+def _access_logged(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """One access-log line for a unary RPC that never reaches the engine's request hook
+    (Generate's line comes from the engine, by its Origin)."""
+
+    @functools.wraps(method)
+    async def logged(self: Any, request: Any, context: Any) -> Any:
+        started = time.monotonic()
+        outcome = "error"
+        try:
+            response = await method(self, request, context)
+            outcome = "ok"
+            return response
+        except BaseException:
+            code = _code_of(context)
+            outcome = code.name if code is not None else "error"
+            raise
+        finally:
+            access_log(
+                "salience",
+                method.__name__,
+                outcome,
+                peer=context.peer() if hasattr(context, "peer") else None,
+                session=getattr(request, "session_id", None) or None,
+                duration_s=time.monotonic() - started,
+            )
+
+    return logged
+
+
+def _code_of(context: Any) -> grpc.StatusCode | None:
+    try:
+        return context.code()
+    except Exception:  # not every context (or grpc version) exposes the code
+        return None
 
 
 class SalienceServicer(pb_grpc.SalienceServicer):
@@ -96,6 +135,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
             self._images.pop(sid, None)
 
     # ------------------------------------------------------------------ lifecycle RPCs
+    @_access_logged
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
         await self._authorize(context)
         try:
@@ -108,6 +148,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self._opened.add(sid)
         return pb.OpenSessionResponse(session_id=sid, max_model_len=self.engine.max_model_len)
 
+    @_access_logged
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
         await self._authorize(context)
         self.engine.close_session(request.session_id)  # idempotent: False when already gone
@@ -115,6 +156,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self._images.pop(request.session_id, None)
         return pb.CloseSessionResponse()
 
+    @_access_logged
     async def ForkSession(self, request: pb.ForkSessionRequest, context: Any) -> pb.ForkSessionResponse:
         await self._authorize(context)
         src = request.session_id
@@ -130,6 +172,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
             self._images[child] = inherited
         return pb.ForkSessionResponse(session_id=child)
 
+    @_access_logged
     async def DumpSession(self, request: pb.DumpSessionRequest, context: Any) -> pb.DumpSessionResponse:
         await self._authorize(context)
         try:
@@ -139,6 +182,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
             await self._abort(context, exc)
         return pb.DumpSessionResponse(tokens=tokens)
 
+    @_access_logged
     async def GetReadoutManifest(
         self, request: pb.GetReadoutManifestRequest, context: Any
     ) -> pb.ReadoutManifest:
