@@ -154,3 +154,43 @@ def test_concepts_build_then_readouts(tmp_path) -> None:
         assert joy("Such a happy, joyful moment!") > joy("Such a sad, miserable moment.")
     finally:
         engine.shutdown()
+
+
+def test_a_terminal_gets_one_start_up_bar_and_a_pipe_only_the_log_lines() -> None:
+    import os
+    import threading
+
+    argv = [*CMD, "generate", "Hi", "--max-tokens", "1", "--kv-cache-mb", "16", "--temperature", "0"]
+    import fcntl
+    import struct
+    import termios
+
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a real size
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # the child closed its end
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=follower, timeout=600)
+    finally:
+        os.close(follower)
+    reader.join(10)
+    os.close(leader)
+    on_tty = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, on_tty
+    assert "model files" in on_tty and "load + warm-up" in on_tty and "2/2" in on_tty, on_tty
+    assert " loaded in " in on_tty  # the log lines stay
+    piped = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert piped.returncode == 0, piped.stderr
+    assert " loaded in " in piped.stderr and "load + warm-up" not in piped.stderr, piped.stderr

@@ -26,6 +26,7 @@ from tokenwire.model.loader import (
 )
 from tokenwire.model.quant import Q4_1, Q8_0
 from tokenwire.model.quant_model import build_quantized_model, quantize_state
+from tokenwire.progress import StartupProgress
 
 log = logging.getLogger("tokenwire")
 
@@ -163,11 +164,20 @@ def build_engine(settings: EngineSettings) -> Engine:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = pick_device(settings.device)
+    with StartupProgress(
+        ["model files", "load + warm-up"], enabled=None if settings.progress else False
+    ) as bar:
+        return _build_engine(settings, device, bar)
+
+
+def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupProgress) -> Engine:
     started = time.monotonic()
     _log_conversion(settings)
-    source = resolve_model(
-        settings.model, cache_dir=settings.cache_dir, name=settings.model_name, progress=settings.progress
-    )
+    with bar.stage("model files"):  # the GGUF conversion (first start) is inside this one bar
+        source = resolve_model(
+            settings.model, cache_dir=settings.cache_dir, name=settings.model_name,
+            progress=settings.progress and not bar.enabled,
+        )  # fmt: skip
     if time.monotonic() - started > 1:
         log.info("model files ready in %.1fs", time.monotonic() - started)
     concepts = None
@@ -192,16 +202,17 @@ def build_engine(settings: EngineSettings) -> Engine:
         return model
 
     log.info("loading %s weights from %s, KV cache %.0f MiB", weights, source.model_dir, kv_mb)
-    engine = Engine(
-        make_model,
-        source.tokenizer,
-        name=source.name,
-        kv_cache_mb=kv_mb,
-        max_batch_tokens=settings.max_batch_tokens,
-        max_model_len=settings.max_model_len,
-        session_ttl_s=settings.session_ttl_s,
-        concepts=concepts,
-    )
+    with bar.stage("load + warm-up"):
+        engine = Engine(
+            make_model,
+            source.tokenizer,
+            name=source.name,
+            kv_cache_mb=kv_mb,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_model_len=settings.max_model_len,
+            session_ttl_s=settings.session_ttl_s,
+            concepts=concepts,
+        )
     engine.source = source
     engine.weights = weights
     log.info(
