@@ -188,9 +188,8 @@ def _median(values: list[float]) -> float:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenwire.bench.random_tokens import RandomTokenModel
+    from tokenwire.bench.random_tokens import random_twin
     from tokenwire.cli_args import settings_from
-    from tokenwire.engine.engine import Engine
     from tokenwire.engine.factory import build_engine
     from tokenwire.protocols.evergreen.servicer import add_to_server as SERVICE
     from tokenwire.protocols.grpc_server import GrpcServer
@@ -202,9 +201,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     no_reuse = await GrpcServer(
         engine, argparse.Namespace(evergreen_reuse=False), "127.0.0.1", 0, services=[SERVICE]
     ).start()
-    random_engine = Engine(
-        lambda: RandomTokenModel(engine.config), engine.tokenizer, name="random", kv_cache_mb=64
-    )
+    random_engine = random_twin(engine, name="random")
     random_server = await GrpcServer(random_engine, ns, "127.0.0.1", 0, services=[SERVICE]).start()
     echo = grpc.aio.server()
     rpc.add_EvergreenServiceServicer_to_server(EchoServicer(), echo)

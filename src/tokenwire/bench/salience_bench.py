@@ -21,7 +21,6 @@ All in one process and one run, medians of --repeats:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
@@ -31,9 +30,9 @@ from typing import Any
 
 import grpc
 
-from tokenwire.bench.random_tokens import RandomTokenModel
+from tokenwire.bench.random_tokens import run_with_random_twin
 from tokenwire.engine.engine import Engine
-from tokenwire.engine.factory import EngineSettings, build_engine
+from tokenwire.engine.factory import EngineSettings
 from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams
 from tokenwire.protocols.grpc_server import GrpcServer
 from tokenwire.protocols.salience.gen import salience_pb2 as pb
@@ -320,16 +319,7 @@ async def _run(engine: Engine, random_engine: Engine, args: argparse.Namespace) 
 
 
 def run_salience_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
-    engine = build_engine(settings)
-    source = engine.source
-    random_engine = Engine(
-        lambda: RandomTokenModel(source.config), source.tokenizer, name=engine.name, kv_cache_mb=64
-    )
-    try:
-        result = asyncio.run(_run(engine, random_engine, args))
-    finally:
-        random_engine.shutdown()
-        engine.shutdown()
+    result = run_with_random_twin(settings, lambda engine, twin: _run(engine, twin, args))
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
