@@ -9,6 +9,7 @@ the engine, plain causal attention for whole-sequence tensor calls).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -226,11 +227,15 @@ class LlamaModel(nn.Module):
     def can_fuse_decode(self) -> bool:
         """Whether decode-only steps may run each layer as one fused kernel (PagedDecode): every
         projection quantised, fp32 on the CPU, and not turned off (`fuse_decode`, --no-compile)."""
+        return getattr(self, "fuse_decode", True) and self._fusable
+
+    @functools.cached_property
+    def _fusable(self) -> bool:
+        # the layers do not change after loading: checked once, not on every step
         from tokenwire.model.quant import QuantLinear
 
         return (
-            getattr(self, "fuse_decode", True)
-            and self.device.type == "cpu"
+            self.device.type == "cpu"
             and self.norm.dtype == torch.float32
             and all(
                 isinstance(m, QuantLinear)

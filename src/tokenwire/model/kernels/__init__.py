@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -90,7 +91,10 @@ def load_kernels() -> None:
         _loaded = True
 
 
-def ops() -> object:
-    load_kernels()
+def ops() -> Any:
+    """torch.ops.tokenwire, loading the kernels on first use (afterwards no lock is taken:
+    every quantised matmul and fused layer call goes through here)."""
+    if not _loaded:
+        load_kernels()
     return torch.ops.tokenwire
 
