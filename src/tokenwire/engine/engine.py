@@ -75,6 +75,9 @@ class Engine:
         self._ids = itertools.count(1)
         self._model_calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._closed = False
+        # set first thing in shutdown(): long model-thread calls (GraphPipe's dense forward of a
+        # whole batch) poll it between layers and give up, so the thread is free within a layer
+        self.stopping = threading.Event()
         self.steps = 0
         self.computed_tokens = 0  # positions run through the model (prefill + decode), all steps
         self.source: Any = None  # the ModelSource when built by factory.build_engine
@@ -252,6 +255,7 @@ class Engine:
             self.scheduler.add(request)
             self._wake.notify()
         return RequestHandle(request, self.cancel, self._queue_position)
+
     def cancel(self, request: Request) -> None:
         with self._lock:
             self._finish(request, Finish("cancelled"))
@@ -388,7 +392,13 @@ class Engine:
                 "computed_tokens": self.computed_tokens,
             }
 
+    def check_stopping(self) -> None:
+        """Raises EngineClosedError once shutdown() has begun: for long calls on the model thread."""
+        if self.stopping.is_set():
+            raise EngineClosedError("server shutting down")
+
     def shutdown(self) -> None:
+        self.stopping.set()
         with self._lock:
             if self._closed:
                 return
@@ -399,3 +409,5 @@ class Engine:
                 fut.cancel()
             self._wake.notify_all()
         self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            log.warning("the model thread was still busy 10 s after shutdown; exiting without it")

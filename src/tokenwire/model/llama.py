@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -281,13 +282,23 @@ class LlamaModel(nn.Module):
 class DenseCausalAttention:
     """Whole-sequence causal attention over a [B, T] batch flattened to B*T packed tokens."""
 
-    def __init__(self, batch: int, seq_len: int, key_mask: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        batch: int,
+        seq_len: int,
+        key_mask: torch.Tensor | None = None,
+        before_layer: Callable[[], None] | None = None,
+    ) -> None:
         self.batch = batch
         self.seq_len = seq_len
         # key_mask [B, T] (True = real token) supports right-padded batches.
         self.key_mask = key_mask
+        # called as each layer's attention starts: may raise to abandon a long forward
+        self.before_layer = before_layer
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.before_layer is not None:
+            self.before_layer()
         b, t = self.batch, self.seq_len
         heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[2]
         q4 = q.view(b, t, heads, d).transpose(1, 2)

@@ -125,7 +125,13 @@ class LanguageModel(TensorModel):
         tokens = torch.from_numpy(ids).to(device).reshape(-1)
         positions = torch.arange(t, device=device).repeat(b)
         capture = (layer,) if "hidden_states" in outputs else ()
-        hidden, captured = model(tokens, positions, DenseCausalAttention(b, t), capture_layers=capture)
+        # a batch can take seconds on a CPU: the forward stops within a layer of shutdown
+        hidden, captured = model(
+            tokens,
+            positions,
+            DenseCausalAttention(b, t, before_layer=self.engine.check_stopping),
+            capture_layers=capture,
+        )
         hidden = hidden.view(b, t, -1)
         results: dict[str, torch.Tensor] = {}
         if "logits" in outputs:
