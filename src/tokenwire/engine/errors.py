@@ -38,3 +38,8 @@ class KVBudgetError(EngineError):
 
 class EngineClosedError(EngineError):
     """The engine has shut down."""
+
+
+class ReplicaLostError(EngineClosedError):
+    """The engine replica holding a session died (--replicas): its KV is gone; the session must
+    be opened again (a new one is placed on a live replica)."""

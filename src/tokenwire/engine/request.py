@@ -141,6 +141,9 @@ class FinishEvent:
     completion_tokens: int
     error: str | None = None
     stop_detail: Any = None  # the stop string or stop token id that ended generation
+    # an "error" because the engine running the request went away (a lost --replicas replica):
+    # protocols answer it as unavailable (retry elsewhere), not as an internal failure
+    unavailable: bool = False
 
     @property
     def total_tokens(self) -> int:
