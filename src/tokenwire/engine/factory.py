@@ -129,6 +129,8 @@ def _with_kernels(settings: EngineSettings, weights: str) -> str:
 
 def load_model(source: ModelSource, weights: str, device: torch.device, max_len: int | None) -> LlamaModel:
     positions = min(max_len or source.config.max_position_embeddings, source.config.max_position_embeddings)
+    if source.config.vision is not None:  # Qwen2-VL family: its own model class (qwen2_vl.py)
+        return _load_vision_model(source, weights, device, positions)
     if weights == "gguf":
         packed = load_packed(source.model_dir)
         assert packed is not None
@@ -139,6 +141,22 @@ def load_model(source: ModelSource, weights: str, device: torch.device, max_len:
         return build_quantized_model(source.config, tensors, qtypes, max_positions=positions)
     state = load_weights(source.model_dir)
     return build_model(source.config, state, dtype=DTYPES[weights], device=device, max_positions=positions)
+
+
+def _load_vision_model(source: ModelSource, weights: str, device: torch.device, positions: int) -> LlamaModel:
+    from tokenwire.model.images import ImagePreprocessor
+    from tokenwire.model.qwen2_vl import build_vl_model
+
+    if weights not in ("fp32", "bf16"):
+        raise ValueError(
+            f"--weights {weights} is not available for {source.config.architecture}: use fp32 or bf16"
+        )
+    state = load_weights(source.model_dir)
+    model = build_vl_model(
+        source.config, state, dtype=DTYPES[weights], device=device, max_positions=positions
+    )
+    model.images = ImagePreprocessor.from_dir(source.model_dir)
+    return model
 
 
 def _log_conversion(settings: EngineSettings) -> None:

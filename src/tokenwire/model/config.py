@@ -13,10 +13,19 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    # vision-language: a Qwen2 decoder with M-RoPE plus a vision tower (qwen2_vl_config.py)
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 
 
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -41,6 +50,10 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # vision-language models only: M-RoPE's (temporal, height, width) frequency sections and the
+    # vision tower's settings (a qwen2_vl_config.VisionConfig)
+    mrope_section: tuple[int, ...] | None = None
+    vision: Any = None
 
     @property
     def family(self) -> str:
@@ -56,6 +69,14 @@ class ModelConfig:
                 f"unsupported model architecture {arch!r}: tokenwire implements "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
+        if SUPPORTED_ARCHITECTURES[arch] in ("qwen2_vl", "qwen2_5_vl"):
+            from tokenwire.model import qwen2_vl_config as vl
+
+            text = cls.from_hf_dict(vl.text_config_dict(d))
+            text.architecture = arch
+            text.mrope_section = vl.mrope_section(d)
+            text.vision = vl.vision_config(d, SUPPORTED_ARCHITECTURES[arch])
+            return text
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         # transformers >= 5 nests rope settings under rope_parameters; older configs keep
