@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import ssl
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -140,14 +141,17 @@ def exposition() -> tuple[bytes, str]:
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
 
 
-def bind_metrics(host: str, port: int) -> SocketListener | None:
-    """--metrics-port: bound with the protocols' ports, served once the engine is up."""
+def bind_metrics(host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> SocketListener | None:
+    """--metrics-port: bound with the protocols' ports, served once the engine is up (over TLS
+    with --tls-cert; open without a token, like the health probes: counters only)."""
     if not port:
         return None
-    return SocketListener(bind_tcp(host, port, "--metrics-port"), _serve_metrics)
+    return SocketListener(
+        bind_tcp(host, port, "--metrics-port"), lambda e, s: _serve_metrics(e, s, ssl_context)
+    )
 
 
-async def _serve_metrics(engine: Engine, sock: socket.socket) -> Stopper:
+async def _serve_metrics(engine: Engine, sock: socket.socket, ssl_context: ssl.SSLContext | None) -> Stopper:
     from aiohttp import web
 
     from tokenwire.protocols.http_site import start_site
@@ -158,6 +162,7 @@ async def _serve_metrics(engine: Engine, sock: socket.socket) -> Stopper:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner, port = await start_site(app, "", 0, sock)
-    log.info("Prometheus metrics on http://%s:%d/metrics", sock.getsockname()[0], port)
+    runner, port = await start_site(app, "", 0, sock, ssl_context=ssl_context)
+    scheme = "https" if ssl_context is not None else "http"
+    log.info("Prometheus metrics on %s://%s:%d/metrics", scheme, sock.getsockname()[0], port)
     return runner.cleanup

@@ -51,6 +51,7 @@ def add_serve_args(parser: argparse.ArgumentParser, argv: list[str]) -> None:
 async def _bind_all(args: argparse.Namespace) -> list[Listener]:
     """Every protocol's listener, then the metrics endpoint's (last: it is not a protocol)."""
     from tokenwire.metrics import bind_metrics
+    from tokenwire.protocols.security import ssl_context
 
     listeners: list[Listener] = []
     try:
@@ -58,7 +59,7 @@ async def _bind_all(args: argparse.Namespace) -> list[Listener]:
             listener = await plugin.bind(args)
             if listener is not None:
                 listeners.append(listener)
-        metrics = bind_metrics(args.host, args.metrics_port)
+        metrics = bind_metrics(args.host, args.metrics_port, ssl_context(args))
         if metrics is not None:
             listeners.append(metrics)
     except BaseException:

@@ -6,7 +6,6 @@ Imported to build the command line: grpc and the services load when the server b
 from __future__ import annotations
 
 import argparse
-import os
 from typing import TYPE_CHECKING
 
 from tokenwire.protocols.evergreen import plugin as evergreen
@@ -24,13 +23,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--grpc-port", type=int, default=DEFAULT_PORT, help="gRPC port for Salience and Evergreen (0 = off)"
     )
-    g.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
-    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    g.add_argument(
-        "--auth-token",
-        default=os.environ.get("TOKENWIRE_AUTH_TOKEN") or None,
-        help="require `authorization: Bearer <token>` on Salience RPCs (default: $TOKENWIRE_AUTH_TOKEN)",
-    )
+    # --tls-cert/--tls-key/--auth-token apply to every protocol: protocols/security.py
     evergreen.add_serve_args(parser)
 
 

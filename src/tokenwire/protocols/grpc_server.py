@@ -5,6 +5,10 @@ module adds the standard health service (every registered service reported SERVI
 NOT_SERVING while stopping) and server reflection, so `grpcurl -plaintext HOST:PORT list`
 shows everything. The port is bound (`bind`) before the model loads, without SO_REUSEPORT,
 so a second server on the same port fails at once instead of splitting the clients.
+
+With --auth-token every RPC of the protocol services needs metadata `authorization: Bearer
+TOKEN` (BearerAuthInterceptor): without it the call ends UNAUTHENTICATED before the service
+sees it. Health and reflection stay open: probes and `grpcurl list` carry no secret.
 """
 
 from __future__ import annotations
@@ -19,6 +23,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tokenwire.protocols.security import (
+    UNAUTHENTICATED_MESSAGE,
+    auth_token,
+    bearer,
+    refused,
+    tls_files,
+    token_matches,
+)
 from tokenwire.protocols.serving import PortInUseError, bind_tcp
 
 if TYPE_CHECKING:
@@ -74,12 +86,14 @@ class GrpcServer:
 
     async def bind(self) -> GrpcServer:
         """Take the port now (credentials read, address checked); serve it in `start`."""
+        token = auth_token(self.args)
         server = grpc.aio.server(
+            interceptors=[BearerAuthInterceptor(token)] if token else None,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),  # grpc's default (1) lets two servers share the port
-            ]
+            ],
         )
         address = f"{self.host}:{self.requested_port}"
         if self.requested_port:
@@ -96,9 +110,7 @@ class GrpcServer:
         except RuntimeError:
             port = 0  # grpc raises "Failed to bind" where older versions returned 0
         if port == 0:
-            raise PortInUseError(
-                f"--grpc-port {self.requested_port}: address already in use ({address})"
-            )
+            raise PortInUseError(f"--grpc-port {self.requested_port}: address already in use ({address})")
         self.port, self.server = port, server
         return self
 
@@ -144,10 +156,46 @@ class GrpcServer:
 
 def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | None:
     """TLS credentials from --tls-cert/--tls-key, or None for plaintext."""
-    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
-    if not cert and not key:
+    files = tls_files(args)
+    if files is None:
         return None
-    if not (cert and key):
-        raise ValueError("--tls-cert and --tls-key must be given together")
-    with open(cert, "rb") as c, open(key, "rb") as k:
+    with open(files[0], "rb") as c, open(files[1], "rb") as k:
         return grpc.ssl_server_credentials([(k.read(), c.read())])
+
+
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Every protocol RPC needs `authorization: Bearer TOKEN`; health and reflection are open.
+    A refused call gets a handler of the same shape that only aborts UNAUTHENTICATED: the
+    service's handler never runs, and no request message is read."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_SERVICES):
+            return handler
+        given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        presented = bearer(given)
+        if token_matches(self.token, presented):
+            return handler
+        method = details.method
+
+        async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+            refused("grpc", context.peer(), method, presented)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)

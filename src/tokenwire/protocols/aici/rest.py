@@ -15,6 +15,7 @@ import base64
 import json
 import logging
 import socket
+import ssl
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from tokenwire.protocols.aici.client import AiciClient, AiciError
 from tokenwire.protocols.aici.engine_bridge import Coordinator
 from tokenwire.protocols.aici.run import RunRequest, run_events
 from tokenwire.protocols.http_site import start_site
+from tokenwire.protocols.security import aiohttp_auth, auth_token, ssl_context
 from tokenwire.protocols.serving import SHUTDOWN_MESSAGE, Stopper
 
 if TYPE_CHECKING:
@@ -48,8 +50,12 @@ class AiciServer:
         host: str = "127.0.0.1",
         port: int = 4242,
         sock: socket.socket | None = None,
+        auth_token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.engine = engine
+        self.auth_token = auth_token
+        self.ssl_context = ssl_context
         self.client = client
         self.coord = Coordinator(client, engine.vocab_size, step_count=lambda: engine.steps)
         self.host = host
@@ -60,20 +66,22 @@ class AiciServer:
         self._shutting_down: str | None = None
 
     async def start(self) -> AiciServer:
-        app = web.Application(client_max_size=MAX_WASM_BYTES, middlewares=[_access_middleware])
+        auth = aiohttp_auth(self.auth_token, "aici", lambda message: _error(401, message))
+        middlewares = [_access_middleware] + ([auth] if auth is not None else [])
+        app = web.Application(client_max_size=MAX_WASM_BYTES, middlewares=middlewares)
         app.router.add_post("/v1/controllers", self._upload)
         app.router.add_get("/v1/controllers/tags", self._get_tags)
         app.router.add_post("/v1/controllers/tags", self._set_tags)
         app.router.add_post("/v1/run", self._run)
-        self._runner, self.port = await start_site(app, self.host, self.port, self.sock, "--aici-port")
-        log.info(
-            "AICI REST listening on http://%s:%d/v1/ (runtime %s)", self.host, self.port, self.client.prefix
+        self._runner, self.port = await start_site(
+            app, self.host, self.port, self.sock, "--aici-port", self.ssl_context
         )
+        log.info("AICI REST listening on %s/v1/ (runtime %s)", self.url, self.client.prefix)
         return self
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://{self.host}:{self.port}"
 
     async def _upload(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -212,7 +220,9 @@ async def start_on(engine: Engine, args: argparse.Namespace, sock: socket.socket
             tokenizer=tokenizer_spec(engine), runtime_args=runtime_args_from(args), busy_wait_ms=spin_ms
         ),
     )
-    server = await AiciServer(engine, client, args.host, args.aici_port, sock).start()
+    server = await AiciServer(
+        engine, client, args.host, args.aici_port, sock, auth_token(args), ssl_context(args)
+    ).start()
 
     async def stop() -> None:
         await server.stop()

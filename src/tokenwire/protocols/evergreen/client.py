@@ -137,20 +137,31 @@ Content = str | bytes | Node | Path | Sequence["Content"]
 class EvergreenSession:
     """One StartSession stream."""
 
-    def __init__(self, channel: grpc.aio.Channel, *, own_channel: bool = False) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, *, own_channel: bool = False, auth_token: str | None = None
+    ) -> None:
         self.channel = channel
         self.own_channel = own_channel
         self._ids = itertools.count(1)
         self._outbox: asyncio.Queue[spb.SessionMessage | None] = asyncio.Queue()
         self.outputs: dict[str, Output] = {}
         self.error: EvergreenError | None = None
-        self._call = rpc.EvergreenServiceStub(channel).StartSession()
+        metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._call = rpc.EvergreenServiceStub(channel).StartSession(metadata=metadata)
         self._writer = asyncio.create_task(self._write())
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def connect(cls, target: str) -> EvergreenSession:
-        return cls(grpc.aio.insecure_channel(target), own_channel=True)
+    async def connect(
+        cls, target: str, *, auth_token: str | None = None, root_certificates: bytes | None = None
+    ) -> EvergreenSession:
+        """`auth_token`: the server's --auth-token; `root_certificates`: PEM to trust, for TLS."""
+        channel = (
+            grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
+            if root_certificates is not None
+            else grpc.aio.insecure_channel(target)
+        )
+        return cls(channel, own_channel=True, auth_token=auth_token)
 
     async def __aenter__(self) -> EvergreenSession:
         return self

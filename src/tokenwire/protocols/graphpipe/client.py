@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import ssl
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -92,19 +93,31 @@ def _single(outputs: list[np.ndarray]) -> np.ndarray | list[np.ndarray]:
 class Client:
     """Blocking client over one keep-alive HTTP connection (not thread-safe: one per thread)."""
 
-    def __init__(self, url: str, timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 120.0,
+        *,
+        auth_token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https"):
             raise ValueError(f"GraphPipe URL must be http(s)://, got {url!r}")
         self.url = url
         self.path = parts.path or "/"
-        conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._conn = conn_cls(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+        self.headers = _headers(auth_token)
+        host = parts.hostname or "127.0.0.1"
+        self._conn: http.client.HTTPConnection = (
+            http.client.HTTPSConnection(host, parts.port, timeout=timeout, context=ssl_context)
+            if parts.scheme == "https"
+            else http.client.HTTPConnection(host, parts.port, timeout=timeout)
+        )
 
     def _post(self, body: bytes | memoryview) -> tuple[int, bytes]:
         for attempt in (0, 1):
             try:
-                self._conn.request("POST", self.path, body=body, headers=HEADERS)
+                self._conn.request("POST", self.path, body=body, headers=self.headers)
                 response = self._conn.getresponse()
                 return response.status, response.read()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
@@ -148,16 +161,28 @@ class Client:
 class AsyncClient:
     """asyncio client; concurrent calls share one aiohttp connection pool."""
 
-    def __init__(self, url: str, timeout: float = 120.0, connections: int = 100) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 120.0,
+        connections: int = 100,
+        *,
+        auth_token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         import aiohttp
 
         self.url = url
+        self.headers = _headers(auth_token)
+        connector = aiohttp.TCPConnector(
+            limit=connections, ssl=ssl_context if ssl_context is not None else True
+        )
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=timeout), connector=aiohttp.TCPConnector(limit=connections)
+            timeout=aiohttp.ClientTimeout(total=timeout), connector=connector
         )
 
     async def _post(self, body: bytes | memoryview) -> tuple[int, bytes]:
-        async with self._session.post(self.url, data=bytes(body), headers=HEADERS) as response:
+        async with self._session.post(self.url, data=bytes(body), headers=self.headers) as response:
             return response.status, await response.read()
 
     async def execute_multi(
@@ -190,6 +215,10 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _headers(auth_token: str | None) -> dict[str, str]:
+    return {**HEADERS, "Authorization": f"Bearer {auth_token}"} if auth_token else dict(HEADERS)
 
 
 def execute(

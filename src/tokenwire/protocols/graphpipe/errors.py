@@ -5,7 +5,7 @@ other status and `Exception(message)` on a non-empty `errors` list), so every er
 describe is sent as an InferResponse with `errors` and status 200: the caller sees our message
 naming the input or output. Two cases are refused at the HTTP level instead, still with an
 InferResponse body: a body over --graphpipe-max-request-mb (413) and a path that names no
-model (404).
+model (404), and with --auth-token a request without the token (401).
 """
 
 from __future__ import annotations
@@ -24,9 +24,15 @@ class ErrorCode(IntEnum):
     BAD_REQUEST = 8  # other invalid requests: name/tensor count mismatch, bad config, bad values
     UNKNOWN_MODEL = 9  # no model is served at the request's path
     UNAVAILABLE = 10  # the server is shutting down: in-flight and new requests get this
+    UNAUTHENTICATED = 11  # --auth-token is set and the request lacks `Authorization: Bearer` with it
 
 
-HTTP_STATUS = {ErrorCode.TOO_LARGE: 413, ErrorCode.UNKNOWN_MODEL: 404, ErrorCode.UNAVAILABLE: 503}
+HTTP_STATUS = {
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.UNKNOWN_MODEL: 404,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.UNAUTHENTICATED: 401,
+}
 
 
 class GraphPipeError(Exception):

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import socket
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from tokenwire.protocols.graphpipe.models import DEFAULT_SPIN_US
 from tokenwire.protocols.graphpipe.models.base import TensorModel
 from tokenwire.protocols.graphpipe.pages import metadata_html, metadata_json
 from tokenwire.protocols.http_site import start_site
+from tokenwire.protocols.security import aiohttp_auth, auth_token, ssl_context
 from tokenwire.protocols.serving import SHUTDOWN_MESSAGE
 
 if TYPE_CHECKING:
@@ -55,11 +57,14 @@ class GraphPipeServer:
         inline_ms: float = DEFAULT_INLINE_MS,
         executor: ThreadPoolExecutor | None = None,
         sock: socket.socket | None = None,
+        auth_token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not models:
             raise ValueError("GraphPipe needs at least one model")
         self.host, self.port = host, port
         self.sock = sock  # bound before the model loaded (tokenwire serve)
+        self.auth_token, self.ssl_context = auth_token, ssl_context
         self.max_request_bytes = int(max_request_mb * 2**20)
         self.cache = ResponseCache(int(cache_mb * 2**20)) if cache_mb > 0 else None
         self.endpoints = {
@@ -81,20 +86,30 @@ class GraphPipeServer:
         self._shutting_down: str | None = None
 
     async def start(self) -> GraphPipeServer:
-        app = web.Application(client_max_size=self.max_request_bytes + 1)
+        auth = aiohttp_auth(
+            self.auth_token,
+            "graphpipe",
+            _unauthenticated,
+            open_paths=("/control/is_ready", "/control/is_alive"),
+        )
+        app = web.Application(
+            client_max_size=self.max_request_bytes + 1, middlewares=[auth] if auth is not None else []
+        )
         app.router.add_get("/control/is_ready", self._is_ready)
         app.router.add_get("/control/is_alive", self._is_alive)
         app.router.add_get("/control/stats", self._stats)
         app.router.add_route("*", "/", self._model_route)
         app.router.add_route("*", "/{name}", self._model_route)
-        self._runner, self.port = await start_site(app, self.host, self.port, self.sock, "--graphpipe-port")
+        self._runner, self.port = await start_site(
+            app, self.host, self.port, self.sock, "--graphpipe-port", self.ssl_context
+        )
         self.ready = True
         log.info("GraphPipe listening on %s (models %s)", self.url, ", ".join(self.paths()))
         return self
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/"
+        return f"{'https' if self.ssl_context else 'http'}://{self.host}:{self.port}/"
 
     def paths(self) -> dict[str, str]:
         return {name: f"/{name}" for name in self.endpoints} | {f"{self.default} (default)": "/"}
@@ -242,6 +257,12 @@ class GraphPipeServer:
             self.executor.shutdown(wait=False, cancel_futures=True)
 
 
+def _unauthenticated(message: str) -> web.Response:
+    reply = error_reply(GraphPipeError(ErrorCode.UNAUTHENTICATED, message))
+    headers = {"X-GraphPipe-Error-Code": str(reply.error_code), "WWW-Authenticate": "Bearer"}
+    return web.Response(status=reply.status, body=reply.body, content_type=FLATBUFFER, headers=headers)
+
+
 def parse_model_spec(spec: str) -> tuple[str, str]:
     name, sep, path = spec.partition("=")
     if not sep or not name or not path or "/" in name or name == "control":
@@ -320,4 +341,6 @@ def build_server(
         inline_ms=getattr(args, "graphpipe_inline_ms", DEFAULT_INLINE_MS),
         executor=executor,
         sock=sock,
+        auth_token=auth_token(args),
+        ssl_context=ssl_context(args),
     )

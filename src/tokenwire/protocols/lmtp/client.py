@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import json
 import logging
+import ssl
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -54,11 +55,20 @@ class WebSocketTransport:
         self.session, self.ws = session, ws
 
     @classmethod
-    async def open(cls, url: str, timeout: float = 10.0) -> WebSocketTransport:
+    async def open(
+        cls,
+        url: str,
+        timeout: float = 10.0,
+        *,
+        auth_token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> WebSocketTransport:
         session = aiohttp.ClientSession()
         try:
             ws = await session.ws_connect(
                 url,
+                headers={"Authorization": f"Bearer {auth_token}"} if auth_token else None,
+                ssl=ssl_context if ssl_context is not None else True,
                 max_msg_size=MAX_MESSAGE_BYTES,
                 timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=timeout),
             )
@@ -149,8 +159,14 @@ class Client:
         model: str | None = None,
         extensions: Iterable[str] = (),
         timeout: float = 10.0,
+        auth_token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> Client:
-        client = cls(await WebSocketTransport.open(url, timeout), model)
+        """`auth_token`: the server's --auth-token; `ssl_context`: trust for a wss:// URL."""
+        transport = await WebSocketTransport.open(
+            url, timeout, auth_token=auth_token, ssl_context=ssl_context
+        )
+        client = cls(transport, model)
         return await client._start(extensions, timeout)
 
     @classmethod

@@ -53,8 +53,16 @@ async def bind(args: argparse.Namespace) -> SocketListener | None:
 
 async def _serve(engine: Engine, sock: socket.socket, args: argparse.Namespace) -> Stopper:
     from tokenwire.protocols.lmtp.ws_server import LmtpServer
+    from tokenwire.protocols.security import auth_token, ssl_context
 
-    server = await LmtpServer(engine, args.host, args.lmtp_port, sock=sock).start()
+    server = await LmtpServer(
+        engine,
+        args.host,
+        args.lmtp_port,
+        sock=sock,
+        auth_token=auth_token(args),
+        ssl_context=ssl_context(args),
+    ).start()
     return server.stop
 
 

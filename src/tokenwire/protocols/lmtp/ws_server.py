@@ -1,9 +1,15 @@
-"""LMTP over WebSocket (aiohttp) at path "/": text frames `TYPE JSON`, as LMQL's client speaks it."""
+"""LMTP over WebSocket (aiohttp) at path "/": text frames `TYPE JSON`, as LMQL's client speaks it.
+
+With --auth-token the handshake must carry `Authorization: Bearer TOKEN` or `?token=TOKEN`
+(LMQL's stock client sends neither, so it reaches only a token-less server); otherwise the
+upgrade is refused with HTTP 401 before any WebSocket exists.
+"""
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -11,6 +17,7 @@ from aiohttp import WSMsgType, web
 
 from tokenwire.protocols.http_site import start_site
 from tokenwire.protocols.lmtp.runner import ConnectionRunner
+from tokenwire.protocols.security import aiohttp_auth
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -28,25 +35,32 @@ class LmtpServer:
         *,
         aliases: Iterable[str] = (),
         sock: socket.socket | None = None,
+        auth_token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.engine = engine
         self.host = host
         self.port = port
         self.sock = sock  # bound before the model loaded (tokenwire serve)
         self.aliases = tuple(aliases)
+        self.auth_token = auth_token
+        self.ssl_context = ssl_context
         self._connections: dict[ConnectionRunner, web.WebSocketResponse] = {}
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> LmtpServer:
-        app = web.Application()
+        auth = aiohttp_auth(self.auth_token, "lmtp", _unauthorized, query_param="token")
+        app = web.Application(middlewares=[auth] if auth is not None else [])
         app.router.add_get("/", self._handle)
-        self._runner, self.port = await start_site(app, self.host, self.port, self.sock, "--lmtp-port")
-        log.info("LMTP listening on ws://%s:%d/ (model %s)", self.host, self.port, self.engine.name)
+        self._runner, self.port = await start_site(
+            app, self.host, self.port, self.sock, "--lmtp-port", self.ssl_context
+        )
+        log.info("LMTP listening on %s (model %s)", self.url, self.engine.name)
         return self
 
     @property
     def url(self) -> str:
-        return f"ws://{self.host}:{self.port}/"
+        return f"{'wss' if self.ssl_context else 'ws'}://{self.host}:{self.port}/"
 
     @property
     def connections(self) -> int:
@@ -83,3 +97,8 @@ class LmtpServer:
             await self._runner.cleanup()
             self._runner = None
 
+
+def _unauthorized(message: str) -> web.Response:
+    return web.Response(
+        status=401, text=f"LMTP: {message} or ?token=<token>\n", headers={"WWW-Authenticate": "Bearer"}
+    )

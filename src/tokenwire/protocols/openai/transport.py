@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import secrets
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ from tokenwire.protocols.openai.plugin import add_serve_args  # noqa: F401 - its
 from tokenwire.protocols.openai.runner import Execution
 from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenwire.protocols.openai.sessions import add_session_routes
+from tokenwire.protocols.security import auth_token, bearer, refused, tls_files, token_matches
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -286,13 +286,14 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self.expected = f"bearer {api_key}".encode()
+        self.api_key = api_key
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            scheme, _, token = given.partition(b" ")
-            if not secrets.compare_digest(scheme.lower() + b" " + token.strip(), self.expected):
+            given = bearer(next((v for k, v in scope["headers"] if k == b"authorization"), None))
+            if not token_matches(self.api_key, given):
+                client = scope.get("client")
+                refused("openai", client[0] if client else None, scope["path"], given)
                 error = OpenAIError(
                     401,
                     "missing or wrong API key: send Authorization: Bearer <key>",
@@ -319,11 +320,13 @@ class OpenAIServer:
         host: str = "127.0.0.1",
         port: int = 8000,
         sock: socket.socket | None = None,
+        tls_files: tuple[str, str] | None = None,
         **options: Any,
     ) -> None:
         self.engine = engine
         self.host = host
         self.port = port
+        self.tls_files = tls_files  # (--tls-cert, --tls-key): serve HTTPS
         self.sock = sock  # bound before the model loaded (tokenwire serve)
         self.api = OpenAIApp(engine, **options)
         self._server: EmbeddedServer | None = None
@@ -338,6 +341,8 @@ class OpenAIServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=2,
+            ssl_certfile=self.tls_files[0] if self.tls_files else None,
+            ssl_keyfile=self.tls_files[1] if self.tls_files else None,
         )
         self._server = EmbeddedServer(config)
         self._task = asyncio.create_task(self._serve(), name="openai-http")
@@ -347,7 +352,7 @@ class OpenAIServer:
                 raise OSError(f"OpenAI API could not listen on {self.host}:{self.port}")
             await asyncio.sleep(0.01)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
-        log.info("OpenAI API listening on http://%s:%d/v1 (model %s)", self.host, self.port, self.engine.name)
+        log.info("OpenAI API listening on %s (model %s)", self.url, self.engine.name)
         return self
 
     async def _serve(self) -> None:
@@ -359,7 +364,7 @@ class OpenAIServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        return f"{'https' if self.tls_files else 'http'}://{self.host}:{self.port}/v1"
 
     async def stop(self) -> None:
         if self._server is None or self._task is None:
@@ -393,7 +398,9 @@ async def start_from_args(
         getattr(args, "host", "127.0.0.1"),
         port,
         sock,
-        api_key=getattr(args, "api_key", None) or None,
+        tls_files(args),
+        # --api-key (this API's own, older flag) wins; else the one --auth-token of every protocol
+        api_key=getattr(args, "api_key", None) or auth_token(args),
         max_queued=getattr(args, "max_queued", 256),
         metrics=_metrics_exposition(),
     )
