@@ -22,13 +22,28 @@ import torch
 
 from tokenwire.engine.admission import Limits, check_request, check_tokens, prepare
 from tokenwire.engine.concepts import ConceptSet
-from tokenwire.engine.errors import EngineClosedError, PositionError, SessionBusyError, SessionNotFoundError
+from tokenwire.engine.errors import (
+    CapacityError,
+    EngineClosedError,
+    PositionError,
+    SessionBusyError,
+    SessionNotFoundError,
+)
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.postprocess import Finish, Outcome, StepContext, postprocess
 from tokenwire.engine.request import FinishEvent, GenerateOptions, Request, RequestHandle
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session, Ttl
 from tokenwire.engine.step import run_step
+from tokenwire.engine.vision import (
+    EmbeddingCache,
+    ImageInput,
+    SessionImage,
+    check_cut,
+    decode_images,
+    place_images,
+    vision_tokens,
+)
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.llama import LlamaModel
 from tokenwire.model.tokenizer import Tokenizer
@@ -67,6 +82,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.name = name
         self.session_ttl_s = session_ttl_s
+        # --max-sessions / --max-queued (docs/limits.md): None = no cap; set by the factory
+        self.max_sessions: int | None = None
+        self.max_queued: int | None = None
         self.concepts = concepts
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
@@ -109,6 +127,8 @@ class Engine:
         self.kv_cache_mb = built.kv_cache_mb
         self.vocab_size = max(self.tokenizer.vocab_size, 1)
         self.logits_size = self.config.vocab_size
+        # vision models: image embeddings by content hash (engine/vision.py)
+        self.vision = EmbeddingCache() if vision_tokens(self.config) is not None else None
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_running, self._idle_sessions)
         self.limits = Limits(
@@ -157,10 +177,18 @@ class Engine:
         check_tokens(tokens, self.vocab_size, "tokens")
         with self._lock:
             self._check_open()
+            self._check_session_room()
             sid = uuid.uuid4().hex
             ttl = self.session_ttl_s if ttl_s is Ttl.DEFAULT else ttl_s
             self._sessions[sid] = Session(sid, tokens=list(tokens), ttl_s=ttl)
             return sid
+
+    def _check_session_room(self) -> None:
+        if self.max_sessions is not None and len(self._sessions) >= self.max_sessions:
+            raise CapacityError(
+                f"too many open sessions: {len(self._sessions)} (--max-sessions {self.max_sessions}); "
+                "close some or retry later"
+            )
 
     def close_session(self, session_id: str) -> bool:
         """Close a session, cancelling its request. Returns False if it did not exist."""
@@ -177,9 +205,11 @@ class Engine:
     def fork_session(self, session_id: str, at: int | None = None) -> str:
         with self._lock:
             src = self._session(session_id)
+            self._check_session_room()
             at = len(src.tokens) if at is None else at
             if not 0 <= at <= len(src.tokens):
                 raise PositionError(f"cannot fork at position {at}: session has {len(src.tokens)} tokens")
+            check_cut(src.images, at, "fork")
             child = src.fork(uuid.uuid4().hex, at, self.kv)
             self._sessions[child.id] = child
             return child.id
@@ -190,11 +220,23 @@ class Engine:
             self._check_idle(session_id)
             if not 0 <= length <= len(session.tokens):
                 raise PositionError(f"cannot truncate to {length}: session has {len(session.tokens)} tokens")
+            check_cut(session.images, length, "truncate")
             session.truncate(length, self.kv)
 
     def session_tokens(self, session_id: str) -> list[int]:
         with self._lock:
             return list(self._session(session_id).tokens)
+
+    def session_images(self, session_id: str) -> list[SessionImage]:
+        """The image blocks a session holds (vision models), by position."""
+        with self._lock:
+            return list(self._session(session_id).images)
+
+    def image_tokens(self, data: bytes, mime: str | None = None) -> int:
+        """How many <|image_pad|> tokens this image takes in this model (its pad run's length);
+        InvalidRequestError for a text-only model or bytes that are not a usable image."""
+        (prepared,) = decode_images(self.model, [ImageInput(0, 0, data, mime)])
+        return prepared.num_tokens
 
     def session_busy(self, session_id: str) -> bool:
         with self._lock:
@@ -237,17 +279,34 @@ class Engine:
         session_id: str | None = None,
         append: Sequence[int] = (),
         options: GenerateOptions | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> RequestHandle:
-        """Append tokens to a session (a fresh one when None) and generate after them."""
+        """Append tokens to a session (a fresh one when None) and generate after them. `images`
+        attaches images to blocks of the post-append tokens (vision models, engine/vision.py)."""
         options = options or GenerateOptions()
+        prepared = decode_images(self.model, images) if images else []  # outside the lock: Pillow
         with self._lock:
             prompt_len = self.check(session_id, append, options)
+            if self.max_queued is not None and len(self.scheduler.waiting) >= self.max_queued:
+                raise CapacityError(
+                    f"the server is saturated: {len(self.scheduler.waiting)} requests are queued "
+                    f"(--max-queued {self.max_queued}); retry shortly"
+                )
+            existing = self._sessions[session_id] if session_id is not None else None
+            added = []
+            if images:
+                tokens = [*(existing.tokens if existing else ()), *append]
+                held = existing.images if existing else ()
+                added = place_images(self.config, tokens, held, images, prepared)
             if session_id is None:
                 session = Session(uuid.uuid4().hex, ephemeral=True)
                 self._sessions[session.id] = session
             else:
                 session = self._sessions[session_id]
             session.tokens.extend(append)
+            if added:
+                session.images = sorted([*session.images, *added], key=lambda b: b.start)
+                session.uncompute_from(min(b.start for b in added), self.kv)  # pads computed as text
             session.touch()
             request = Request(next(self._ids), session, options, prompt_len)
             prepare(request, self.tokenizer, self.kv)
@@ -301,7 +360,7 @@ class Engine:
                 continue
             capture = tuple(self.concepts.layers) if self.concepts is not None else ()
             try:
-                output = run_step(self.model, self.kv, items, capture)
+                output = run_step(self.model, self.kv, items, capture, vision=self.vision)
             except Exception as exc:  # a model failure fails this step's requests, not the engine
                 log.exception("model step failed")
                 with self._lock:
@@ -390,6 +449,7 @@ class Engine:
                 "prefix_cache_hits": alloc.hits,
                 "steps": self.steps,
                 "computed_tokens": self.computed_tokens,
+                **({"vision_tower_runs": self.vision.tower_runs} if self.vision is not None else {}),
             }
 
     def check_stopping(self) -> None:

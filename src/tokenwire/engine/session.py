@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from tokenwire.engine.kv_cache import ROOT_HASH, KVCache, block_hash
 
@@ -31,6 +32,8 @@ class Session:
     ttl_s: float | None = None
     last_used: float = field(default_factory=time.monotonic)
     ephemeral: bool = False  # created for one request and closed with it
+    # vision models: the attached images (engine/vision.py SessionImage), sorted by position
+    images: list[Any] = field(default_factory=list)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -46,6 +49,7 @@ class Session:
     def truncate(self, length: int, kv: KVCache) -> None:
         """Keep tokens [0, length). Blocks past the new end are released."""
         del self.tokens[length:]
+        self.images = [b for b in self.images if b.end <= length]  # the engine refuses splits
         self.num_computed = min(self.num_computed, length)
         self._drop_blocks_after(length, kv)
 
@@ -65,6 +69,7 @@ class Session:
     def fork(self, new_id: str, at: int, kv: KVCache) -> Session:
         """A session holding tokens [0, at), sharing this one's blocks (no copy, no compute)."""
         child = Session(new_id, tokens=self.tokens[:at], ttl_s=self.ttl_s)
+        child.images = [b for b in self.images if b.end <= at]  # the engine refuses splits
         child.num_computed = min(self.num_computed, at)
         keep = -(-child.num_computed // kv.block_size)
         child.block_table = self.block_table[:keep]
@@ -85,7 +90,7 @@ class Session:
         reused = 0
         while self.num_computed + bs <= limit:
             start = self.num_computed
-            digest = block_hash(self._prefix_hash(), self.tokens[start : start + bs])
+            digest = self._block_hash(start, bs)
             block = kv.allocator.lookup(digest)
             if block is None:
                 break
@@ -98,6 +103,17 @@ class Session:
 
     def _prefix_hash(self) -> bytes:
         return self.full_hashes[-1] if self.full_hashes else ROOT_HASH
+
+    def _block_hash(self, start: int, bs: int) -> bytes:
+        """The prefix-cache key of the block at `start`: the chained hash of the tokens and of
+        the images whose pads it holds (two images with the same pad run never share KV). The
+        image key is whole 20-byte entries and the token part fixed-size, so it is unambiguous."""
+        previous = self._prefix_hash()
+        if self.images:
+            from tokenwire.engine.vision import block_key
+
+            previous += block_key(self.images, start, start + bs)
+        return block_hash(previous, self.tokens[start : start + bs])
 
     def reserve(self, end: int, kv: KVCache) -> None:
         """Make positions [num_computed, end) writable: allocate blocks, copy shared ones.
@@ -136,6 +152,6 @@ class Session:
         bs = kv.block_size
         while (len(self.full_hashes) + 1) * bs <= end:
             i = len(self.full_hashes)
-            digest = block_hash(self._prefix_hash(), self.tokens[i * bs : (i + 1) * bs])
+            digest = self._block_hash(i * bs, bs)
             self.full_hashes.append(digest)
             kv.allocator.register(self.block_table[i], digest)

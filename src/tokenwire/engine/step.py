@@ -9,6 +9,7 @@ import torch
 from tokenwire.engine.attention import AttentionGroup, PagedAttention, build_group
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.request import Request
+from tokenwire.engine.vision import EmbeddingCache, step_inputs
 from tokenwire.model.llama import PagedDecode
 
 
@@ -42,6 +43,7 @@ def run_step(
     kv: KVCache,
     items: list[StepItem],
     capture_layers: tuple[int, ...],
+    vision: EmbeddingCache | None = None,
 ) -> StepOutput:
     device = kv.k.device
     dtype = kv.k.dtype
@@ -106,6 +108,10 @@ def run_step(
             groups.append(build_group(decode_rows, decode_starts, decode_tables, bs, rep, device, dtype))
         attention = PagedAttention(kv, torch.tensor(slots, device=device), groups)
     capture_index = torch.tensor(capture_rows, dtype=torch.long, device=device) if capture_rows else None
+    # vision models: M-RoPE positions and the image embeddings of pad rows (engine/vision.py)
+    extra = {}
+    if vision is not None:
+        extra = step_inputs(model, vision, [(i.request.session, i.start, i.count) for i in items])
     with torch.inference_mode():
         hidden, captured = model(
             torch.tensor(ids, device=device),
@@ -113,6 +119,7 @@ def run_step(
             attention,
             capture_layers if capture_rows else (),
             capture_index,
+            **extra,
         )
         logits = model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]).cpu()
     out_logits = {key: logits[i] for i, key in enumerate(logit_keys)}

@@ -49,16 +49,22 @@ class PreparedImage:
         return t * h * w // self.merge_size**2
 
 
+def check_mime(mime: str | None) -> str | None:
+    if mime is None:
+        return None
+    mime = mime.strip().lower()
+    if mime not in IMAGE_MIMES:
+        raise ImageError(
+            f"mime type {mime!r} is not an image type: use one of image/png, image/jpeg, image/webp"
+        )
+    return mime
+
+
 def decode_image(data: bytes, mime: str | None = None) -> Any:
     """A PIL RGB image from PNG / JPEG / WebP bytes; ImageError names what is wrong."""
     from PIL import Image, UnidentifiedImageError
 
-    if mime is not None:
-        mime = mime.strip().lower()
-        if mime not in IMAGE_MIMES:
-            raise ImageError(
-                f"mime type {mime!r} is not an image type: use one of image/png, image/jpeg, image/webp"
-            )
+    mime = check_mime(mime)
     if not data:
         raise ImageError("image data is empty")
     try:
@@ -83,7 +89,8 @@ class ImagePreprocessor:
         kwargs = {k: v for k, v in (settings or {}).items() if k in _PROCESSOR_KEYS}
         self.processor = Qwen2VLImageProcessorPil(**kwargs)
         self.merge_size = int(self.processor.merge_size)
-        self._cache: dict[bytes, PreparedImage] = {}
+        # by (content hash, declared mime): a hit must have passed the same mime check
+        self._cache: dict[tuple[bytes, str | None], PreparedImage] = {}
         self._cache_size = cache_size
 
     @classmethod
@@ -94,7 +101,7 @@ class ImagePreprocessor:
 
     def prepare(self, data: bytes, mime: str | None = None) -> PreparedImage:
         digest = image_digest(data)
-        cached = self._cache.get(digest)
+        cached = self._cache.get((digest, check_mime(mime)))
         if cached is not None:
             return cached
         image = decode_image(data, mime)
@@ -106,5 +113,5 @@ class ImagePreprocessor:
         prepared = PreparedImage(digest, out["pixel_values"].float(), grid, self.merge_size)  # type: ignore[arg-type]
         if len(self._cache) >= self._cache_size:
             self._cache.pop(next(iter(self._cache)))
-        self._cache[digest] = prepared
+        self._cache[(digest, check_mime(mime))] = prepared
         return prepared
