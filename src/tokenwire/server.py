@@ -23,6 +23,7 @@ from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.config import apply_config_defaults
 from tokenwire.model_spec import check_model_spec
 from tokenwire.protocols.serving import Listener, PortInUseError, Stopper
+from tokenwire.scale.serve import add_scale_args, build_replicated, check_scale_args, shutdown_ray
 
 log = logging.getLogger("tokenwire.server")
 
@@ -43,6 +44,7 @@ def add_serve_args(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     g.add_argument(
         "--metrics-port", type=int, default=9464, help="Prometheus /metrics HTTP port (0 = off)"
     )
+    add_scale_args(parser)  # --replicas N: engine replicas on Ray (tokenwire/scale)
     for plugin in plugins.SERVER_PLUGINS:
         plugin.add_serve_args(parser)
     apply_config_defaults(parser, argv)
@@ -71,6 +73,7 @@ async def _bind_all(args: argparse.Namespace) -> list[Listener]:
 
 async def _serve(args: argparse.Namespace) -> int:
     check_model_spec(args.model)
+    check_scale_args(args)
     listeners = await _bind_all(args)
     try:
         settings = settings_from(args, session_ttl_s=args.session_ttl)
@@ -85,7 +88,10 @@ async def _serve(args: argparse.Namespace) -> int:
     from tokenwire.engine.factory import build_engine
 
     try:
-        engine = await loop.run_in_executor(None, build_engine, settings)
+        if args.replicas:
+            engine = await loop.run_in_executor(None, build_replicated, settings, args)
+        else:
+            engine = await loop.run_in_executor(None, build_engine, settings)
     except BaseException:
         for listener in listeners:
             listener.close()
@@ -94,7 +100,12 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         from tokenwire.metrics import watch_engine
 
-        watch_engine(engine)
+        if args.replicas:
+            from tokenwire.scale.metrics import watch_replicas
+
+            watch_replicas(engine)
+        else:
+            watch_engine(engine)
         for listener in listeners:
             stoppers.append(await listener.start(engine))
         protocols = len(stoppers) - (1 if args.metrics_port else 0)
@@ -112,6 +123,8 @@ async def _serve(args: argparse.Namespace) -> int:
                 log.warning("a server did not stop within --shutdown-grace; going on")
     finally:
         engine.shutdown()
+        if args.replicas:
+            shutdown_ray()
     log.info("stopped")
     return 0
 

@@ -227,9 +227,9 @@ async def _stream_generation(host: ActionHost, action: ActionState, handle, opti
             )
         elif isinstance(event, FinishEvent):
             if event.reason == "error":
-                raise SessionAbort(
-                    grpc.StatusCode.INTERNAL, f"action {action.spec.label}: generation failed: {event.error}"
-                )
+                # UNAVAILABLE: the --replicas replica running it died (a retry may succeed)
+                code = grpc.StatusCode.UNAVAILABLE if event.unavailable else grpc.StatusCode.INTERNAL
+                raise SessionAbort(code, f"action {action.spec.label}: generation failed: {event.error}")
             if event.reason == "cancelled":
                 return
             fragments = [host.core.emit(action, n, b"", pending_ids, final=True) for n in outputs]

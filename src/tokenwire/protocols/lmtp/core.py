@@ -60,8 +60,10 @@ class LmtpConnection:
         aliases: Iterable[str] = (),
         replay_limit: int = 256,
         peer: str | None = None,
+        max_streams: int | None = None,
     ) -> None:
         self.engine = engine
+        self.max_streams = max_streams  # --max-streams-per-connection (None: no cap)
         self.peer = peer  # the client's address, for the access log
         self._watch = watch
         self._aliases = set(aliases)
@@ -300,6 +302,14 @@ class LmtpConnection:
         generates: bool,
     ) -> None:
         engine = self._engine()
+        if self.max_streams is not None and len(self.streams) >= self.max_streams:
+            raise RequestError(
+                f"too many open streams on this connection: {len(self.streams)} "
+                f"(--max-streams-per-connection {self.max_streams}); wait for one to end",
+                "too_many_streams",
+                stream.stream_id,
+                retryable=True,
+            )
         records = not isinstance(stream, BufferStream)
         if "text" in self.enabled and records:
             # text is for reading: no end-of-turn markup (the token ids stay exact)
@@ -335,6 +345,8 @@ class LmtpConnection:
                 self._error("MSG", stream.stream_id, f"BUFFER failed: {error}", "engine_error", True)
         elif error is not None:
             code = "cancelled" if event.reason == "cancelled" else "engine_error"
+            if event.unavailable:  # --replicas: the replica running it died
+                code = "replica_lost"
             self._error("TOKEN", stream.stream_id, error, code, code != "cancelled", stream)
         if stream.session is not None:
             if error is None and stream.save_as is not None:

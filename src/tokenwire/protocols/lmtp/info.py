@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tokenwire.engine.errors import (
+    CapacityError,
     ContextOverflowError,
     EngineClosedError,
     EngineError,
     InvalidRequestError,
     InvalidTokenError,
     KVBudgetError,
+    ReplicaLostError,
     SessionBusyError,
     SessionNotFoundError,
 )
@@ -28,9 +30,11 @@ _ENGINE_ERRORS: list[tuple[type[EngineError], str, bool]] = [
     (InvalidTokenError, "invalid_token", False),
     (InvalidRequestError, "invalid_field", False),
     (ContextOverflowError, "context_overflow", False),
+    (CapacityError, "overloaded", True),  # --max-sessions, --max-queued
     (KVBudgetError, "kv_budget", True),
     (SessionNotFoundError, "unknown_buffer", False),
     (SessionBusyError, "busy", True),
+    (ReplicaLostError, "replica_lost", True),  # --replicas: the session's replica died
     (EngineClosedError, "shutdown", True),
 ]
 

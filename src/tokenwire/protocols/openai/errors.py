@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenwire.engine.errors import (
+    CapacityError,
     ContextOverflowError,
     EngineClosedError,
     EngineError,
@@ -14,6 +15,7 @@ from tokenwire.engine.errors import (
     InvalidTokenError,
     KVBudgetError,
     PositionError,
+    ReplicaLostError,
     SessionBusyError,
     SessionNotFoundError,
 )
@@ -51,10 +53,12 @@ _ENGINE: list[tuple[type[EngineError], int, str, str]] = [
     (SessionNotFoundError, 404, "not_found_error", "session_not_found"),
     (SessionBusyError, 409, "conflict_error", "session_busy"),
     (ContextOverflowError, 400, "invalid_request_error", "context_length_exceeded"),
+    (CapacityError, 429, "rate_limit_error", "server_overloaded"),  # --max-sessions, --max-queued
     (KVBudgetError, 400, "invalid_request_error", "kv_budget_exceeded"),
     (InvalidTokenError, 400, "invalid_request_error", "invalid_token"),
     (PositionError, 400, "invalid_request_error", "invalid_position"),
     (InvalidRequestError, 400, "invalid_request_error", "invalid_value"),
+    (ReplicaLostError, 503, "service_unavailable", "replica_lost"),  # --replicas: its replica died
     (EngineClosedError, 503, "service_unavailable", "shutting_down"),
 ]
 

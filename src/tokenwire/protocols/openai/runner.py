@@ -93,6 +93,13 @@ class Execution:
                 if isinstance(event, FinishEvent):
                     out = self.plan.outputs[index]
                     out.cached_tokens = self.handles[index].cached_tokens
+                    if event.reason == "error" and event.unavailable:  # its --replicas replica died
+                        raise OpenAIError(
+                            503,
+                            event.error or "replica lost",
+                            type="service_unavailable",
+                            code="replica_lost",
+                        )
                     if event.reason == "error":
                         raise OpenAIError(
                             500, event.error or "generation failed", type="server_error", code="engine_error"
@@ -117,4 +124,3 @@ class Execution:
         for fork in self.forks:
             self.engine.close_session(fork)
         self.forks = []
-

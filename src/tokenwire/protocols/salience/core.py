@@ -125,7 +125,7 @@ def plan_generate(
         priority=int(req.priority),
     )
     # the proto's no-op Generate (only refreshes the session's TTL, after any rewind) runs nothing
-    noop = not append and req.max_tokens == 0 and not logprob_ranges and not readout_ranges
+    noop = not append and req.max_tokens == 0 and not logprob_ranges and not readout_ranges and not req.images
     try:
         if noop:
             options.validate(PROTO_NAMES)
@@ -140,6 +140,11 @@ def plan_generate(
         images = kept + check_attachments(attached, tokens_after, kept, limits.vision, limits.pad_count)
         images.sort(key=lambda b: b.start)
     return GeneratePlan(truncate_to, append, None if noop else options, prompt_len, images)
+
+
+def image_blocks_header(blocks: Sequence[ImageBlock]) -> str:
+    """DumpSession's `salience-image-blocks` trailing metadata: `start-end:mime` per block."""
+    return ",".join(f"{b.start}-{b.end}:{b.mime}" for b in blocks)
 
 
 def token_message(event: TokenEvent) -> pb.GenerateEvent:

@@ -19,9 +19,10 @@ from typing import Any
 import grpc
 
 from tokenwire.engine.engine import Engine
-from tokenwire.engine.errors import EngineError
+from tokenwire.engine.errors import EngineError, InvalidRequestError
 from tokenwire.engine.request import FinishEvent, Origin, RequestHandle, TokenEvent
 from tokenwire.engine.session import Ttl
+from tokenwire.engine.vision import ImageInput
 from tokenwire.logs import access_log
 from tokenwire.protocols.grpc_server import GrpcRegistration
 from tokenwire.protocols.salience import core
@@ -37,6 +38,9 @@ VISION_TOKEN_NAMES = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 
 
 def vision_tokens(engine: Engine) -> VisionTokens | None:
+    vision = getattr(engine.config, "vision", None)
+    if vision is not None:  # a vision model: its config names the tokens
+        return VisionTokens(vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id)
     hf = getattr(engine.tokenizer, "hf", None)
     if hf is None:
         return None
@@ -48,14 +52,24 @@ def vision_tokens(engine: Engine) -> VisionTokens | None:
 
 
 def model_limits(engine: Engine) -> core.ModelLimits:
-    # No vision encoder exists in tokenwire yet: pad_count stays None, so images are refused
-    # (after their ranges are checked) even by a tokenizer that has the vision tokens.
+    # A text-only model has no pad_count: images are refused (after their ranges are checked)
+    # even by a tokenizer that has the vision tokens.
     return core.ModelLimits(
         name=engine.name,
         engine=engine.limits,
         vision=vision_tokens(engine),
-        pad_count=None,
+        pad_count=functools.partial(_pad_count, engine) if getattr(engine, "vision", None) else None,
     )
+
+
+def _pad_count(engine: Engine, image: ImageBlock) -> int:
+    """The vision encoder's token count for an attached image at the model's pixel bounds."""
+    try:
+        return engine.image_tokens(image.data, image.mime)
+    except InvalidRequestError as exc:  # not an image mime, corrupt or undecodable bytes
+        raise SalienceStatus(
+            grpc.StatusCode.INVALID_ARGUMENT, f"image at [{image.start}, {image.end}): {exc}"
+        ) from None
 
 
 def _access_logged(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -180,6 +194,10 @@ class SalienceServicer(pb_grpc.SalienceServicer):
             self.engine.touch_session(request.session_id)
         except EngineError as exc:
             await self._abort(context, exc)
+        # the proto's response is the tokens only: image blocks travel as trailing metadata
+        blocks = self._images.get(request.session_id, [])
+        if blocks:
+            context.set_trailing_metadata((("salience-image-blocks", core.image_blocks_header(blocks)),))
         return pb.DumpSessionResponse(tokens=tokens)
 
     @_access_logged
@@ -215,7 +233,9 @@ class SalienceServicer(pb_grpc.SalienceServicer):
                     if event.reason == "cancelled" and self._shutting_down is not None:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, self._shutting_down)
                     if event.reason == "error":
-                        await context.abort(grpc.StatusCode.INTERNAL, event.error or "generation failed")
+                        # unavailable: the --replicas replica running it died (the client may retry)
+                        code = grpc.StatusCode.UNAVAILABLE if event.unavailable else grpc.StatusCode.INTERNAL
+                        await context.abort(code, event.error or "generation failed")
                     yield core.finish_message(event)
         finally:
             # A client that cancels the stream lands here (CancelledError at the await above):
@@ -244,7 +264,8 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         if plan.options is None:
             return None, plan
         plan.options.origin = Origin("salience", "Generate", peer)
-        return engine.generate(sid, plan.append, plan.options), plan
+        attached = [ImageInput(i.pad_range_start, i.pad_range_end, i.bytes, i.mime) for i in request.images]
+        return engine.generate(sid, plan.append, plan.options, images=attached), plan
 
     async def shutdown(self, message: str) -> None:
         """Server stopping: refuse new Generates and end the open ones with UNAVAILABLE(message)
