@@ -20,6 +20,7 @@ from tokenwire.protocols.lmtp import plugin as lmtp
 from tokenwire.protocols.openai import plugin as openai
 from tokenwire.protocols.salience import plugin as salience
 from tokenwire.protocols.serving import Listener
+from tokenwire.scale import status_cmd as ray_status
 
 SubParsers = argparse._SubParsersAction  # type: ignore[type-arg]
 
@@ -35,7 +36,7 @@ class ServerPlugin(Protocol):
 
 
 # `tokenwire salience`, `lmtp`, `evergreen`, `graphpipe`, `aicirt`, `chat` (OpenAI-compatible)
-CLI_PLUGINS: list[CliPlugin] = [salience, lmtp, evergreen, graphpipe, aici, openai]
+CLI_PLUGINS: list[CliPlugin] = [salience, lmtp, evergreen, graphpipe, aici, openai, ray_status]
 
 # what `tokenwire serve` binds and starts, in this order (stopped in reverse); `security` only
 # adds --auth-token/--tls-* and checks the TLS files first

@@ -65,7 +65,7 @@ def model_limits(engine: Engine) -> core.ModelLimits:
 def _pad_count(engine: Engine, image: ImageBlock) -> int:
     """The vision encoder's token count for an attached image at the model's pixel bounds."""
     try:
-        return engine.image_tokens(image.data, image.mime)
+        return engine.image_tokens(image.data, image.mime or None)  # no mime: sniffed
     except InvalidRequestError as exc:  # not an image mime, corrupt or undecodable bytes
         raise SalienceStatus(
             grpc.StatusCode.INVALID_ARGUMENT, f"image at [{image.start}, {image.end}): {exc}"
@@ -264,7 +264,9 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         if plan.options is None:
             return None, plan
         plan.options.origin = Origin("salience", "Generate", peer)
-        attached = [ImageInput(i.pad_range_start, i.pad_range_end, i.bytes, i.mime) for i in request.images]
+        attached = [
+            ImageInput(i.pad_range_start, i.pad_range_end, i.bytes, i.mime or None) for i in request.images
+        ]
         return engine.generate(sid, plan.append, plan.options, images=attached), plan
 
     async def shutdown(self, message: str) -> None:
