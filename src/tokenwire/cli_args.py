@@ -77,6 +77,8 @@ def settings_from(args: argparse.Namespace, **extra: object) -> EngineSettings:
         threads=args.threads,
         weights=args.weights,
         compile=args.compile,
+        max_sessions=getattr(args, "max_sessions", None),  # serve's limits (docs/limits.md)
+        max_queued=getattr(args, "max_queued", None),
         **extra,  # type: ignore[arg-type]
     )
 

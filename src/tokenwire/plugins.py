@@ -12,7 +12,7 @@ import argparse
 from types import ModuleType
 from typing import Protocol
 
-from tokenwire.protocols import grpc_plugin, security
+from tokenwire.protocols import grpc_plugin, limits, security
 from tokenwire.protocols.aici import plugin as aici
 from tokenwire.protocols.evergreen import plugin as evergreen
 from tokenwire.protocols.graphpipe import plugin as graphpipe
@@ -38,9 +38,9 @@ class ServerPlugin(Protocol):
 # `tokenwire salience`, `lmtp`, `evergreen`, `graphpipe`, `aicirt`, `chat` (OpenAI-compatible)
 CLI_PLUGINS: list[CliPlugin] = [salience, lmtp, evergreen, graphpipe, aici, openai, ray_status]
 
-# what `tokenwire serve` binds and starts, in this order (stopped in reverse); `security` only
-# adds --auth-token/--tls-* and checks the TLS files first
-SERVER_PLUGINS: list[ServerPlugin] = [security, lmtp, grpc_plugin, aici, graphpipe, openai]
+# what `tokenwire serve` binds and starts, in this order (stopped in reverse); `security` and
+# `limits` only add flags for every protocol (--auth-token/--tls-*, --max-sessions...) and check them
+SERVER_PLUGINS: list[ServerPlugin] = [security, limits, lmtp, grpc_plugin, aici, graphpipe, openai]
 
 
 def benchmarks() -> list[ModuleType]:

@@ -22,7 +22,13 @@ import torch
 
 from tokenwire.engine.admission import Limits, check_request, check_tokens, prepare
 from tokenwire.engine.concepts import ConceptSet
-from tokenwire.engine.errors import EngineClosedError, PositionError, SessionBusyError, SessionNotFoundError
+from tokenwire.engine.errors import (
+    CapacityError,
+    EngineClosedError,
+    PositionError,
+    SessionBusyError,
+    SessionNotFoundError,
+)
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.postprocess import Finish, Outcome, StepContext, postprocess
 from tokenwire.engine.request import FinishEvent, GenerateOptions, Request, RequestHandle
@@ -76,6 +82,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.name = name
         self.session_ttl_s = session_ttl_s
+        # --max-sessions / --max-queued (docs/limits.md): None = no cap; set by the factory
+        self.max_sessions: int | None = None
+        self.max_queued: int | None = None
         self.concepts = concepts
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
@@ -168,10 +177,18 @@ class Engine:
         check_tokens(tokens, self.vocab_size, "tokens")
         with self._lock:
             self._check_open()
+            self._check_session_room()
             sid = uuid.uuid4().hex
             ttl = self.session_ttl_s if ttl_s is Ttl.DEFAULT else ttl_s
             self._sessions[sid] = Session(sid, tokens=list(tokens), ttl_s=ttl)
             return sid
+
+    def _check_session_room(self) -> None:
+        if self.max_sessions is not None and len(self._sessions) >= self.max_sessions:
+            raise CapacityError(
+                f"too many open sessions: {len(self._sessions)} (--max-sessions {self.max_sessions}); "
+                "close some or retry later"
+            )
 
     def close_session(self, session_id: str) -> bool:
         """Close a session, cancelling its request. Returns False if it did not exist."""
@@ -188,6 +205,7 @@ class Engine:
     def fork_session(self, session_id: str, at: int | None = None) -> str:
         with self._lock:
             src = self._session(session_id)
+            self._check_session_room()
             at = len(src.tokens) if at is None else at
             if not 0 <= at <= len(src.tokens):
                 raise PositionError(f"cannot fork at position {at}: session has {len(src.tokens)} tokens")
@@ -269,6 +287,11 @@ class Engine:
         prepared = decode_images(self.model, images) if images else []  # outside the lock: Pillow
         with self._lock:
             prompt_len = self.check(session_id, append, options)
+            if self.max_queued is not None and len(self.scheduler.waiting) >= self.max_queued:
+                raise CapacityError(
+                    f"the server is saturated: {len(self.scheduler.waiting)} requests are queued "
+                    f"(--max-queued {self.max_queued}); retry shortly"
+                )
             existing = self._sessions[session_id] if session_id is not None else None
             added = []
             if images:

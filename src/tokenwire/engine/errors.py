@@ -36,6 +36,11 @@ class KVBudgetError(EngineError):
     """The request cannot fit in the KV cache budget."""
 
 
+class CapacityError(KVBudgetError):
+    """A configured capacity is full (--max-sessions, --max-queued): refused now, retry later.
+    A KVBudgetError, so every protocol answers it as a resource limit."""
+
+
 class EngineClosedError(EngineError):
     """The engine has shut down."""
 

@@ -48,6 +48,8 @@ class EngineSettings:
     max_num_seqs: int = 1  # full-length sequences the default KV budget holds
     max_batch_tokens: int = 512
     session_ttl_s: float = 1800.0
+    max_sessions: int | None = None  # --max-sessions (None: no cap)
+    max_queued: int | None = None  # --max-queued (None: no cap)
     concepts: Path | None = None
     progress: bool = True
     threads: int | None = None
@@ -232,6 +234,7 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
             concepts=concepts,
         )
     engine.source = source
+    engine.max_sessions, engine.max_queued = settings.max_sessions, settings.max_queued
     engine.weights = weights
     log.info(
         "model %s (%s) loaded in %.1fs: weights %s, device %s, KV cache %.0f MiB = %d tokens "

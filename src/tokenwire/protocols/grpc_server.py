@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tokenwire.protocols.limits import idle_timeout, max_streams
 from tokenwire.protocols.security import (
     UNAUTHENTICATED_MESSAGE,
     auth_token,
@@ -89,11 +90,7 @@ class GrpcServer:
         token = auth_token(self.args)
         server = grpc.aio.server(
             interceptors=[BearerAuthInterceptor(token)] if token else None,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),  # grpc's default (1) lets two servers share the port
-            ],
+            options=self.server_options(),
         )
         address = f"{self.host}:{self.requested_port}"
         if self.requested_port:
@@ -113,6 +110,17 @@ class GrpcServer:
             raise PortInUseError(f"--grpc-port {self.requested_port}: address already in use ({address})")
         self.port, self.server = port, server
         return self
+
+    def server_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),  # grpc's default (1) lets two servers share the port
+            # docs/limits.md: RPCs at once on one connection (HTTP/2 streams; more wait for
+            # the client's transport), and a connection with no RPC for --idle-timeout closes
+            ("grpc.max_concurrent_streams", max_streams(self.args)),
+            ("grpc.max_connection_idle_ms", int(idle_timeout(self.args) * 1000)),
+        ]
 
     async def start(self, engine: Engine | None = None) -> GrpcServer:
         if self.server is None:

@@ -25,6 +25,7 @@ class ErrorCode(IntEnum):
     UNKNOWN_MODEL = 9  # no model is served at the request's path
     UNAVAILABLE = 10  # the server is shutting down: in-flight and new requests get this
     UNAUTHENTICATED = 11  # --auth-token is set and the request lacks `Authorization: Bearer` with it
+    OVERLOADED = 12  # more than --max-queued requests are in flight: retry later
 
 
 HTTP_STATUS = {
@@ -32,6 +33,7 @@ HTTP_STATUS = {
     ErrorCode.UNKNOWN_MODEL: 404,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.OVERLOADED: 429,
 }
 
 

@@ -59,12 +59,14 @@ class GraphPipeServer:
         sock: socket.socket | None = None,
         auth_token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        max_in_flight: int | None = None,
     ) -> None:
         if not models:
             raise ValueError("GraphPipe needs at least one model")
         self.host, self.port = host, port
         self.sock = sock  # bound before the model loaded (tokenwire serve)
         self.auth_token, self.ssl_context = auth_token, ssl_context
+        self.max_in_flight = max_in_flight  # --max-queued: POSTs being served beyond it get 429
         self.max_request_bytes = int(max_request_mb * 2**20)
         self.cache = ResponseCache(int(cache_mb * 2**20)) if cache_mb > 0 else None
         self.endpoints = {
@@ -174,6 +176,13 @@ class GraphPipeServer:
         try:
             if self._shutting_down is not None:
                 reply = error_reply(GraphPipeError(ErrorCode.UNAVAILABLE, self._shutting_down))
+                return self._respond(reply)
+            if self.max_in_flight is not None and self._posts_in_flight > self.max_in_flight:
+                message = (
+                    f"the server is saturated: {self._posts_in_flight - 1} requests in flight "
+                    f"(--max-queued {self.max_in_flight}); retry shortly"
+                )
+                reply = error_reply(GraphPipeError(ErrorCode.OVERLOADED, message))
                 return self._respond(reply)
             try:
                 body = await self._read_body(request)
@@ -343,4 +352,5 @@ def build_server(
         sock=sock,
         auth_token=auth_token(args),
         ssl_context=ssl_context(args),
+        max_in_flight=getattr(args, "max_queued", None),
     )

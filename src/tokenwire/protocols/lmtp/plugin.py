@@ -52,6 +52,7 @@ async def bind(args: argparse.Namespace) -> SocketListener | None:
 
 
 async def _serve(engine: Engine, sock: socket.socket, args: argparse.Namespace) -> Stopper:
+    from tokenwire.protocols.limits import idle_timeout, max_streams
     from tokenwire.protocols.lmtp.ws_server import LmtpServer
     from tokenwire.protocols.security import auth_token, ssl_context
 
@@ -62,6 +63,8 @@ async def _serve(engine: Engine, sock: socket.socket, args: argparse.Namespace) 
         sock=sock,
         auth_token=auth_token(args),
         ssl_context=ssl_context(args),
+        idle_timeout_s=idle_timeout(args),
+        max_streams=max_streams(args),
     ).start()
     return server.stop
 

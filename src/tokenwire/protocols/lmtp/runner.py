@@ -37,9 +37,10 @@ class ConnectionRunner:
         aliases: Iterable[str] = (),
         tick_s: float = 0.5,
         peer: str | None = None,
+        max_streams: int | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
-        self.core = LmtpConnection(engine, self._watch, aliases=aliases, peer=peer)
+        self.core = LmtpConnection(engine, self._watch, aliases=aliases, peer=peer, max_streams=max_streams)
         self._send = send
         self._lock = threading.Lock()
         self._pending: list[tuple[Stream, Event]] = []

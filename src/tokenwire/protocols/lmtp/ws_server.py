@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokenwire.lmtp")
 MAX_MESSAGE_BYTES = 64 * 2**20  # a full-vocabulary logit_bias is a few MiB
+HEARTBEAT_S = 30.0
 
 
 class LmtpServer:
@@ -37,6 +38,8 @@ class LmtpServer:
         sock: socket.socket | None = None,
         auth_token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        idle_timeout_s: float | None = None,
+        max_streams: int | None = None,
     ) -> None:
         self.engine = engine
         self.host = host
@@ -45,6 +48,8 @@ class LmtpServer:
         self.aliases = tuple(aliases)
         self.auth_token = auth_token
         self.ssl_context = ssl_context
+        self.idle_timeout_s = idle_timeout_s  # close a connection with no stream for this long
+        self.max_streams = max_streams
         self._connections: dict[ConnectionRunner, web.WebSocketResponse] = {}
         self._runner: web.AppRunner | None = None
 
@@ -67,21 +72,33 @@ class LmtpServer:
         return len(self._connections)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, compress=False)
+        # heartbeat: a peer that vanished without a FIN (pulled cable, killed VM) stops answering
+        # pings and is closed within ~2 heartbeats, freeing its engine requests
+        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, compress=False, heartbeat=HEARTBEAT_S)
         if not ws.can_prepare(request).ok:
             return web.Response(
                 status=426, text="LMTP endpoint: connect with a WebSocket\n", headers={"Upgrade": "websocket"}
             )
         await ws.prepare(request)
-        runner = ConnectionRunner(self.engine, ws.send_str, aliases=self.aliases, peer=request.remote)
+        runner = ConnectionRunner(
+            self.engine, ws.send_str, aliases=self.aliases, peer=request.remote, max_streams=self.max_streams
+        )
         self._connections[runner] = ws
         try:
-            async for msg in ws:
+            while True:
+                try:
+                    msg = await ws.receive(timeout=self.idle_timeout_s)
+                except TimeoutError:
+                    if runner.core.streams:
+                        continue  # streams running: not idle
+                    log.info("LMTP: closing %s after %.0fs idle", request.remote, self.idle_timeout_s)
+                    await ws.close(code=1000, message=b"idle timeout")
+                    break
                 if msg.type == WSMsgType.TEXT:
                     runner.feed(msg.data)
                 elif msg.type == WSMsgType.BINARY:
                     runner.feed(msg.data.decode("utf-8", "replace"))
-                elif msg.type == WSMsgType.ERROR:
+                elif msg.type in (WSMsgType.ERROR, WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                     break
         finally:
             if self._connections.pop(runner, None) is not None:

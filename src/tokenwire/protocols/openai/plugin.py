@@ -32,10 +32,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="require Authorization: Bearer KEY on /v1 routes (default: $TOKENWIRE_API_KEY)",
     )
     g.add_argument(
+        "--http-max-body-mb",
+        type=float,
+        default=64.0,
+        help="largest request body of this API (413 beyond; docs/limits.md)",
+    )
+    g.add_argument(
         "--max-queued",
         type=int,
         default=256,
-        help="requests waiting in the engine beyond which the API answers 429",
+        help="requests waiting in the engine beyond which new ones are refused, on every protocol "
+        "(this API: 429)",
     )
 
 

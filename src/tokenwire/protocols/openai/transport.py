@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import Origin
 from tokenwire.protocols.openai import core, responses
+from tokenwire.protocols.openai.body_limit import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware
 from tokenwire.protocols.openai.errors import OpenAIError, from_engine
 from tokenwire.protocols.openai.playground import add_playground_routes
 from tokenwire.protocols.openai.plugin import add_serve_args  # noqa: F401 - its flags live there
@@ -85,8 +86,10 @@ class OpenAIApp:
         api_key: str | None = None,
         max_queued: int = 256,
         metrics: Callable[[], tuple[bytes, str]] | None = None,
+        max_body_mb: float = DEFAULT_MAX_BODY_MB,
     ) -> None:
         self.engine = engine
+        self.max_body_bytes = int(max_body_mb * 2**20)
         self.limits = limits_of(engine)
         self.api_key = api_key
         self.max_queued = max_queued
@@ -118,7 +121,8 @@ class OpenAIApp:
             kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
             return _error_response(OpenAIError(exc.status_code, str(exc.detail), type=kind))
 
-        if self.api_key is not None:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=self.max_body_bytes, respond=_error_response)
+        if self.api_key is not None:  # added last: runs first, so a refused request reads no body
             app.add_middleware(ApiKeyMiddleware, api_key=self.api_key)
 
         app.get("/health")(self.health)
@@ -402,6 +406,7 @@ async def start_from_args(
         # --api-key (this API's own, older flag) wins; else the one --auth-token of every protocol
         api_key=getattr(args, "api_key", None) or auth_token(args),
         max_queued=getattr(args, "max_queued", 256),
+        max_body_mb=getattr(args, "http_max_body_mb", DEFAULT_MAX_BODY_MB),
         metrics=_metrics_exposition(),
     )
     await server.start()
