@@ -11,16 +11,23 @@ Mapping (docs/evergreen.md has the full table):
 * At the end of a GENERATE input an open `assistant` turn is continued; otherwise the turn
   is closed and the template's generation prompt follows.
 * video/* and audio/* refs or data are checked and measured (refs through the sandbox,
-  streamed) and shown to this text-only model as a one-line attachment descriptor;
-  image/* and every other mimetype are INVALID_ARGUMENT naming the mimetype.
+  streamed) and shown to this text-only model as a one-line attachment descriptor.
+* image/png, image/jpeg, image/webp data, for a vision model, become the image's block
+  `<|vision_start|> + N*<|image_pad|> + <|vision_end|>` inside the turn (N = the vision encoder's
+  count for it) and the image is attached to those positions (Prompt.images); for a text-only
+  model, and for every other mimetype, INVALID_ARGUMENT naming the mimetype.
 """
 
 from __future__ import annotations
 
 import codecs
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from tokenwire.engine.errors import InvalidRequestError
+from tokenwire.engine.vision import ImageInput
+from tokenwire.model.images import IMAGE_MIMES
 from tokenwire.model.tokenizer import Tokenizer
 from tokenwire.protocols.evergreen.errors import invalid
 from tokenwire.protocols.evergreen.flatten import Flattened, LeafView, Ref
@@ -97,16 +104,50 @@ class Prompt:
     tokens: list[int]
     stable: int  # tokens[:stable] cannot change as more input arrives
     complete: bool
+    images: list[ImageInput] = field(default_factory=list)  # attached to blocks of `tokens`
 
 
 TextReader = Callable[[str], str]  # file:// ref -> its text (through the sandbox)
 MediaMeter = Callable[[str], int]  # file:// ref -> its size in bytes (streamed)
+ImageCounter = Callable[[bytes, str], int]  # image bytes, mimetype -> its pad-token count
+
+
+class VisionBlock:
+    """A vision model's image block tokens and pad counts (None on a text-only model)."""
+
+    def __init__(self, start: int, pad: int, end: int, count: ImageCounter) -> None:
+        self.start, self.pad, self.end, self.count = start, pad, end, count
+
+    def tokens(self, leaf: LeafView) -> tuple[list[int], bytes, str]:
+        base = base_mimetype(leaf.mimetype)
+        if base not in IMAGE_MIMES:
+            raise invalid(
+                f"node {leaf.id!r}: mimetype {leaf.mimetype!r}: use image/png, image/jpeg or image/webp"
+            )
+        if any(isinstance(p, Ref) for p in leaf.parts):
+            raise invalid(f"node {leaf.id!r}: image refs are not read; send the image as data")
+        try:
+            n = self.count(leaf.data, base)
+        except InvalidRequestError as exc:
+            raise invalid(f"node {leaf.id!r}: {exc}") from None
+        return [self.start, *[self.pad] * n, self.end], leaf.data, base
+
+
+def vision_block(engine: Any) -> VisionBlock | None:
+    """The engine's image block tokens when its model has a vision encoder, else None."""
+    v = getattr(engine.config, "vision", None)
+    if v is None or getattr(engine, "vision", None) is None:
+        return None
+    return VisionBlock(v.vision_start_token_id, v.image_token_id, v.vision_end_token_id, engine.image_tokens)
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer: Tokenizer, layout: ChatLayout | None = None) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, layout: ChatLayout | None = None, vision: VisionBlock | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.layout = layout or ChatLayout.from_tokenizer(tokenizer)
+        self.vision = vision
         self._piece_cache: dict[str, list[int]] = {}
 
     def _piece(self, text: str) -> list[int]:
@@ -165,10 +206,14 @@ class PromptBuilder:
             name = f" {leaf.original_file_name}" if leaf.original_file_name else ""
             turn.client_text(f"[{base} attachment{name}: {size} bytes]", role)
             return True
+        if base.startswith("image/") and self.vision is not None:
+            if not leaf.complete:
+                return False
+            block, data, mime = self.vision.tokens(leaf)
+            turn.client_image(block, data, mime, role)
+            return True
         if base.startswith("image/"):
-            raise invalid(
-                f"node {leaf.id!r}: mimetype {mimetype!r}: images need a vision model (not supported yet)"
-            )
+            raise invalid(f"node {leaf.id!r}: mimetype {mimetype!r}: images need a vision model")
         raise invalid(f"node {leaf.id!r}: unsupported mimetype {mimetype!r}")
 
 
@@ -183,6 +228,7 @@ class _TurnWriter:
         self.opened_by_server = False
         self.started = False
         self.run = ""
+        self.images: list[ImageInput] = []
 
     def _flush(self) -> None:
         if self.run:
@@ -214,6 +260,13 @@ class _TurnWriter:
             self._open(role, by_server=False)
         self.run += text
 
+    def client_image(self, block: list[int], data: bytes, mime: str, role: str | None) -> None:
+        self.client_text("", role)  # opens the turn as text would
+        self._flush()
+        start = len(self.tokens)
+        self.tokens += block
+        self.images.append(ImageInput(start, start + len(block), data, mime))
+
     def server_tokens(self, token_ids: list[int]) -> None:
         if self.role != "assistant":
             self.close()
@@ -226,7 +279,7 @@ class _TurnWriter:
         settled = len(self.tokens)
         run_tokens = self.b.tokenizer.encode(self.run, add_special_tokens=False) if self.run else []
         tokens = self.tokens + run_tokens
-        return Prompt(tokens, settled + max(0, len(run_tokens) - HOLDBACK_TOKENS), False)
+        return Prompt(tokens, settled + max(0, len(run_tokens) - HOLDBACK_TOKENS), False, self.images)
 
     def finish(self, for_generation: bool) -> Prompt:
         if for_generation and self.role == "assistant":
@@ -238,7 +291,27 @@ class _TurnWriter:
             self.tokens += self.b._piece(self.layout.generation)
         else:
             self._flush()
-        return Prompt(self.tokens, len(self.tokens), True)
+        return Prompt(self.tokens, len(self.tokens), True, self.images)
+
+
+def count_plain(
+    flat: Flattened, read_text: TextReader, tokenizer: Tokenizer, vision: VisionBlock | None
+) -> int:
+    """COUNT_TOKENS: the text runs' tokens plus, on a vision model, each image's whole block."""
+
+    def text_tokens(leaves: list[LeafView]) -> int:
+        text = plain_text(Flattened(leaves, True, None), read_text)
+        return len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+    run: list[LeafView] = []
+    total = 0
+    for leaf in flat.leaves:
+        if base_mimetype(leaf.mimetype).startswith("image/") and vision is not None:
+            total += text_tokens(run) + len(vision.tokens(leaf)[0])
+            run = []
+        else:
+            run.append(leaf)
+    return total + text_tokens(run)
 
 
 def plain_text(flat: Flattened, read_text: TextReader) -> str:

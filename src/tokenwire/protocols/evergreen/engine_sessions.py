@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.errors import SessionNotFoundError
 from tokenwire.engine.request import FinishEvent, GenerateOptions, RequestHandle
+from tokenwire.engine.vision import ImageInput
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -56,12 +57,17 @@ class Lease:
             if isinstance(event, FinishEvent) and event.reason == "error":
                 raise RuntimeError(event.error or "prefill failed")
 
-    def start(self, prompt: Sequence[int], options: GenerateOptions) -> RequestHandle:
-        append = self._align(prompt)
+    def start(
+        self, prompt: Sequence[int], options: GenerateOptions, images: Sequence[ImageInput] = ()
+    ) -> RequestHandle:
+        """Generate after `prompt`; `images` (absolute positions in it) are attached on the way."""
+        append = self._align(prompt[: images[0].start] if images else prompt)
+        if images:  # the session now ends before the first image: every block is appended anew
+            append = list(prompt[len(self.tokens) :])
         if not append and not self.tokens:
             raise ValueError("empty prompt")
         options.use_prefix_cache = self.use_prefix_cache
-        handle = self.engine.generate(self.sid, append, options)
+        handle = self.engine.generate(self.sid, append, options, images=images)
         self.tokens.extend(append)
         return handle
 

@@ -34,7 +34,7 @@ from tokenwire.engine.request import (
 )
 from tokenwire.logs import access_log
 from tokenwire.protocols.evergreen.actions import ActionSpec
-from tokenwire.protocols.evergreen.content import Prompt, PromptBuilder, plain_text
+from tokenwire.protocols.evergreen.content import Prompt, PromptBuilder, count_plain, plain_text
 from tokenwire.protocols.evergreen.core import ActionState, SessionCore
 from tokenwire.protocols.evergreen.engine_sessions import EngineSessions, Lease
 from tokenwire.protocols.evergreen.errors import SessionAbort, invalid
@@ -179,7 +179,8 @@ async def _generate(host: ActionHost, action: ActionState) -> None:
             if prompt.complete:
                 break
             target = prompt.tokens[: prompt.stable]
-            if target and (lease is None or lease.tokens != target):
+            # an image's block is computed with the image attached, once the input is complete
+            if target and not prompt.images and (lease is None or lease.tokens != target):
                 if lease is None:
                     lease = host.pool.acquire(target)
                 await lease.prefill(target)
@@ -187,15 +188,20 @@ async def _generate(host: ActionHost, action: ActionState) -> None:
             await host.wait_change(version, f"action {spec.label}: input node {flat.waiting_for!r}")
         if not prompt.tokens:
             raise invalid(f"action {spec.label}: the input is empty")
+        # a reused session may share the text before the first image, never an image block
+        text_prefix = prompt.tokens[: prompt.images[0].start] if prompt.images else prompt.tokens
         if lease is None:
-            lease = host.pool.acquire(prompt.tokens)
-        handle = lease.start(prompt.tokens, options)
+            lease = host.pool.acquire(text_prefix)
+        handle = lease.start(prompt.tokens, options, prompt.images)
         await _stream_generation(host, action, handle, options)
     except BaseException:
         if lease is not None:
             host.pool.discard(lease)
         raise
-    host.pool.keep(lease)
+    if prompt.images:  # the pool matches kept sessions by tokens only: images stay out of it
+        host.pool.discard(lease)
+    else:
+        host.pool.keep(lease)
 
 
 async def _stream_generation(host: ActionHost, action: ActionState, handle, options: GenerateOptions) -> None:
@@ -244,9 +250,11 @@ async def _stream_generation(host: ActionHost, action: ActionState, handle, opti
 async def _score(host: ActionHost, action: ActionState) -> None:
     spec = action.spec
     context: list[int] = []
+    images = []
     if "prompt" in spec.inputs:
         flat = await _complete_input(host, action, "prompt")
-        context = host.builder.build(flat, host.read_text, host.measure).tokens
+        prompt = host.builder.build(flat, host.read_text, host.measure)
+        context, images = prompt.tokens, prompt.images
     cont_flat = await _complete_input(host, action, "continuation")
     continuation = host.engine.tokenizer.encode(
         plain_text(cont_flat, host.read_text), add_special_tokens=False
@@ -258,7 +266,7 @@ async def _score(host: ActionHost, action: ActionState) -> None:
     options = GenerateOptions(
         max_tokens=0, logprob_ranges=[(first, len(tokens))], priority=2, origin=Origin("evergreen", "SCORE")
     )
-    handle = host.engine.generate(None, tokens, options)
+    handle = host.engine.generate(None, tokens, options, images=images)
     scored: list[dict] = []
     async for event in handle:
         if isinstance(event, TokenEvent) and event.is_prefill and event.logprob is not None:
@@ -276,13 +284,14 @@ async def _token_tool(host: ActionHost, action: ActionState) -> None:
     spec = action.spec
     tokenizer = host.engine.tokenizer
     flat = await _complete_input(host, action)
+    if spec.name == "COUNT_TOKENS":  # an image counts its whole block (vision models)
+        count = count_plain(flat, host.read_text, tokenizer, host.builder.vision)
+        host.send(_one(host, action, "count", json.dumps(count).encode(), "application/json"))
+        return
     text = plain_text(flat, host.read_text)
     if spec.name == "TOKENIZE":
         ids = tokenizer.encode(text, add_special_tokens=False)
         host.send(_one(host, action, "tokens", json.dumps(ids).encode(), "application/json"))
-    elif spec.name == "COUNT_TOKENS":
-        count = len(tokenizer.encode(text, add_special_tokens=False))
-        host.send(_one(host, action, "count", json.dumps(count).encode(), "application/json"))
     elif spec.name == "DETOKENIZE":
         try:
             ids = json.loads(text)

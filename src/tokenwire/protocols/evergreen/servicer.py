@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tokenwire.engine.engine import Engine
-from tokenwire.protocols.evergreen.content import ChatLayout, PromptBuilder
+from tokenwire.protocols.evergreen.content import ChatLayout, PromptBuilder, vision_block
 from tokenwire.protocols.evergreen.errors import SessionAbort
 from tokenwire.protocols.evergreen.executor import DEFAULT_MAX_TOKENS
 from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
@@ -47,7 +47,7 @@ class EvergreenServicer(spb_grpc.EvergreenServiceServicer):
         self.runners: set[SessionRunner] = set()
 
     def new_runner(self) -> SessionRunner:
-        builder = PromptBuilder(self.engine.tokenizer, self.layout)
+        builder = PromptBuilder(self.engine.tokenizer, self.layout, vision_block(self.engine))
         return SessionRunner(
             self.engine, builder, self.sandbox, self.limits, self.default_max_tokens, reuse=self.reuse
         )
