@@ -19,6 +19,7 @@ from typing import Any
 
 from tokenwire.model.tokenizer import Tokenizer
 from tokenwire.protocols.openai.errors import OpenAIError, bad_request
+from tokenwire.protocols.openai.images import ChatImage, ChatVision, read_image_part
 from tokenwire.protocols.openai.schemas import ChatCompletionRequest, ChatMessage, Tool
 
 _SENTINEL = "tokenwire-sentinel-a7c3"  # plain words: survives templates that trim content
@@ -29,14 +30,22 @@ _STAND_IN = [
 ]
 
 
-def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """OpenAI messages as the dicts Hugging Face chat templates expect."""
+def template_messages(
+    messages: Sequence[ChatMessage], vision: ChatVision | None = None, images: list[ChatImage] | None = None
+) -> list[dict[str, Any]]:
+    """OpenAI messages as the dicts Hugging Face chat templates expect. On a vision model
+    (`vision`), image_url parts become their vision blocks and are collected into `images`."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
+                if part.type == "image_url" and vision is not None and images is not None:
+                    text, image = read_image_part(part, vision, f"messages.{i}.content.{j}")
+                    texts.append(text)
+                    images.append(image)
+                    continue
                 if part.type not in ("text", "input_text") or part.text is None:
                     raise bad_request(
                         f"content part type {part.type!r} is not supported: this model reads text only",

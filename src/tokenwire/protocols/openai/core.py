@@ -17,9 +17,11 @@ from typing import Any
 from tokenwire.engine.admission import Limits, check_request
 from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import GenerateOptions
+from tokenwire.engine.vision import ImageInput
 from tokenwire.model.tokenizer import Tokenizer
 from tokenwire.protocols.openai import chat
 from tokenwire.protocols.openai.errors import bad_request, from_engine, model_not_found
+from tokenwire.protocols.openai.images import ChatImage, ChatVision, place_images
 from tokenwire.protocols.openai.output import ChoiceOutput
 from tokenwire.protocols.openai.sampling import Structure, check_one_structure, compile_structure, options_for
 from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest, Sampling
@@ -41,6 +43,7 @@ class ModelLimits:
     engine: Limits  # the engine's admission limits (engine.limits)
     concept_names: tuple[str, ...] = ()
     concept_layers: tuple[int, ...] = ()
+    vision: ChatVision | None = None  # a vision model's image blocks (image_url parts)
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Plan:
     tool_names: set[str] = field(default_factory=set)
     readouts: bool = False
     limits: ModelLimits | None = None
+    images: list[ImageInput] = field(default_factory=list)  # attached to prompts[0] (chat)
 
 
 def check_model(requested: str | None, limits: ModelLimits) -> None:
@@ -120,9 +124,11 @@ def plan_chat(req: ChatCompletionRequest, limits: ModelLimits, session_tokens: S
     )
     structure = _structure(req, response_schema, tool_schema)
     tools = chat.tool_dicts(req.tools) if req.tools and mode != "none" else None
-    messages = chat.template_messages(req.messages)
+    images: list[ChatImage] = []
+    messages = chat.template_messages(req.messages, limits.vision, images)
     history = list(session_tokens or ())
     append = chat.prompt_tokens(tok, messages, history[-SESSION_TAIL:], tools)
+    placed = place_images(append, images, limits.vision, len(history)) if limits.vision else []
     prompt_len = len(history) + len(append)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _max_tokens(requested, prompt_len, limits)
@@ -144,6 +150,7 @@ def plan_chat(req: ChatCompletionRequest, limits: ModelLimits, session_tokens: S
         tool_names={t.function.name for t in req.tools or []},
         readouts=req.readouts,
         limits=limits,
+        images=placed,
     )
     for i in range(req.n):
         options = options_for(

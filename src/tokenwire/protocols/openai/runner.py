@@ -80,7 +80,7 @@ class Execution:
             else:
                 targets = [None] * len(plan.choices)
             for index, ((prompt, options), target) in enumerate(zip(plan.choices, targets, strict=True)):
-                handle = engine.generate(target, plan.prompts[prompt], options)
+                handle = engine.generate(target, plan.prompts[prompt], options, images=plan.images)
                 self.handles.append(handle)
                 handle.subscribe(self.mux.sink(index))  # type: ignore[arg-type]
         except EngineError as exc:

@@ -27,6 +27,7 @@ from tokenwire.engine.request import Origin
 from tokenwire.protocols.openai import core, responses
 from tokenwire.protocols.openai.body_limit import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware
 from tokenwire.protocols.openai.errors import OpenAIError, from_engine
+from tokenwire.protocols.openai.images import vision_of
 from tokenwire.protocols.openai.playground import add_playground_routes
 from tokenwire.protocols.openai.plugin import add_serve_args  # noqa: F401 - its flags live there
 from tokenwire.protocols.openai.runner import Execution
@@ -54,6 +55,7 @@ def limits_of(engine: Engine) -> core.ModelLimits:
         engine=engine.limits,
         concept_names=tuple(concepts.names) if concepts is not None else (),
         concept_layers=tuple(concepts.layers) if concepts is not None else (),
+        vision=vision_of(engine),
     )
 
 
