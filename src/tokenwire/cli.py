@@ -92,6 +92,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_model_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--raw", action="store_true", help="no chat template: tokenize the prompt as is")
+    gen.add_argument(
+        "--image", action="append", default=[], metavar="FILE",
+        help="an image (PNG/JPEG/WebP) placed before the prompt text; repeatable (vision models)",
+    )  # fmt: skip
     gen.add_argument("--json", action="store_true", help="one JSON event per line")
     gen.add_argument(
         "--special", action="store_true", help="print special tokens (end of turn, BOS) as text too"

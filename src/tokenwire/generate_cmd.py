@@ -11,6 +11,7 @@ from tokenwire.engine.engine import Engine
 from tokenwire.engine.errors import InvalidRequestError
 from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, TokenEvent
+from tokenwire.engine.vision import ImageInput
 
 
 def _text_or_file(value: str) -> str:
@@ -22,6 +23,21 @@ def prompt_tokens(engine: Engine, prompt: str, raw: bool) -> list[int]:
     if raw or not tok.has_chat_template:
         return tok.encode(prompt)
     return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+
+
+def image_prompt(
+    engine: Engine, prompt: str, raw: bool, images: list[bytes]
+) -> tuple[list[int], list[ImageInput]]:
+    """The prompt with each image's vision block before the text (Qwen2-VL's own order), and
+    the images attached to those blocks. A text-only model refuses (InvalidRequestError)."""
+    counts = [engine.image_tokens(data) for data in images]
+    blocks = "".join("<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>" for n in counts)
+    tokens = prompt_tokens(engine, blocks + prompt, raw)
+    vision_start = engine.config.vision.vision_start_token_id
+    starts = [i for i, t in enumerate(tokens) if t == vision_start]
+    if len(starts) != len(images):
+        raise ValueError(f"the prompt holds {len(starts)} vision blocks for {len(images)} --image files")
+    return tokens, [ImageInput(s, s + n + 2, data) for s, n, data in zip(starts, counts, images, strict=True)]
 
 
 def _grammar_args(args: argparse.Namespace) -> tuple[str, str] | None:
@@ -39,6 +55,9 @@ def _grammar_args(args: argparse.Namespace) -> tuple[str, str] | None:
 def check_args(args: argparse.Namespace) -> None:
     """Every check that needs no model: sampling values and the constraint's grammar."""
     sampling_from(args).validate()
+    for path in getattr(args, "image", []):
+        if not Path(path).is_file():
+            raise ValueError(f"--image {path}: no such file")
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens must be >= 0, got {args.max_tokens}")
     grammar = _grammar_args(args)
@@ -78,8 +97,13 @@ def run_generate(args: argparse.Namespace, settings: EngineSettings) -> int:
     settings.progress = sys.stderr.isatty()
     engine = build_engine(settings)
     try:
-        tokens = prompt_tokens(engine, args.prompt, args.raw)
-        handle = engine.generate(None, tokens, options_from(args, engine))
+        images = [Path(p).read_bytes() for p in getattr(args, "image", [])]
+        attached: list[ImageInput] = []
+        if images:
+            tokens, attached = image_prompt(engine, args.prompt, args.raw, images)
+        else:
+            tokens = prompt_tokens(engine, args.prompt, args.raw)
+        handle = engine.generate(None, tokens, options_from(args, engine), images=attached)
         for event in handle:
             if isinstance(event, TokenEvent):
                 if args.json:
