@@ -163,6 +163,14 @@ class AiciClient:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
+    def fail_pending(self, message: str) -> None:
+        """The runtime died: side-channel calls waiting for a reply fail now with `message`."""
+        with self._pending_lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(AiciError(message))
+
     def close(self) -> None:
         if self._closed:
             return

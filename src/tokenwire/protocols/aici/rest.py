@@ -17,6 +17,7 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -25,6 +26,7 @@ from tokenwire.logs import access_log
 from tokenwire.protocols.aici.client import AiciClient, AiciError
 from tokenwire.protocols.aici.engine_bridge import Coordinator
 from tokenwire.protocols.aici.run import RunRequest, run_events
+from tokenwire.protocols.aici.supervisor import RuntimeSupervisor
 from tokenwire.protocols.http_site import start_site
 from tokenwire.protocols.security import aiohttp_auth, auth_token, ssl_context
 from tokenwire.protocols.serving import SHUTDOWN_MESSAGE, Stopper
@@ -52,8 +54,11 @@ class AiciServer:
         sock: socket.socket | None = None,
         auth_token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        make_client: Callable[[], AiciClient] | None = None,
     ) -> None:
         self.engine = engine
+        # restarts a runtime that died (supervisor.py); None: a dead runtime stays dead
+        self.supervisor = RuntimeSupervisor(self, make_client) if make_client is not None else None
         self.auth_token = auth_token
         self.ssl_context = ssl_context
         self.client = client
@@ -77,7 +82,17 @@ class AiciServer:
             app, self.host, self.port, self.sock, "--aici-port", self.ssl_context
         )
         log.info("AICI REST listening on %s/v1/ (runtime %s)", self.url, self.client.prefix)
+        if self.supervisor is not None:
+            self.supervisor.start()
         return self
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutting_down is not None
+
+    @property
+    def runs(self) -> set[asyncio.Task[Any]]:
+        return self._runs
 
     @property
     def url(self) -> str:
@@ -115,6 +130,8 @@ class AiciServer:
             return _error(400, str(e))
         if self._shutting_down is not None:
             return _error(503, self._shutting_down)
+        if self.supervisor is not None and self.supervisor.restarting:
+            return _error(503, "the AICI runtime died and is restarting; retry shortly")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         events = run_events(self.engine, self.client, self.coord, req)
@@ -149,6 +166,8 @@ class AiciServer:
             await asyncio.wait(runs, timeout=wait_s)
 
     async def stop(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         await self.shutdown()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -214,18 +233,19 @@ async def start_on(engine: Engine, args: argparse.Namespace, sock: socket.socket
     spin_ms = getattr(args, "aici_busy_wait_ms", None)
     if spin_ms is None:
         spin_ms = 200.0 if engine.model.device.type == "cuda" else 0.0
-    client = await loop.run_in_executor(
-        None,
-        lambda: AiciClient(
+
+    def make_client() -> AiciClient:
+        return AiciClient(
             tokenizer=tokenizer_spec(engine), runtime_args=runtime_args_from(args), busy_wait_ms=spin_ms
-        ),
-    )
+        )
+
+    client = await loop.run_in_executor(None, make_client)
     server = await AiciServer(
-        engine, client, args.host, args.aici_port, sock, auth_token(args), ssl_context(args)
+        engine, client, args.host, args.aici_port, sock, auth_token(args), ssl_context(args), make_client
     ).start()
 
     async def stop() -> None:
         await server.stop()
-        await loop.run_in_executor(None, client.close)
+        await loop.run_in_executor(None, server.client.close)  # the runtime now (it may have restarted)
 
     return stop

@@ -1,0 +1,92 @@
+"""Keeping `serve --aici`'s runtime child alive: when it dies (a crash, the OOM killer, a
+SIGKILL), the runs it was controlling fail with a clear error and a fresh runtime takes over.
+
+The child's death is seen from both sides: a round waiting on the main channel notices the
+exit within a second (AiciClient.recv_main) and fails that round's sequences ("AICI runtime:
+... runtime exited with status -9"); this supervisor polls the process, fails the side-channel
+calls still waiting (an instantiate or an upload would otherwise wait forever), starts a new
+runtime with the same arguments and swaps it in. Runs that start meanwhile get 503 "AICI
+runtime restarting". The old channels are closed once the runs that used them have ended.
+Uploaded controllers and tags live in the store directory, so they survive the restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from tokenwire.protocols.aici.client import AiciClient
+from tokenwire.protocols.aici.engine_bridge import Coordinator
+
+if TYPE_CHECKING:
+    from tokenwire.protocols.aici.rest import AiciServer
+
+log = logging.getLogger("tokenwire.aici")
+POLL_S = 0.2  # how often the child is checked: a restart begins within this of its death
+RETRY_S = 5.0  # wait before trying again when a restart itself failed
+
+
+class RuntimeSupervisor:
+    def __init__(self, server: AiciServer, make_client: Callable[[], AiciClient]) -> None:
+        self.server = server
+        self.make_client = make_client
+        self.restarts = 0
+        self.restarting = False
+        self._task: asyncio.Task[None] | None = None
+        self._retiring: set[asyncio.Task[Any]] = set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch(), name="aici-supervisor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(POLL_S)
+            dead = self.server.client
+            status = dead.proc.poll()
+            if status is None or self.server.shutting_down:
+                continue
+            self.restarting = True
+            log.error(
+                "AICI runtime (pid %d) died with status %s: failing its runs, restarting",
+                dead.proc.pid,
+                status,
+            )
+            dead.fail_pending(f"AICI runtime died (exit status {status}); it is being restarted")
+            runs = set(self.server.runs)
+            old_coord = self.server.coord
+            try:
+                fresh = await loop.run_in_executor(None, self.make_client)
+            except Exception:
+                log.exception("AICI runtime restart failed; trying again in %.0f s", RETRY_S)
+                await asyncio.sleep(RETRY_S)
+                continue
+            self.server.client = fresh
+            self.server.coord = Coordinator(
+                fresh, self.server.engine.vocab_size, step_count=lambda: self.server.engine.steps
+            )
+            self.restarts += 1
+            self.restarting = False
+            log.info("AICI runtime restarted (pid %d, restart %d)", fresh.proc.pid, self.restarts)
+            task = asyncio.create_task(self._retire(dead, old_coord, runs))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    @staticmethod
+    async def _retire(client: AiciClient, coord: Coordinator, runs: set[asyncio.Task[Any]]) -> None:
+        """Close the dead runtime's channels once no run uses them."""
+        if runs:
+            await asyncio.wait(runs, timeout=60)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, coord.close)
+        await loop.run_in_executor(None, client.close)
