@@ -54,9 +54,11 @@ def benchmarks() -> list[ModuleType]:
         lmtp_bench,
         openai_bench,
         salience_bench,
+        vision_bench,
     )
 
     return [
-        salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench
+        salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
+        vision_bench,
     ]  # fmt: skip
 

@@ -65,6 +65,11 @@ class EmbeddingCache:
         self.tower_runs = 0  # images run through the tower (misses)
         self.hits = 0
 
+    def clear(self) -> None:
+        """Forget every embedding (benchmarks: a re-prefill that runs the tower again)."""
+        self._entries.clear()
+        self._bytes = 0
+
     def get(self, model: Any, image: PreparedImage) -> torch.Tensor:
         """The image's embeddings [N, hidden]; runs the tower on a miss (model thread only)."""
         found = self._entries.get(image.digest)
