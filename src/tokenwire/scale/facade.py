@@ -201,6 +201,14 @@ class ReplicaEngine:
     def touch_session(self, session_id: str) -> None:
         self._session_call(session_id, lambda a: a.call.remote("touch_session", session_id))
 
+    def session_images(self, session_id: str) -> list[Any]:
+        return self._session_call(session_id, lambda a: a.call.remote("session_images", session_id))
+
+    def image_tokens(self, data: bytes, mime: str | None = None) -> int:
+        """An image's token count (the vision model's; every replica has the same)."""
+        replica = self._place(())
+        return self._get(replica, self.replicas[replica].call.remote("image_tokens", data, mime))
+
     def has_session(self, session_id: str) -> bool:
         try:
             return self._session_call(session_id, lambda a: a.call.remote("has_session", session_id))
@@ -234,6 +242,7 @@ class ReplicaEngine:
         session_id: str | None = None,
         append: Sequence[int] = (),
         options: GenerateOptions | None = None,
+        images: Sequence[Any] = (),
     ) -> RemoteHandle:
         options = options or GenerateOptions()
         if options.constraint is not None:
@@ -247,7 +256,7 @@ class ReplicaEngine:
         actor = self.replicas[replica]
         key = uuid.uuid4().hex
         stream = actor.generate.options(num_returns="streaming").remote(
-            key, session_id, list(append), options
+            key, session_id, list(append), options, list(images)
         )
         try:
             first = self._get(replica, next(stream))

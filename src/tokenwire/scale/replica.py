@@ -135,11 +135,20 @@ class EngineReplica:
 
     # ------------------------------------------------------------------ generation
     async def generate(
-        self, key: str, session_id: str | None, append: Sequence[int], options: GenerateOptions
+        self,
+        key: str,
+        session_id: str | None,
+        append: Sequence[int],
+        options: GenerateOptions,
+        images: Sequence[Any] = (),
     ) -> AsyncIterator[tuple[str, int, list[Event]]]:
         """Stream (session id, cached tokens, events) batches; the first has no events and comes
         as soon as the engine took the request (an EngineError is raised instead)."""
-        handle = self.engine.generate(session_id, append, options)
+        handle = (
+            self.engine.generate(session_id, append, options, images=images)
+            if images
+            else (self.engine.generate(session_id, append, options))
+        )
         sid = handle.session_id
         if session_id is not None:
             self._served[sid] = self._served.get(sid, 0) + 1
@@ -217,5 +226,14 @@ class EngineReplica:
 
 
 _PASSTHROUGH = frozenset(
-    {"truncate_session", "session_tokens", "session_busy", "touch_session", "has_session", "check"}
+    {
+        "truncate_session",
+        "session_tokens",
+        "session_busy",
+        "touch_session",
+        "has_session",
+        "check",
+        "session_images",
+        "image_tokens",
+    }
 )

@@ -1,0 +1,115 @@
+"""One local Ray cluster for the whole test session (ray.init costs ~15 s here), a tiny random-
+weight model directory the replicas load in a second, and `tokenwire serve` child processes
+that join the cluster (--ray-address) with their stderr drained in a thread (a full pipe would
+stall the server: every request writes an access-log line)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.serve_process import kill_if_running
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    import ray
+
+    ray.init(
+        num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False,
+        namespace="tokenwire-tests",
+    )  # fmt: skip
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_source) -> Path:
+    """SmolLM2's tokenizer with a 2-layer random-weight Llama (tests/tiny_models.py) on disk."""
+    from tests.tiny_models import hf_model
+
+    out = tmp_path_factory.mktemp("tiny-smollm2")
+    hf_model("smollm2").save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (smollm2_source.model_dir / name).exists():
+            shutil.copy(smollm2_source.model_dir / name, out / name)
+    return out
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class ServeProcess:
+    """`tokenwire serve` on the tiny model with Salience/Evergreen (gRPC), LMTP, HTTP and metrics."""
+
+    def __init__(self, model: Path, *extra: str) -> None:
+        self.grpc, self.lmtp, self.http, self.metrics = free_ports(4)
+        argv = [
+            sys.executable, "-m", "tokenwire.cli", "serve", "--model", str(model), "--model-name", "tiny",
+            "--grpc-port", str(self.grpc), "--lmtp-port", str(self.lmtp), "--http-port", str(self.http),
+            "--metrics-port", str(self.metrics), "--graphpipe-port", "0", "--kv-cache-mb", "8", *extra,
+        ]  # fmt: skip
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if "tokenwire ready" in line:
+                self._ready.set()
+        self._ready.set()  # the process ended
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        self._ready.wait(timeout)
+        assert any("tokenwire ready" in line for line in self.lines), "".join(self.lines[-60:])
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> int:
+        """SIGTERM; the exit code (the server stops its protocols, then Ray, then exits)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                kill_if_running(self.proc)
+        self._reader.join(10)
+        return self.proc.returncode
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05):
+    """Poll until predicate() is truthy; returns its value (AssertionError on timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)

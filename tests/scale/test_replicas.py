@@ -1,0 +1,373 @@
+"""`tokenwire serve --replicas 2` on a local Ray cluster with the tiny model: sessions stay on
+their replica over Salience, Evergreen and LMTP with the single-process server's greedy output;
+cancel reaches the replica; a second ingress continues a session; metrics and `ray status` list
+the replicas; killing a replica ends its streams with each protocol's error and nothing else.
+
+The tests of this module share one replicated server (and one `--replicas 0` reference); the
+replica-kill test is last because it restarts a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from tests.scale.conftest import ServeProcess, wait_for
+from tokenwire.evergreen import Chat, EvergreenError, EvergreenSession, GenerateConfig
+from tokenwire.lmtp import Client as LmtpClient
+from tokenwire.protocols.lmtp.client import LmtpError
+from tokenwire.protocols.salience.client import AsyncClient, AsyncSession
+from tokenwire.protocols.salience.client_session import SalienceError, SessionView
+
+NAMESPACE = "tokenwire-test-replicas"
+GREEDY = GenerateConfig(temperature=0, max_tokens=6)
+
+
+def run(coro: Any, timeout: float = 120) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@pytest.fixture(scope="module")
+def servers(ray_address, tiny_model_dir):
+    """(replicated server, single-process reference server), started side by side."""
+    replicated = ServeProcess(
+        tiny_model_dir, "--replicas", "2", "--replica-cpus", "0.5", "--ray-address", ray_address,
+        "--ray-namespace", NAMESPACE,
+    )  # fmt: skip
+    reference = ServeProcess(tiny_model_dir)
+    try:
+        replicated.wait_ready()
+        reference.wait_ready()
+        yield replicated, reference
+    finally:
+        reference.stop()
+        assert replicated.stop() == 0, replicated.log[-3000:]
+
+
+def replica(i: int) -> Any:
+    import ray
+
+    return ray.get_actor(f"tokenwire-replica-{i}", namespace=NAMESPACE)
+
+
+def replica_call(i: int, method: str) -> Any:
+    import ray
+
+    return ray.get(getattr(replica(i), method).remote(), timeout=30)
+
+
+def placement(session_id: str) -> tuple[int, str] | None:
+    import ray
+
+    directory = ray.get_actor("tokenwire-sessions", namespace=NAMESPACE)
+    return ray.get(directory.lookup.remote(session_id), timeout=30)
+
+
+# ---------------------------------------------------------------------------------- scenario
+async def salience_conversation(port: int, seed: int) -> dict[str, Any]:
+    """Three turns and a fork (generating on both branches) on one session."""
+    rng = random.Random(seed)
+    async with AsyncClient(f"127.0.0.1:{port}") as client:
+        session = await client.open()
+        turns = []
+        for n in (5, 4):
+            append = [rng.randrange(3, 49000) for _ in range(rng.randrange(3, 9))]
+            turns.append([t.id async for t in session.generate(append, max_tokens=n, top_k=1)])
+        fork = await session.fork(session.view.length - 3)
+        forked = [t.id async for t in fork.generate([rng.randrange(3, 49000)], max_tokens=4, top_k=1)]
+        turns.append([t.id async for t in session.generate([17, 18], max_tokens=4, top_k=1)])
+        return {"turns": turns, "fork": forked, "ids": (session.view.session_id, fork.view.session_id)}
+
+
+async def evergreen_conversation(port: int, seed: int) -> list[str]:
+    async with await EvergreenSession.connect(f"127.0.0.1:{port}") as session:
+        chat = Chat(session)
+        first = await chat.say(f"Tell me about number {seed}.", GREEDY).text()
+        second = await chat.say("And the next one?", GREEDY).text()
+        return [first, second]
+
+
+async def lmtp_conversation(port: int, seed: int) -> list[list[int]]:
+    """A buffer, two turns each saved as a buffer (forks of the previous), and a second branch
+    from the first buffer."""
+    rng = random.Random(1000 + seed)
+    tokens = [[rng.randrange(3, 49000) for _ in range(6)] for _ in range(4)]
+    async with await LmtpClient.connect(f"ws://127.0.0.1:{port}/", extensions=["buffers"]) as client:
+        await client.buffer("system", tokens[0])
+        one = await client.generate_all(tokens[1], buffer="system", max_tokens=5, save_as="one")
+        two = await client.generate_all(tokens[2], buffer="one", max_tokens=5, save_as="two")
+        branch = await client.generate_all(tokens[3], buffer="system", max_tokens=5)
+        return [[r["token"] for r in records] for records in (one, two, branch)]
+
+
+async def scenario(server: ServeProcess) -> dict[str, Any]:
+    """16 concurrent conversations: 6 Salience, 5 Evergreen, 5 LMTP."""
+    sal = [salience_conversation(server.grpc, i) for i in range(6)]
+    eg = [evergreen_conversation(server.grpc, i) for i in range(5)]
+    lm = [lmtp_conversation(server.lmtp, i) for i in range(5)]
+    results = await asyncio.gather(*sal, *eg, *lm)
+    return {"salience": results[:6], "evergreen": results[6:11], "lmtp": results[11:]}
+
+
+def test_sessions_turns_and_forks_stay_on_one_replica_with_single_process_output(servers) -> None:
+    replicated, reference = servers
+    before = [replica_call(i, "served") for i in range(2)]
+    got = run(scenario(replicated))
+    want = run(scenario(reference))
+
+    def outputs(result: dict[str, Any]) -> dict[str, Any]:
+        sal = [{k: v for k, v in r.items() if k != "ids"} for r in result["salience"]]
+        return {**result, "salience": sal}
+
+    assert outputs(got) == outputs(want)
+    served = [replica_call(i, "served") for i in range(2)]
+    for conversation in got["salience"]:
+        parent, fork = conversation["ids"]
+        holders = [i for i in range(2) if parent in served[i]["requests"]]
+        assert len(holders) == 1, (parent, holders)  # every turn on one replica ...
+        (i,) = holders
+        assert served[i]["requests"][parent] == 3  # ... all three of them
+        assert served[i]["forks"][fork] == parent and served[i]["requests"][fork] == 1  # the fork too
+        assert fork not in served[1 - i]["requests"]
+        assert placement(parent)[0] == placement(fork)[0] == i  # and the session map agrees
+    sal_holders = {placement(c["ids"][0])[0] for c in got["salience"]}
+    assert sal_holders == {0, 1}  # new sessions were spread over both replicas
+    # Evergreen and LMTP ran their requests on both replicas too (their engine sessions are
+    # internal; a turn sent to the wrong replica would have failed "session not found")
+    new_requests = [
+        sum(served[i]["requests"].values()) - sum(before[i]["requests"].values()) for i in range(2)
+    ]
+    assert all(n > 12 for n in new_requests), new_requests
+
+
+def test_cancel_through_the_front_end_frees_the_request_on_the_replica(servers) -> None:
+    replicated, _ = servers
+
+    async def go() -> tuple[str, int]:
+        async with AsyncClient(f"127.0.0.1:{replicated.grpc}") as client:
+            session = await client.open()
+            got = 0
+            async for _ in session.generate([5, 6, 7], max_tokens=480, top_k=1):
+                got += 1
+                if got == 3:
+                    break  # leaving the loop cancels the RPC
+            return session.view.session_id, got
+
+    sid, _ = run(go())
+    where, _ = placement(sid)
+
+    def idle() -> bool:
+        stats = replica_call(where, "stats")
+        return stats["running"] == 0 and stats["streams"] == 0
+
+    started = time.monotonic()
+    wait_for(idle, timeout=5)
+    assert time.monotonic() - started < 5
+    import ray
+
+    tokens = ray.get(replica(where).call.remote("session_tokens", sid), timeout=30)
+    assert 3 + 3 <= len(tokens) < 3 + 480  # stopped early, the tokens so far kept
+
+
+def test_a_second_ingress_continues_a_session_opened_through_the_first(servers, ray_address, tiny_model_dir):
+    replicated, reference = servers
+    second = ServeProcess(
+        tiny_model_dir, "--replicas", "2", "--replica-cpus", "0.5", "--ray-address", ray_address,
+        "--ray-namespace", NAMESPACE,
+    )  # fmt: skip
+    try:
+        second.wait_ready()
+        assert "replica 0: pid" in second.log  # it found the running replicas by name
+
+        async def go(first_port: int, second_port: int | None) -> tuple[list[int], list[int], list[int]]:
+            async with AsyncClient(f"127.0.0.1:{first_port}") as a:
+                session = await a.open()
+                one = [t.id async for t in session.generate([40, 41, 42], max_tokens=5, top_k=1)]
+                if second_port is None:  # the reference: both turns through one server
+                    two = [t.id async for t in session.generate([43], max_tokens=5, top_k=1)]
+                    return one, two, await session.dump()
+                view = SessionView(session.view.session_id, session.view.max_model_len, session.view.tokens)
+                async with AsyncClient(f"127.0.0.1:{second_port}") as b:
+                    other = AsyncSession(b, view)
+                    two = [t.id async for t in other.generate([43], max_tokens=5, top_k=1)]
+                    return one, two, await session.dump()  # read back through the first
+
+        got = run(go(replicated.grpc, second.grpc))
+        assert got == run(go(reference.grpc, None))
+    finally:
+        assert second.stop() == 0, second.log[-3000:]
+    assert replica_call(0, "ping") and replica_call(1, "ping")  # its exit left the replicas running
+
+
+def test_metrics_and_ray_status_list_each_replica(servers, ray_address) -> None:
+    replicated, _ = servers
+    time.sleep(0.6)  # a stats poll
+    url = f"http://127.0.0.1:{replicated.metrics}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    for i in range(2):
+        assert f'tokenwire_replica_up{{replica="{i}"}} 1.0' in text
+        assert f'tokenwire_kv_blocks{{replica="{i}",state="free"}}' in text
+        assert f'tokenwire_sessions_open{{replica="{i}"}}' in text
+        assert f'tokenwire_replica_requests_total{{outcome="length",replica="{i}"}}' in text
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenwire.cli", "ray", "status", "--ray-address", ray_address,
+         "--ray-namespace", NAMESPACE, "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    status = json.loads(out.stdout)
+    assert [r["replica"] for r in status["replicas"]] == [0, 1]
+    for r in status["replicas"]:
+        assert r["state"] == "up" and r["sessions"] >= 1 and r["kv_blocks_total"] == 1024
+        assert 0 <= r["kv_blocks_available"] < r["kv_blocks_total"]  # sessions hold KV
+    assert status["mapped_sessions"] >= 12
+
+
+# ---------------------------------------------------------------------------------- failure
+LONG = 470  # tokens: the stream still runs when the replica is killed
+
+
+async def salience_stream(port: int) -> Any:
+    async with AsyncClient(f"127.0.0.1:{port}") as client:
+        session = await client.open()
+        n = 0
+        try:
+            async for _ in session.generate([9, 10, 11], max_tokens=LONG, top_k=1):
+                n += 1
+        except SalienceError as exc:
+            return exc
+        return n
+
+
+async def lmtp_stream(port: int) -> Any:
+    # the retry extension adds the error record's code and whether a retry may succeed
+    async with await LmtpClient.connect(f"ws://127.0.0.1:{port}/", extensions=["retry"]) as client:
+        try:
+            return len(await client.generate_all([9, 10, 11], max_tokens=LONG))
+        except LmtpError as exc:
+            return exc
+
+
+async def evergreen_stream(port: int) -> Any:
+    async with await EvergreenSession.connect(f"127.0.0.1:{port}") as session:
+        try:
+            return await session.generate(
+                [session.text("Count.")], GenerateConfig(temperature=0, max_tokens=LONG, ignore_eos=True)
+            ).text()
+        except EvergreenError as exc:
+            return exc
+
+
+def http_request(port: int) -> Any:
+    body = {"model": "tiny", "prompt": [9, 10, 11], "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def streams() -> list[int]:
+    """Generate streams running on each replica now (the replicas' own count)."""
+    return [replica_call(i, "stats")["streams"] for i in range(2)]
+
+
+async def start_on_each_replica(start: Any) -> list[tuple[asyncio.Task, int]]:
+    """Start streams (start() makes one) one at a time, each noted with the replica it landed on
+    (the replica whose stream count rose), until both replicas run one of them."""
+    started: list[tuple[asyncio.Task, int]] = []
+    while {r for _, r in started} != {0, 1}:
+        assert len(started) < 6, started  # the router must not pile them onto one replica
+        before = await asyncio.to_thread(streams)
+        task = asyncio.create_task(start())
+        for _ in range(200):
+            now = await asyncio.to_thread(streams)
+            grew = [i for i in range(2) if now[i] > before[i]]
+            if grew:
+                break
+            await asyncio.sleep(0.02)
+        assert len(grew) == 1 and not task.done(), (before, now)
+        started.append((task, grew[0]))
+    return started
+
+
+def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -> None:
+    """Streams of every protocol on both replicas; replica 0's process is killed mid-stream."""
+    replicated, _ = servers
+    victim_pid = replica_call(0, "stats")["pid"]
+
+    async def timed(coro: Any) -> tuple[Any, float]:
+        outcome = await coro
+        return outcome, time.monotonic()
+
+    starts = {
+        "salience": lambda: timed(salience_stream(replicated.grpc)),
+        "lmtp": lambda: timed(lmtp_stream(replicated.lmtp)),
+        "evergreen": lambda: timed(evergreen_stream(replicated.grpc)),
+        "http": lambda: timed(asyncio.to_thread(http_request, replicated.http)),
+    }
+
+    async def go() -> tuple[dict[str, list[tuple[Any, float, int]]], float]:
+        placed = {name: await start_on_each_replica(start) for name, start in starts.items()}
+        os.kill(victim_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        done = {}
+        for name, tasks in placed.items():
+            done[name] = [(*(await task), where) for task, where in tasks]
+        return done, killed
+
+    results, killed = run(go(), timeout=180)
+    for name, outcomes in results.items():
+        for outcome, at, where in outcomes:
+            if where == 1:  # the survivor's streams finished in full
+                if name == "http":
+                    assert outcome["usage"]["completion_tokens"] == LONG, outcome
+                elif name == "evergreen":
+                    assert isinstance(outcome, str) and outcome, outcome
+                else:
+                    assert outcome == LONG, (name, outcome)
+                continue
+            # the killed replica's: the protocol's own error naming the loss, within a few seconds
+            assert at - killed < 5.0, (name, at - killed)
+            if name == "salience":
+                assert isinstance(outcome, SalienceError) and outcome.code.name == "UNAVAILABLE", outcome
+                assert "replica 0" in str(outcome) and "lost" in str(outcome)
+            elif name == "lmtp":
+                assert isinstance(outcome, LmtpError), outcome
+                assert outcome.code == "replica_lost" and outcome.retryable and "replica 0" in str(outcome)
+            elif name == "evergreen":
+                assert isinstance(outcome, EvergreenError), outcome
+                assert outcome.code == "UNAVAILABLE" and "replica 0" in outcome.details, outcome
+            else:
+                status, body = outcome
+                assert status == 503 and body["error"]["code"] == "replica_lost", outcome
+    assert "engine replica 0 lost" in replicated.log
+
+    # Ray restarts the replica; new sessions are placed on it again and succeed
+    wait_for(lambda: "engine replica 0 restarted" in replicated.log, timeout=60, interval=0.2)
+
+    async def fresh() -> list[int]:
+        async with AsyncClient(f"127.0.0.1:{replicated.grpc}") as client:
+            sessions = [await client.open() for _ in range(4)]
+            for s in sessions:
+                assert len([t async for t in s.generate([1, 2], max_tokens=3, top_k=1)]) == 3
+            return [placement(s.view.session_id)[0] for s in sessions]
+
+    assert 0 in run(fresh())
