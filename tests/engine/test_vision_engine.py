@@ -163,3 +163,21 @@ def test_bad_images_are_refused_before_anything_changes(vl):
 def test_text_only_model_refuses_images(smollm2_engine):
     with pytest.raises(InvalidRequestError, match="no vision encoder"):
         smollm2_engine.generate(None, [1, 2, 3], _greedy(1), images=[ImageInput(0, 3, IMG_X)])
+
+
+def test_image_prefill_batches_with_text_decode(vl):
+    _, engine = vl
+    text = _text(6, 13)
+    ids, images = _with_image(_text(4, 14), IMG_WIDE, _text(5, 15), engine)
+    solo_text = _run(engine, None, text, n=12)
+    solo_image = _run(engine, None, ids, images, n=4)
+    steps = engine.steps
+    # both at once: the image's prefill chunks (8-token step budget) share steps with the decode
+    a = engine.generate(None, text, _greedy(12))
+    b = engine.generate(None, ids, _greedy(4), images=images)
+    got_text, got_image = a.result()[0], b.result()[0]
+    assert [t.token_id for t in got_text] == solo_text[0]
+    assert [t.token_id for t in got_image] == solo_image[0]
+    assert [t.logprob for t in got_image] == pytest.approx(solo_image[1], abs=1e-4)
+    one_after_the_other = 12 + -(-len(ids) // 8) + 3  # 12 decodes, then the image's chunks and 3 decodes
+    assert engine.steps - steps <= one_after_the_other - 3

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,7 @@ class ImagePreprocessor:
         # by (content hash, declared mime): a hit must have passed the same mime check
         self._cache: dict[tuple[bytes, str | None], PreparedImage] = {}
         self._cache_size = cache_size
+        self._lock = threading.Lock()  # callers' threads (protocol handlers) share the cache
 
     @classmethod
     def from_dir(cls, model_dir: Path | None) -> ImagePreprocessor:
@@ -101,7 +103,9 @@ class ImagePreprocessor:
 
     def prepare(self, data: bytes, mime: str | None = None) -> PreparedImage:
         digest = image_digest(data)
-        cached = self._cache.get((digest, check_mime(mime)))
+        key = (digest, check_mime(mime))
+        with self._lock:
+            cached = self._cache.get(key)
         if cached is not None:
             return cached
         image = decode_image(data, mime)
@@ -111,7 +115,8 @@ class ImagePreprocessor:
             raise ImageError(f"image cannot be preprocessed: {e}") from None
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
         prepared = PreparedImage(digest, out["pixel_values"].float(), grid, self.merge_size)  # type: ignore[arg-type]
-        if len(self._cache) >= self._cache_size:
-            self._cache.pop(next(iter(self._cache)))
-        self._cache[(digest, check_mime(mime))] = prepared
+        with self._lock:
+            if len(self._cache) >= self._cache_size:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = prepared
         return prepared
