@@ -151,7 +151,7 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     gguf = engine.source.source if engine.source.source.suffix.lower() == ".gguf" else None
     llama = None
     if args.llamacpp and gguf is not None and llamacpp_baseline.available():
-        llama = llamacpp_baseline.LlamaCpp(gguf, torch.get_num_threads(), args.streams, 512)
+        llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), args.streams, 512)
     try:
         prompts = _prompts(engine, args.streams)
         long = long_prompt(engine, args.prefill_tokens)
@@ -234,9 +234,7 @@ def _print_table(
     file_mb = result.get("gguf_file_mb")
     ratio = f" ({result['resident_weight_mb'] / file_mb:.2f}x the {file_mb:.1f} MiB GGUF)" if file_mb else ""
     print(f"resident weights: {result['resident_weight_mb']:.1f} MiB{ratio}")
-    print(
-        "baselines: llama.cpp (llama-cpp-python, same GGUF, same token ids and threads, interleaved rounds);"
-    )
+    print("baselines: llama.cpp (llama-cpp-python, own process, same GGUF, token ids, threads; interleaved);")
     print("transformers generate() on the converted fp32 weights in its own process; turn-2 row: re-prefill")
     print("of the whole session with the prefix cache off")
     if llama_missing:

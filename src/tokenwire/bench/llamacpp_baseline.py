@@ -4,11 +4,21 @@ The same three measures as `tokenwire bench engine`, on the same token ids and t
 greedy single-stream decode (first token's time excluded), N streams as many sequence ids in
 one batch per step (llama.cpp's batched decode; wall clock including the prefill), and the
 prefill of one long prompt (time until its last logits).
+
+The baseline runs in its own process (`LlamaCppProcess`, this module run with -m). Measured in
+one process with our engine: both link `libgomp.so.1`, the loader maps torch's copy for both,
+and with more OpenMP threads alive than cores libgomp cuts its spin-wait to ~1,000 iterations,
+so every barrier sleeps in the kernel: llama.cpp's single-stream decode fell from 117-125 tok/s
+alone to 50-55 tok/s once an engine existed beside it (and back to 114 after its shutdown). A
+user runs llama.cpp in its own process; so does the benchmark.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -112,6 +122,68 @@ class LlamaCpp:
         return len(prompt) / (time.perf_counter() - start)
 
 
+class LlamaCppProcess:
+    """LlamaCpp in a child process: each call is one JSON line to it and one back."""
+
+    def __init__(self, gguf: Path, threads: int, streams: int, stream_ctx: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(gguf), str(threads), str(streams), str(stream_ctx)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._call("ready")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps([method, args]) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp baseline process exited ({self.proc.wait()})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"llama.cpp baseline: {reply['error']}")
+        return reply["result"]
+
+    def single_decode(self, prompt: list[int], n: int) -> float:
+        return float(self._call("single_decode", prompt, n))
+
+    def streams(self, prompts: list[list[int]], n: int) -> float:
+        return float(self._call("streams", prompts, n))
+
+    def prefill(self, prompt: list[int]) -> float:
+        return float(self._call("prefill", prompt))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+def _child(argv: list[str]) -> None:
+    gguf, threads, streams, stream_ctx = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
+    llama = LlamaCpp(gguf, threads, streams, stream_ctx)
+    calls = {"ready": lambda: True, "single_decode": llama.single_decode,
+             "streams": llama.streams, "prefill": llama.prefill}  # fmt: skip
+    try:
+        for line in sys.stdin:
+            method, args = json.loads(line)
+            try:
+                reply = {"result": calls[method](*args)}
+            except Exception as exc:  # reported to the parent, which raises it
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            sys.stdout.write(json.dumps(reply) + "\n")
+            sys.stdout.flush()
+    finally:
+        llama.close()
+
+
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     """llama.cpp's log callback: its per-load chatter would bury the benchmark table."""
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
