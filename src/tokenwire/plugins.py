@@ -54,11 +54,12 @@ def benchmarks() -> list[ModuleType]:
         lmtp_bench,
         openai_bench,
         salience_bench,
+        scale_bench,
         vision_bench,
     )
 
     return [
         salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
-        vision_bench,
+        vision_bench, scale_bench,
     ]  # fmt: skip
 

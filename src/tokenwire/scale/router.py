@@ -51,6 +51,7 @@ class Router:
         prefix_aware: bool = True,
         balance_slack: float = 512.0,
         prefix_capacity: int = 1_000_000,
+        session_weight: float = SESSION_WEIGHT,
     ) -> None:
         self.tokens = np.zeros(replicas, dtype=np.float64)  # queued + running tokens
         self.used = np.zeros(replicas, dtype=np.float64)  # KV fraction in use, 0..1
@@ -61,6 +62,7 @@ class Router:
         # least-loaded one: past that, recomputing the prefix elsewhere is cheaper than queueing
         self.balance_slack = balance_slack
         self.prefix_capacity = prefix_capacity
+        self.session_weight = session_weight
         self._prefixes: OrderedDict[bytes, int] = OrderedDict()
 
     @property
@@ -68,7 +70,7 @@ class Router:
         return len(self.tokens)
 
     def _scores(self) -> np.ndarray:
-        score = self.tokens + KV_WEIGHT * self.used + SESSION_WEIGHT * self.sessions
+        score = self.tokens + KV_WEIGHT * self.used + self.session_weight * self.sessions
         return np.where(self.up, score, np.inf)
 
     def place(self, prefix: Sequence[bytes] = ()) -> Placement:
@@ -111,6 +113,12 @@ class Router:
         self.tokens[replica] = tokens
         self.used[replica] = 1.0 - free_blocks / total_blocks if total_blocks else 0.0
         self.sessions[replica] = sessions
+
+    def report_all(self, tokens: np.ndarray, used: np.ndarray, sessions: np.ndarray) -> None:
+        """Every replica's report at once (the routing simulator's replicas report together)."""
+        self.tokens[:] = tokens
+        self.used[:] = used
+        self.sessions[:] = sessions
 
     def set_up(self, replica: int, up: bool) -> None:
         self.up[replica] = up
