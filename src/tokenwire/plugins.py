@@ -50,6 +50,7 @@ def benchmarks() -> list[ModuleType]:
         aici_bench,
         engine_bench,
         evergreen_bench,
+        fuzz_bench,
         graphpipe_bench,
         lmtp_bench,
         openai_bench,
@@ -60,6 +61,6 @@ def benchmarks() -> list[ModuleType]:
 
     return [
         salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
-        vision_bench, scale_bench,
+        vision_bench, scale_bench, fuzz_bench,
     ]  # fmt: skip
 

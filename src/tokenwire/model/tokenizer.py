@@ -100,7 +100,11 @@ class Tokenizer:
     # -- text <-> ids ---------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        try:
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        except TypeError:
+            check_text(text, "text")
+            raise
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         # No clean-up of spaces, so a decode equals what an IncrementalDecoder streams out.
@@ -209,3 +213,17 @@ class IncrementalDecoder:
 
 
 Tokenizer.IncrementalDecoder = IncrementalDecoder  # type: ignore[attr-defined]
+
+
+def check_text(text: object, what: str) -> None:
+    """Found by the fuzzer: a lone UTF-16 surrogate (JSON `"\\ud800"`) in a prompt made the
+    tokenizer raise a bare TypeError (an HTTP 500); it is the client's error, named as such."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            from tokenwire.engine.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"{what} is not valid Unicode: a lone UTF-16 surrogate at character {exc.start}"
+            ) from None

@@ -172,7 +172,9 @@ class ModuleRegistry:
         with self._lock:
             if module_id in self._compiled:
                 return self._compiled[module_id]
-        if self.store_dir is None:
+        # only a module id (sha256 hex) names a file: found by the fuzzer, a 200-digit id
+        # raised OSError "File name too long", and "../x" would have left the store
+        if self.store_dir is None or not _HEX64.match(module_id):
             return None
         path = self.store_dir / "modules" / f"{module_id}.wasm"
         if not path.is_file():

@@ -36,7 +36,30 @@ def decode_frame(text: str) -> tuple[str, Any]:
         payload = json.loads(body, parse_constant=_reject_constant)
     except ValueError as exc:
         raise FrameError(f"{kind} payload is not valid JSON: {exc}") from None
+    except RecursionError:  # found by the fuzzer: arrays nested 5k+ deep
+        raise FrameError(f"{kind} payload is nested too deeply") from None
+    if "\\u" in body or not body.isascii():
+        _check_unicode(kind, payload)
     return kind, payload
+
+
+def _check_unicode(kind: str, value: Any) -> None:
+    """Found by the fuzzer: a lone UTF-16 surrogate (`"\\ud800"`) decodes to a str that cannot
+    be sent back as UTF-8, so an error record echoing it closed the WebSocket. Refused here,
+    named, before any handler sees it. (isascii is O(1): plain frames skip the walk.)"""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise FrameError(f"{kind} payload holds a lone UTF-16 surrogate (not valid Unicode text)") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _reject_constant(name: str) -> float:
