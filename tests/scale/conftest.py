@@ -59,14 +59,15 @@ def free_ports(n: int) -> list[int]:
 
 
 class ServeProcess:
-    """`tokenwire serve` on the tiny model with Salience/Evergreen (gRPC), LMTP, HTTP and metrics."""
+    """`tokenwire serve` on the tiny model: Salience/Evergreen (gRPC), LMTP, GraphPipe, HTTP, metrics."""
 
     def __init__(self, model: Path, *extra: str) -> None:
-        self.grpc, self.lmtp, self.http, self.metrics = free_ports(4)
+        self.grpc, self.lmtp, self.http, self.metrics, self.graphpipe = free_ports(5)
         argv = [
             sys.executable, "-m", "tokenwire.cli", "serve", "--model", str(model), "--model-name", "tiny",
             "--grpc-port", str(self.grpc), "--lmtp-port", str(self.lmtp), "--http-port", str(self.http),
-            "--metrics-port", str(self.metrics), "--graphpipe-port", "0", "--kv-cache-mb", "8", *extra,
+            "--metrics-port", str(self.metrics), "--graphpipe-port", str(self.graphpipe),
+            "--kv-cache-mb", "8", *extra,
         ]  # fmt: skip
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.scale.conftest import ServeProcess, wait_for
@@ -208,6 +209,20 @@ def test_a_second_ingress_continues_a_session_opened_through_the_first(servers, 
     finally:
         assert second.stop() == 0, second.log[-3000:]
     assert replica_call(0, "ping") and replica_call(1, "ping")  # its exit left the replicas running
+
+
+def test_graphpipe_forward_runs_on_a_replica_by_name(servers) -> None:
+    """GraphPipe's whole-tensor forward is a named model call on a replica (nothing pickled)."""
+    from tokenwire.protocols.graphpipe.client import execute_multi
+
+    replicated, reference = servers
+    ids = np.array([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]], dtype=np.int64)
+    outputs = ["next_token_logprobs", "embedding"]
+    got = execute_multi(f"http://127.0.0.1:{replicated.graphpipe}/", [ids], output_names=outputs)
+    want = execute_multi(f"http://127.0.0.1:{reference.graphpipe}/", [ids], output_names=outputs)
+    assert [g.shape for g in got] == [(2, 49152), (2, 96)]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_metrics_and_ray_status_list_each_replica(servers, ray_address) -> None:

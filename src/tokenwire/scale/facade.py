@@ -73,9 +73,18 @@ class ReplicaEngine:
         self._lock = threading.RLock()
         self._timeout = call_timeout_s
         self._poll_s = poll_s
+        self.ingress = uuid.uuid4().hex  # this process, to the replicas: where its events go
+        self._handles: list[dict[str, RemoteHandle]] = [{} for _ in actors]
+        self._streams: list[Any] = [None] * len(actors)
         self._closed = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="tokenwire-replicas", daemon=True)
         self._monitor.start()
+        self._pumps = [
+            threading.Thread(target=self._pump, args=(r,), name=f"tokenwire-events-{r}", daemon=True)
+            for r in range(len(actors))
+        ]
+        for pump in self._pumps:
+            pump.start()
 
     # ------------------------------------------------------------------ calls
     def _get(self, replica: int, ref: Any) -> Any:
@@ -254,34 +263,70 @@ class ReplicaEngine:
         else:
             replica, incarnation = self._locate(session_id)
         actor = self.replicas[replica]
-        key = uuid.uuid4().hex
-        stream = actor.generate.options(num_returns="streaming").remote(
-            key, session_id, list(append), options, list(images)
-        )
+        handle = RemoteHandle(replica, actor, uuid.uuid4().hex, self._ended)
+        handle.load = float(len(append) + options.max_tokens)
+        handle.origin = options.origin
+        with self._lock:  # before the start: the pump may bring its first events before it returns
+            self._handles[replica][handle.key] = handle
         try:
-            first = self._get(replica, next(stream))
-        except SessionNotFoundError:
-            if session_id is not None and self._get(replica, actor.ping.remote()) != incarnation:
-                raise self._lost_session(session_id, replica) from None
+            started = actor.start.remote(
+                self.ingress, handle.key, session_id, list(append), options, list(images)
+            )
+            try:
+                sid, cached = self._get(replica, started)
+            except SessionNotFoundError:
+                if session_id is not None and self._get(replica, actor.ping.remote()) != incarnation:
+                    raise self._lost_session(session_id, replica) from None
+                raise
+        except BaseException:
+            with self._lock:
+                self._handles[replica].pop(handle.key, None)
             raise
-        load = float(len(append) + options.max_tokens)
+        handle.started(sid, cached)
         with self._lock:
-            self.router.dispatched(replica, load)
-        handle = RemoteHandle(replica, actor, key, stream, first[0], first[1], self._ended)
-        handle.load = load  # type: ignore[attr-defined]
-        handle.origin = options.origin  # type: ignore[attr-defined]
+            self.router.dispatched(replica, handle.load)
         return handle
 
     def _ended(self, handle: RemoteHandle, event: FinishEvent, exc: BaseException | None) -> None:
         with self._lock:
-            self.router.finished(handle.replica, handle.load)  # type: ignore[attr-defined]
-        if exc is not None and isinstance(exc, _lost_errors()):
-            self.replica_lost(handle.replica, exc)
+            self._handles[handle.replica].pop(handle.key, None)
+            self.router.finished(handle.replica, handle.load)
         if self.on_finish is not None:
             try:
-                self.on_finish(handle.replica, event, handle.origin)  # type: ignore[attr-defined]
+                self.on_finish(handle.replica, event, handle.origin)
             except Exception:  # observing must never break serving
                 log.exception("on_finish observer failed")
+
+    def _pump(self, replica: int) -> None:
+        """One thread per replica: this process's `events` stream from it, each batch handed to
+        the requests' handles. A dead replica fails every request it had; once Ray restarted
+        it (the monitor sees it up again), a new stream opens."""
+        import ray
+
+        while not self._closed.is_set():
+            if not self.up[replica]:
+                self._closed.wait(0.05)
+                continue
+            stream = self.replicas[replica].events.options(num_returns="streaming").remote(self.ingress)
+            self._streams[replica] = stream
+            try:
+                for ref in stream:
+                    for key, (cached, events) in ray.get(ref).items():
+                        with self._lock:
+                            handle = self._handles[replica].get(key)
+                        if handle is not None:
+                            handle.deliver(cached, events)
+            except _lost_errors() as exc:
+                self.replica_lost(replica, exc)
+                with self._lock:
+                    lost = list(self._handles[replica].values())
+                for handle in lost:
+                    handle.fail(exc)
+            except Exception as exc:
+                if self._closed.is_set():
+                    return
+                log.warning("events of replica %d: %s; reopening", replica, exc)
+                self._closed.wait(0.2)
 
     def call_on_model_thread(self, fn: Callable[[], Any]) -> Any:
         raise InvalidRequestError(
@@ -289,10 +334,10 @@ class ReplicaEngine:
         )
 
     def model_call(self, name: str, *args: Any) -> Any:
-        """Run the model-thread function registered as `name` (replica.MODEL_CALLS) on the
-        least-loaded replica; returns a ray ObjectRef (await it, or ray.get)."""
+        """Run the model-thread function `name` ("tokenwire.<module>:<function>", called as
+        function(engine, *args)) on the least-loaded replica; a concurrent Future of its result."""
         replica = self._place(())
-        return self.replicas[replica].model_call.remote(name, *args)
+        return self.replicas[replica].model_call.remote(name, *args).future()
 
     # ------------------------------------------------------------------ replica health and load
     def replica_lost(self, replica: int, exc: BaseException | None = None) -> None:
@@ -387,9 +432,20 @@ class ReplicaEngine:
         return int(self.stats()["steps"])
 
     def shutdown(self) -> None:
-        """Stop watching; the replicas end with the Ray driver (server.py shuts Ray down)."""
+        """Stop watching and streaming (the replicas cancel this process's requests); the
+        replicas end with the Ray driver that owns them (server.py shuts Ray down)."""
+        import ray
+
         self._closed.set()
+        for stream in self._streams:
+            if stream is not None:
+                try:
+                    ray.cancel(stream)
+                except Exception:  # already ended
+                    pass
         self._monitor.join(timeout=5)
+        for pump in self._pumps:
+            pump.join(timeout=5)
 
 
 _SUMMED = (

@@ -1,15 +1,15 @@
-"""The front-end's end of a request running on a replica: the RequestHandle interface over a
-Ray streaming generator.
+"""The front-end's end of a request running on a replica: the RequestHandle interface, fed by the
+facade's per-replica event pump (facade.py) instead of the engine's model thread.
 
 Events arrive in batches (one per engine step) as the replica produces them. If the replica dies
 mid-stream, the stream ends with FinishEvent(reason="error", unavailable=True) naming the lost
-replica, and the facade is told so it stops placing sessions there. `cancel` sends the replica's
-`cancel` at once (a separate actor call, not queued behind the stream).
+replica. `cancel` sends the replica's `cancel` at once (an actor call beside the event stream).
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -28,26 +28,36 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
     return LOST_ERRORS
 
 
+def lost_event(replica: int, exc: BaseException) -> FinishEvent:
+    return FinishEvent(
+        "error", 0, 0,
+        error=f"engine replica {replica} was lost mid-request ({type(exc).__name__}); "
+        "its sessions are gone, open a new one",
+        unavailable=True,
+    )  # fmt: skip
+
+
 class RemoteHandle:
     def __init__(
         self,
         replica: int,
         actor: Any,
         key: str,
-        stream: Any,  # ray ObjectRefGenerator, its first item already read
-        session_id: str,
-        cached_tokens: int,
         on_end: Callable[[RemoteHandle, FinishEvent, BaseException | None], None],
     ) -> None:
         self.replica = replica
+        self.key = key
         self._actor = actor
-        self._key = key
-        self._stream = stream
-        self._session_id = session_id
-        self._cached = cached_tokens
         self._on_end = on_end
+        self._session_id = ""
+        self._cached = 0
         self.finished = False
-        self.prompt_tokens = 0
+        self.load = 0.0  # what the router counted for it
+        self.origin: Any = None
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
+        self._sink: Callable[[Event], None] | None = None
 
     @property
     def session_id(self) -> str:
@@ -57,101 +67,90 @@ class RemoteHandle:
     def cached_tokens(self) -> int:
         return self._cached
 
+    def started(self, session_id: str, cached_tokens: int) -> None:
+        self._session_id, self._cached = session_id, cached_tokens
+
     def cancel(self) -> None:
         if not self.finished:
-            self._actor.cancel.remote(self._key)  # fire and forget: it runs beside the stream
+            self._actor.cancel.remote(self.key)  # fire and forget: it runs beside the stream
 
     def queue_position(self) -> int | None:
         """Not known across the hop (LMTP's queue announcements are off with --replicas)."""
         return None
 
-    # ------------------------------------------------------------------ consuming
-    def _lost(self, exc: BaseException) -> FinishEvent:
-        return FinishEvent(
-            "error", 0, 0,
-            error=f"engine replica {self.replica} was lost mid-request ({type(exc).__name__}); "
-            "its sessions are gone, open a new one",
-            unavailable=True,
-        )  # fmt: skip
-
-    def _accept(self, item: tuple[str, int, list[Event]]) -> list[Event]:
-        _, self._cached, events = item
+    # ------------------------------------------------------------------ delivery (pump thread)
+    def deliver(self, cached_tokens: int, events: list[Event]) -> None:
+        self._cached = cached_tokens
         if events and isinstance(events[-1], FinishEvent):
-            self._end(events[-1], None)
-        return events
+            self._end(events[-1], None)  # first: a client that saw its end finds it counted
+        self._emit(events)
+
+    def fail(self, exc: BaseException) -> None:
+        """The replica died with the request unfinished."""
+        if self.finished:
+            return
+        event = lost_event(self.replica, exc)
+        self._end(event, exc)
+        self._emit([event])
 
     def _end(self, event: FinishEvent, exc: BaseException | None) -> None:
         if not self.finished:
             self.finished = True
             self._on_end(self, event, exc)
 
-    async def _abatches(self) -> AsyncIterator[list[Event]]:
-        import ray
-
-        while not self.finished:
-            try:
-                ref = await self._stream.__anext__()
-                events = self._accept(await ref)
-            except StopAsyncIteration:
-                return
-            except _lost_errors() as exc:
-                event = self._lost(exc)
-                self._end(event, exc)
-                events = [event]
-            except ray.exceptions.RayError as exc:  # the replica's code failed
-                event = FinishEvent("error", 0, 0, error=f"engine replica {self.replica} failed: {exc}")
-                self._end(event, exc)
-                events = [event]
-            yield events
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        try:
-            async for events in self._abatches():
+    def _emit(self, events: list[Event]) -> None:
+        with self._lock:
+            if self._sink is not None:
                 for event in events:
-                    yield event
+                    self._sink(event)
+                return
+            if self._async is None:
+                for event in events:
+                    self._queue.put(event)
+                return
+            loop, q = self._async
+        try:  # one wake-up of the consumer's loop per batch
+            loop.call_soon_threadsafe(_put_all, q, events)
+        except RuntimeError:
+            pass  # the consumer's loop is closed; nobody is listening
+
+    # ------------------------------------------------------------------ consuming
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        q: asyncio.Queue[Event] = asyncio.Queue()
+        with self._lock:
+            while True:  # events delivered before the consumer attached
+                try:
+                    q.put_nowait(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._async = (asyncio.get_running_loop(), q)
+        try:
+            while True:
+                event = await q.get()
+                yield event
+                if isinstance(event, FinishEvent):
+                    return
         finally:
             if not self.finished:
                 self.cancel()  # the consumer went away (client disconnect)
 
     def __iter__(self) -> Iterator[Event]:
-        import ray
-
-        while not self.finished:
-            try:
-                ref = next(self._stream)
-                events = self._accept(ray.get(ref))
-            except StopIteration:
+        while True:
+            event = self._queue.get()
+            yield event
+            if isinstance(event, FinishEvent):
                 return
-            except _lost_errors() as exc:
-                event = self._lost(exc)
-                self._end(event, exc)
-                events = [event]
-            yield from events
 
     def subscribe(self, sink: Callable[[Event], None]) -> None:
-        """Deliver events by calling sink(event): on the caller's event loop when it has one
-        (the protocols' servers), else on a pump thread."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-
-        if loop is not None:
-
-            async def pump() -> None:
-                async for events in self._abatches():
-                    for event in events:
-                        sink(event)
-
-            task = loop.create_task(pump())
-            self._pump = task  # keep a reference: the loop holds tasks weakly
-        else:
-
-            def run() -> None:
-                for event in self:
-                    sink(event)
-
-            threading.Thread(target=run, name="tokenwire-remote-stream", daemon=True).start()
+        """Deliver events by calling sink(event) on the facade's pump thread (as the engine
+        calls it on its model thread), in order; events delivered before are passed on first."""
+        with self._lock:
+            while True:
+                try:
+                    sink(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._sink = sink
 
     def result(self) -> tuple[list[TokenEvent], FinishEvent]:
         tokens: list[TokenEvent] = []
@@ -160,3 +159,8 @@ class RemoteHandle:
                 return tokens, event
             tokens.append(event)  # type: ignore[arg-type]
         raise AssertionError("stream ended without a FinishEvent")
+
+
+def _put_all(q: asyncio.Queue[Event], events: list[Event]) -> None:
+    for event in events:
+        q.put_nowait(event)

@@ -113,34 +113,42 @@ class LanguageModel(TensorModel):
         self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any
     ) -> asyncio.Future[list[np.ndarray]]:
         ids = np.array(inputs[INPUT], dtype=np.int64)  # token ids are small: a writable copy for torch
+        if hasattr(self.engine, "model_call"):  # serve --replicas: on a replica, by name (scale/)
+            return asyncio.wrap_future(
+                self.engine.model_call(f"{__name__}:dense_forward", ids, outputs, config)
+            )
         future = self.engine.call_on_model_thread(lambda: self.forward(ids, outputs, config))
         return asyncio.wrap_future(future)
 
-    @torch.inference_mode()
     def forward(self, ids: np.ndarray, outputs: list[str], layer: int) -> list[np.ndarray]:
-        """Runs on the model thread: one dense causal pass over the [B, T] batch."""
-        model = self.engine.model
-        b, t = ids.shape
-        device = model.device
-        tokens = torch.from_numpy(ids).to(device).reshape(-1)
-        positions = torch.arange(t, device=device).repeat(b)
-        capture = (layer,) if "hidden_states" in outputs else ()
-        # a batch can take seconds on a CPU: the forward stops within a layer of shutdown
-        hidden, captured = model(
-            tokens,
-            positions,
-            DenseCausalAttention(b, t, before_layer=self.engine.check_stopping),
-            capture_layers=capture,
-        )
-        hidden = hidden.view(b, t, -1)
-        results: dict[str, torch.Tensor] = {}
-        if "logits" in outputs:
-            results["logits"] = model.logits(hidden.reshape(b * t, -1)).view(b, t, -1)
-        if "next_token_logprobs" in outputs:
-            last = results["logits"][:, -1] if "logits" in results else model.logits(hidden[:, -1])
-            results["next_token_logprobs"] = torch.log_softmax(last.float(), dim=-1)
-        if "hidden_states" in outputs:
-            results["hidden_states"] = captured[layer].view(b, t, -1)
-        if "embedding" in outputs:
-            results["embedding"] = hidden.float().mean(dim=1)
-        return [results[o].float().cpu().numpy() for o in outputs]
+        return dense_forward(self.engine, ids, outputs, layer)
+
+
+@torch.inference_mode()
+def dense_forward(engine: Engine, ids: np.ndarray, outputs: list[str], layer: int) -> list[np.ndarray]:
+    """Runs on the model thread: one dense causal pass over the [B, T] batch."""
+    model = engine.model
+    b, t = ids.shape
+    device = model.device
+    tokens = torch.from_numpy(ids).to(device).reshape(-1)
+    positions = torch.arange(t, device=device).repeat(b)
+    capture = (layer,) if "hidden_states" in outputs else ()
+    # a batch can take seconds on a CPU: the forward stops within a layer of shutdown
+    hidden, captured = model(
+        tokens,
+        positions,
+        DenseCausalAttention(b, t, before_layer=engine.check_stopping),
+        capture_layers=capture,
+    )
+    hidden = hidden.view(b, t, -1)
+    results: dict[str, torch.Tensor] = {}
+    if "logits" in outputs:
+        results["logits"] = model.logits(hidden.reshape(b * t, -1)).view(b, t, -1)
+    if "next_token_logprobs" in outputs:
+        last = results["logits"][:, -1] if "logits" in results else model.logits(hidden[:, -1])
+        results["next_token_logprobs"] = torch.log_softmax(last.float(), dim=-1)
+    if "hidden_states" in outputs:
+        results["hidden_states"] = captured[layer].view(b, t, -1)
+    if "embedding" in outputs:
+        results["embedding"] = hidden.float().mean(dim=1)
+    return [results[o].float().cpu().numpy() for o in outputs]
