@@ -116,7 +116,8 @@ class ImagePreprocessor:
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
         prepared = PreparedImage(digest, out["pixel_values"].float(), grid, self.merge_size)  # type: ignore[arg-type]
         with self._lock:
-            if len(self._cache) >= self._cache_size:
+            while self._cache and len(self._cache) >= self._cache_size:
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = prepared
+            if self._cache_size > 0:
+                self._cache[key] = prepared
         return prepared
