@@ -90,6 +90,12 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._sessions: dict[str, Session] = {}
         self._running: dict[str, Request] = {}  # session id -> its unfinished request
+        # the sessions of the step running now (outside the lock) and those closed meanwhile:
+        # their KV blocks are freed once the step is over, never under its feet (found by the
+        # soak bench: a cancel mid-step freed blocks the step was indexing -> IndexError, and
+        # blocks reallocated to another session while the step still wrote into them)
+        self._stepping: set[str] = set()
+        self._release_after_step: list[Session] = []
         self._ids = itertools.count(1)
         self._model_calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._closed = False
@@ -199,8 +205,22 @@ class Engine:
             request = self._running.get(session_id)
             if request is not None:
                 self._finish(request, Finish("cancelled"))
-            session.release(self.kv)
+            self._release(session)
             return True
+
+    def _release(self, session: Session) -> None:
+        """Must hold the lock. Free a closed session's KV blocks, after the step if it is in it."""
+        if session.id in self._stepping:
+            self._release_after_step.append(session)
+        else:
+            session.release(self.kv)
+
+    def _step_over(self) -> None:
+        """Must hold the lock: the step ended; free what was closed during it."""
+        self._stepping = set()
+        released, self._release_after_step = self._release_after_step, []
+        for session in released:
+            session.release(self.kv)
 
     def fork_session(self, session_id: str, at: int | None = None) -> str:
         with self._lock:
@@ -350,6 +370,7 @@ class Engine:
                     continue
                 calls, self._model_calls = self._model_calls, []
                 items = self.scheduler.schedule(self._fail)
+                self._stepping = {item.request.session.id for item in items}
             for fn, fut in calls:
                 if fut.set_running_or_notify_cancel():
                     try:
@@ -366,12 +387,14 @@ class Engine:
                 with self._lock:
                     for item in items:
                         self._fail(item.request, f"model step failed: {exc}")
+                    self._step_over()
                 continue
             with self._lock:
                 self.steps += 1
                 self.computed_tokens += sum(item.count for item in items)
                 for outcome in postprocess(items, output, self._step_context):
                     self._deliver(outcome)
+                self._step_over()
 
     def _deliver(self, outcome: Outcome) -> None:
         """Must hold the lock. Emit a request's events; end it if the step finished it."""
@@ -406,7 +429,7 @@ class Engine:
         request.emit(event)
         if session.ephemeral:
             self._sessions.pop(session.id, None)
-            session.release(self.kv)
+            self._release(session)
 
     def _idle_sessions(self) -> list[Session]:
         """Sessions holding KV with no request running, least recently used first."""
