@@ -56,11 +56,12 @@ def benchmarks() -> list[ModuleType]:
         openai_bench,
         salience_bench,
         scale_bench,
+        soak_bench,
         vision_bench,
     )
 
     return [
         salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
-        vision_bench, scale_bench, fuzz_bench,
+        vision_bench, scale_bench, fuzz_bench, soak_bench,
     ]  # fmt: skip
 

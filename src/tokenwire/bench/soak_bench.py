@@ -1,0 +1,424 @@
+"""`tokenwire bench soak --minutes M --sessions S`: every protocol at once, for minutes.
+
+The servers of `serve` run in this process (bench/inprocess.py) on the engine with the no-model
+backend (real scheduler, sessions and KV blocks; the logits are a fixed function of token and
+position, so greedy outputs do not depend on batching and any difference is a serving bug).
+S client sessions loop over LMTP, Salience, Evergreen, GraphPipe, AICI and the OpenAI API,
+mixing greedy requests of random lengths, Salience forks, cancels, disconnects mid-stream and
+bad requests. Each greedy output is compared with the same protocol's answer to the same
+request measured alone before the load started (the single-request reference).
+
+Reported: requests, errors by kind (expected refusals of the bad requests apart), wrong outputs
+(must be 0), p50/p99 latency, the process's RSS and the engine's free KV blocks before, during
+(max / min) and after (must be back to the idle baseline), open file descriptors before/after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+PROMPTS = 12  # reference prompts (token ids); each request takes one and a length up to MAX_NEW
+MAX_NEW = 24
+
+
+def rss_mib() -> float:
+    from tokenwire.server import resident_mib
+
+    return resident_mib()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class Protocols:
+    """One greedy request per protocol, as its own client sends it; returns a comparable output."""
+
+    def __init__(self, servers: Any, model: str, http: aiohttp.ClientSession) -> None:
+        self.servers = servers
+        self.model = model
+        self.http = http
+
+    async def lmtp(self, prompt: list[int], n: int) -> Any:
+        from tokenwire.lmtp import Client
+
+        async with await Client.connect(self.servers.url("lmtp"), model=self.model) as client:
+            records = await client.generate_all(prompt, max_tokens=n, temperature=0.0)
+        return tuple(r["token"] for r in records if "token" in r)
+
+    async def salience(self, prompt: list[int], n: int, fork_at: int | None = None) -> Any:
+        import grpc
+
+        from tokenwire.protocols.salience.gen import salience_pb2 as pb
+        from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc
+
+        async with grpc.aio.insecure_channel(self.servers.url("grpc")) as channel:
+            stub = pb_grpc.SalienceStub(channel)
+            sid = (await stub.OpenSession(pb.OpenSessionRequest())).session_id
+            try:
+                first = n if fork_at is None else fork_at
+                # top_k 1: Salience's temperature 0 is the proto default, meaning 1.0
+                req = pb.GenerateRequest(
+                    session_id=sid, append_tokens=prompt, offset=0, max_tokens=first, top_k=1
+                )
+                out = [
+                    e.token.id
+                    async for e in stub.Generate(req)
+                    if e.HasField("token") and not e.token.is_prefill
+                ]
+                if fork_at is None:
+                    return tuple(out)
+                # fork after the prompt + fork_at tokens, and go on in the fork
+                child = (
+                    await stub.ForkSession(
+                        pb.ForkSessionRequest(session_id=sid, at_position=len(prompt) + fork_at)
+                    )
+                ).session_id
+                try:
+                    rest = pb.GenerateRequest(
+                        session_id=child, offset=len(prompt) + fork_at, max_tokens=n - fork_at, top_k=1
+                    )
+                    more = [
+                        e.token.id
+                        async for e in stub.Generate(rest)
+                        if e.HasField("token") and not e.token.is_prefill
+                    ]
+                finally:
+                    await stub.CloseSession(pb.CloseSessionRequest(session_id=child))
+                return tuple(out + more)
+            finally:
+                await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+
+    async def evergreen(self, prompt: list[int], n: int) -> Any:
+        from tokenwire.protocols.evergreen.client import Chat, EvergreenSession, GenerateConfig
+
+        session = await EvergreenSession.connect(self.servers.url("grpc"))
+        try:
+            chat = Chat(session, None, "")
+            text = f"prompt {prompt[0]} {prompt[-1]}"
+            return "".join([t async for t in chat.say(text, GenerateConfig(max_tokens=n, temperature=0.0))])
+        finally:
+            await session.close()
+
+    async def graphpipe(self, prompt: list[int], n: int) -> Any:
+        from tokenwire.protocols.graphpipe.client import AsyncClient
+
+        async with AsyncClient(self.servers.url("graphpipe")) as client:
+            logprobs = await client.execute(
+                np.array([prompt], dtype=np.int64), output_name="next_token_logprobs"
+            )
+        return int(np.asarray(logprobs).reshape(-1).argmax())
+
+    async def aici(self, prompt: list[int], n: int) -> Any:
+        body = {"controller": "regex", "controller_arg": f"[a-z]{{1,{n}}}", "prompt": prompt, "max_tokens": n}
+        async with self.http.post(self.servers.url("aici") + "/v1/run", json=body) as response:
+            raw = await response.text()
+            if response.status != 200:
+                raise RuntimeError(f"AICI HTTP {response.status}: {raw[:200]}")
+        events = [
+            json.loads(x[6:]) for x in raw.split("\n\n") if x.startswith("data: ") and x != "data: [DONE]"
+        ]
+        forks = [f for e in events[1:] for f in e.get("forks", [])]
+        errors = [f["error"] for f in forks if f.get("error")]
+        if errors:
+            raise RuntimeError(f"AICI fork error: {errors[0][:200]}")
+        return "".join(f["text"] for f in forks)
+
+    async def openai(self, prompt: list[int], n: int) -> Any:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        async with self.http.post(self.servers.url("http") + "/completions", json=body) as response:
+            data = await response.json()
+            if response.status != 200:
+                raise RuntimeError(f"OpenAI HTTP {response.status}: {data}")
+        return data["choices"][0]["text"]
+
+
+PROTOCOLS = ["lmtp", "salience", "evergreen", "graphpipe", "aici", "openai"]
+
+
+class Soak:
+    def __init__(self, servers: Any, engine: Any, sessions: int, seconds: float, seed: int) -> None:
+        self.servers, self.engine = servers, engine
+        self.sessions, self.seconds = sessions, seconds
+        self.rng = random.Random(seed)
+        vocab = engine.vocab_size
+        self.prompts = [
+            [self.rng.randrange(3, vocab) for _ in range(self.rng.randint(3, 40))] for _ in range(PROMPTS)
+        ]
+        self.reference: dict[tuple[str, int, int], Any] = {}
+        self.kinds: Counter[str] = Counter()  # what was done
+        self.errors: Counter[str] = Counter()  # unexpected errors by kind
+        self.refused: Counter[str] = Counter()  # the bad requests' protocol errors (expected)
+        self.wrong: list[str] = []
+        self.latencies: list[float] = []
+        self.kv_min = self.rss_max = 0.0
+
+    def _kv_free(self) -> int:
+        return int(self.engine.stats()["kv_blocks_available"])
+
+    async def _references(self, p: Protocols) -> None:
+        """Each (protocol, prompt, length) request alone, before any load: the expected outputs."""
+        for proto in PROTOCOLS:
+            for i in range(PROMPTS):
+                for n in (1, MAX_NEW // 3, MAX_NEW):
+                    self.reference[(proto, i, n)] = await getattr(p, proto)(self.prompts[i], n)
+
+    async def _greedy(self, p: Protocols, rng: random.Random) -> None:
+        proto = rng.choice(PROTOCOLS)
+        i, n = rng.randrange(PROMPTS), rng.choice((1, MAX_NEW // 3, MAX_NEW))
+        if proto == "salience" and n > 2 and rng.random() < 0.5:  # a fork mid-way must continue the same
+            self.kinds["salience fork"] += 1
+            got = await p.salience(self.prompts[i], n, fork_at=rng.randint(1, n - 1))
+        else:
+            self.kinds[f"{proto} greedy"] += 1
+            got = await getattr(p, proto)(self.prompts[i], n)
+        if got != self.reference[(proto, i, n)]:
+            self.wrong.append(
+                f"{proto} prompt {i} n {n}: {got!r:.80} != {self.reference[(proto, i, n)]!r:.80}"
+            )
+
+    async def _cancel_or_vanish(self, p: Protocols, rng: random.Random) -> None:
+        """A long generation, abandoned after a few tokens: LMTP CANCEL or a dropped connection
+        (LMTP, OpenAI stream, Salience stream)."""
+        prompt = self.prompts[rng.randrange(PROMPTS)]
+        proto = rng.choice(["lmtp-cancel", "lmtp-drop", "openai-drop", "salience-drop"])
+        self.kinds[proto] += 1
+        if proto.startswith("lmtp"):
+            from tokenwire.lmtp import Client
+
+            client = await Client.connect(
+                self.servers.url("lmtp"), model=self.engine.name, extensions=["retry"]
+            )
+            try:
+                async for _ in client.generate(prompt, max_tokens=2000, ignore_eos=True):
+                    break  # the generator's exit sends CANCEL (retry extension)
+            finally:
+                if proto == "lmtp-drop":
+                    client.transport.ws._response.connection.transport.abort()  # type: ignore[attr-defined]
+                await client.close()
+        elif proto == "openai-drop":
+            body = {
+                "model": self.engine.name,
+                "prompt": prompt,
+                "max_tokens": 2000,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            async with self.servers_http.post(
+                self.servers.url("http") + "/completions", json=body
+            ) as response:
+                await response.content.readline()
+                response.close()
+        else:
+            import grpc
+
+            from tokenwire.protocols.salience.gen import salience_pb2 as pb
+            from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc
+
+            channel = grpc.aio.insecure_channel(self.servers.url("grpc"))
+            stub = pb_grpc.SalienceStub(channel)
+            sid = (await stub.OpenSession(pb.OpenSessionRequest())).session_id
+            call = stub.Generate(
+                pb.GenerateRequest(session_id=sid, append_tokens=prompt, offset=0, max_tokens=2000)
+            )
+            async for _ in call:
+                break
+            await channel.close()  # gone without a word
+            async with grpc.aio.insecure_channel(self.servers.url("grpc")) as again:
+                await pb_grpc.SalienceStub(again).CloseSession(pb.CloseSessionRequest(session_id=sid))
+
+    async def _bad(self, p: Protocols, rng: random.Random) -> None:
+        """A bad request: it must get the protocol's error, and nothing else breaks."""
+        proto = rng.choice(["lmtp", "openai", "graphpipe", "aici", "salience"])
+        self.kinds[f"{proto} bad"] += 1
+        http = self.servers_http
+        if proto == "lmtp":
+            from tokenwire.lmtp import Client, LmtpError
+
+            async with await Client.connect(self.servers.url("lmtp"), model=self.engine.name) as client:
+                try:
+                    await client.generate_all([-5, 2**40], max_tokens=2)
+                except LmtpError:
+                    self.refused["lmtp"] += 1
+                    return
+        elif proto == "openai":
+            async with http.post(
+                self.servers.url("http") + "/completions",
+                json={"model": self.engine.name, "prompt": "x", "max_tokens": -3},
+            ) as r:
+                if r.status == 400:
+                    self.refused["openai"] += 1
+                    return
+        elif proto == "graphpipe":
+            async with http.post(self.servers.url("graphpipe"), data=os.urandom(64)) as r:
+                if r.headers.get("X-GraphPipe-Error-Code"):
+                    self.refused["graphpipe"] += 1
+                    return
+        elif proto == "aici":
+            async with http.post(self.servers.url("aici") + "/v1/run", data=b"{oops") as r:
+                if r.status == 400:
+                    self.refused["aici"] += 1
+                    return
+        else:
+            import grpc
+
+            from tokenwire.protocols.salience.gen import salience_pb2 as pb
+            from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc
+
+            async with grpc.aio.insecure_channel(self.servers.url("grpc")) as channel:
+                try:
+                    await pb_grpc.SalienceStub(channel).ForkSession(pb.ForkSessionRequest(session_id="nope"))
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                        self.refused["salience"] += 1
+                        return
+        raise RuntimeError(f"{proto}: a bad request got no protocol error")
+
+    async def _worker(self, p: Protocols, k: int, deadline: float) -> None:
+        rng = random.Random(f"{k}")
+        while time.monotonic() < deadline:
+            r = rng.random()
+            op: Callable[[Protocols, random.Random], Awaitable[None]] = (
+                self._greedy if r < 0.7 else self._cancel_or_vanish if r < 0.85 else self._bad
+            )
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(op(p, rng), 120)
+            except Exception as exc:
+                self.errors[f"{op.__name__.strip('_')}: {type(exc).__name__}: {str(exc)[:90]}"] += 1
+            self.latencies.append(time.monotonic() - started)
+
+    async def _watch(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            self.kv_min = min(self.kv_min, self._kv_free())
+            self.rss_max = max(self.rss_max, rss_mib())
+            await asyncio.sleep(0.5)
+
+    async def run(self) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as http:
+            self.servers_http = http
+            p = Protocols(self.servers, self.engine.name, http)
+            await self._references(p)
+            await asyncio.sleep(0.5)
+            before = {
+                "rss_mib": rss_mib(),
+                "kv_free": self._kv_free(),
+                "fds": open_fds(),
+                **_engine(self.engine),
+            }
+            self.kv_min, self.rss_max = before["kv_free"], before["rss_mib"]
+            deadline = time.monotonic() + self.seconds
+            started = time.monotonic()
+            await asyncio.gather(
+                self._watch(deadline), *(self._worker(p, k, deadline) for k in range(self.sessions))
+            )
+            elapsed = time.monotonic() - started
+        after = await _settled(self.engine, before)
+        lat = sorted(self.latencies)
+        return {
+            "sessions": self.sessions,
+            "seconds": round(elapsed, 1),
+            "requests": len(lat),
+            "by_kind": dict(sorted(self.kinds.items())),
+            "errors": dict(self.errors),
+            "refused_bad_requests": dict(self.refused),
+            "wrong_outputs": len(self.wrong),
+            "wrong_examples": self.wrong[:5],
+            "latency_p50_ms": round(1000 * statistics.median(lat), 1) if lat else None,
+            "latency_p99_ms": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1) if lat else None,
+            "rss_mib": {
+                "before": round(before["rss_mib"]),
+                "max_during": round(self.rss_max),
+                "after": round(after["rss_mib"]),
+            },
+            "kv_free_blocks": {
+                "before": before["kv_free"],
+                "min_during": self.kv_min,
+                "after": after["kv_free"],
+            },
+            "engine_after": {k: after[k] for k in ("sessions", "running", "waiting")},
+            "engine_before": {k: before[k] for k in ("sessions", "running", "waiting")},
+            "fds": {"before": before["fds"], "after": after["fds"]},
+        }
+
+
+def _engine(engine: Any) -> dict[str, Any]:
+    s = engine.stats()
+    return {"sessions": s["sessions"], "running": s["running"], "waiting": s["waiting"]}
+
+
+async def _settled(engine: Any, before: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+    """The state once the load has drained (KV and sessions back, or `timeout` passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = {
+            "rss_mib": rss_mib(),
+            "kv_free": int(engine.stats()["kv_blocks_available"]),
+            "fds": open_fds(),
+            **_engine(engine),
+        }
+        if (
+            now["kv_free"] >= before["kv_free"]
+            and now["sessions"] <= before["sessions"]
+            and now["running"] == 0
+        ) or time.monotonic() > deadline:
+            return now
+        await asyncio.sleep(0.1)
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    import logging
+
+    from tokenwire.bench.inprocess import InProcessServers
+    from tokenwire.bench.random_tokens import RandomTokenModel
+    from tokenwire.engine.engine import Engine
+    from tokenwire.model.loader import resolve_model
+
+    logging.getLogger("tokenwire").setLevel(logging.ERROR)
+    source = resolve_model(args.model, progress=False)
+    engine = Engine(
+        lambda: RandomTokenModel(source.config),
+        source.tokenizer,
+        name=source.name,
+        kv_cache_mb=args.kv_cache_mb,
+    )
+    engine.source = source  # the AICI runtime tokenizes with the model's own files
+    servers = InProcessServers(engine, "--max-sessions", str(max(4096, 4 * args.sessions)), aici=True)
+    try:
+        report = asyncio.run(Soak(servers, engine, args.sessions, args.minutes * 60, args.seed).run())
+    finally:
+        servers.stop()
+        engine.shutdown()
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        for key, value in report.items():
+            print(f"{key:>22}: {value}")
+    ok = (
+        report["wrong_outputs"] == 0
+        and report["kv_free_blocks"]["after"] >= report["kv_free_blocks"]["before"]
+    )
+    return 0 if ok else 1
+
+
+def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = bench_sub.add_parser("soak", help="every protocol at once for minutes: errors, wrong outputs, leaks")
+    p.add_argument("--minutes", type=float, default=2.0)
+    p.add_argument("--sessions", type=int, default=64, help="concurrent client sessions")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-mb", type=float, default=64.0)
+    p.add_argument("--model", help="whose tokenizer and vocabulary (default: the default model)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_soak)
