@@ -190,7 +190,8 @@ class ReplicaEngine:
             closed = self._session_call(session_id, lambda a: a.close_session.remote(session_id))
         except (SessionNotFoundError, ReplicaLostError):
             closed = False
-        replica = self._cache.get(session_id, (None,))[0]
+        with self._lock:
+            replica = self._cache.get(session_id, (None,))[0]
         self._forget(session_id)
         ray.get(self.directory.remove.remote(session_id), timeout=self._timeout)
         if closed and replica is not None:
