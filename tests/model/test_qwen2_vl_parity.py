@@ -44,14 +44,15 @@ def _prompt(images: ImagePreprocessor, layout: list[object]) -> tuple[list[int],
     return ids, prepared
 
 
-def _ours_logits(model, ids: list[int], prepared) -> torch.Tensor:
+def _ours_logits(model, ids: list[int], prepared, embeds=None, last_only: bool = False) -> torch.Tensor:
     positions = torch.arange(len(ids))
     pads = [i for i, t in enumerate(ids) if t == IMAGE_PAD]
-    placements, embeds, k = [], [], 0
+    placements, k = [], 0
     for image in prepared:
         placements.append((pads[k], *image.merged_grid))
-        embeds.append(model.visual(image.pixel_values, image.grid_thw))
         k += image.num_tokens
+    if embeds is None:
+        embeds = [model.visual(image.pixel_values, image.grid_thw) for image in prepared]
     with torch.inference_mode():
         hidden, _ = model(
             torch.tensor(ids),
@@ -61,7 +62,7 @@ def _ours_logits(model, ids: list[int], prepared) -> torch.Tensor:
             image_rows=torch.tensor(pads, dtype=torch.long),
             image_embeds=torch.cat(embeds) if embeds else None,
         )
-        return model.logits(hidden)
+        return model.logits(hidden[-1:] if last_only else hidden)
 
 
 def _hf_inputs(ids: list[int], prepared) -> dict[str, torch.Tensor]:
@@ -113,6 +114,8 @@ def test_greedy_continuation_matches_generate(pair):
         out = hf.generate(**_hf_inputs(ids, prepared), max_new_tokens=32, min_new_tokens=32, do_sample=False)
     expected = out[0, len(ids) :].tolist()
     seq = list(ids)
-    for _ in range(32):
-        seq.append(int(_ours_logits(ours, seq, prepared)[-1].argmax()))
+    with torch.inference_mode():
+        embeds = [ours.visual(image.pixel_values, image.grid_thw) for image in prepared]
+    for _ in range(32):  # the whole sequence again each time: no KV cache in this reference loop
+        seq.append(int(_ours_logits(ours, seq, prepared, embeds, last_only=True)[-1].argmax()))
     assert seq[len(ids) :] == expected
