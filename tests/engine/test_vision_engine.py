@@ -181,3 +181,33 @@ def test_image_prefill_batches_with_text_decode(vl):
     assert [t.logprob for t in got_image] == pytest.approx(solo_image[1], abs=1e-4)
     one_after_the_other = 12 + -(-len(ids) // 8) + 3  # 12 decodes, then the image's chunks and 3 decodes
     assert engine.steps - steps <= one_after_the_other - 3
+
+
+def test_qwen2_5_vl_generation_matches_transformers(tmp_path, smollm2_source):
+    """The windowed Qwen2.5-VL tower through the engine (two images, one with several windows)."""
+    hf = hf_vl_model("qwen2_5_vl")
+    directory = save_vl_model(hf, tmp_path / "vl25", smollm2_source.model_dir)
+    engine = build_engine(
+        EngineSettings(model=str(directory), progress=False, kv_cache_mb=16, max_batch_tokens=8)
+    )
+    try:
+        first, second = png(84, 140, seed=16), png(56, 56, seed=17)
+        ids, images = _with_image(_text(3, 18), first, _text(2, 19), engine)
+        more, extra = _with_image(ids, second, _text(3, 20), engine)
+        got, _ = _run(engine, None, more, [*images, *extra], n=12)
+        prepared = [engine.model.images.prepare(first), engine.model.images.prepare(second)]
+        t = torch.tensor([more])
+        with torch.inference_mode():
+            out = hf.generate(
+                input_ids=t,
+                attention_mask=torch.ones_like(t),
+                pixel_values=torch.cat([p.pixel_values for p in prepared]),
+                image_grid_thw=torch.tensor([p.grid_thw for p in prepared]),
+                mm_token_type_ids=(t == IMAGE_PAD).int(),
+                max_new_tokens=12,
+                min_new_tokens=12,
+                do_sample=False,
+            )
+        assert got == out[0, len(more) :].tolist()
+    finally:
+        engine.shutdown()
