@@ -6,7 +6,7 @@ Workload (all drawn from one seeded numpy Generator; the defaults are documented
 docs/scale-out.md):
 - sessions arrive as a Poisson process whose rate puts the offered tokens at `utilisation` of
   the replicas' total throughput;
-- turns per session: 1 + Geometric (mean `mean_turns`); gap between turns: exponential (mean
+- turns per session: Geometric on 1, 2, ... (mean `mean_turns`); gap between turns: exponential (mean
   `think_s`); new prompt tokens and output tokens per turn: lognormal (median, sigma);
 - each session starts with one of `prefixes` system prompts, drawn by a Zipf law (exponent
   `zipf_s`), 64-128 tokens long; a replica's prefix cache keeps its `cache_prefixes` most
@@ -81,8 +81,7 @@ def simulate(cfg: SimConfig, placement: str) -> dict[str, Any]:
     )
     rate = cfg.utilisation * r_count * cfg.tokens_per_s / (cfg.mean_turns * per_turn)  # sessions/s
     arrivals = np.cumsum(rng.exponential(1 / rate, n))
-    turns = 1 + rng.geometric(1 / cfg.mean_turns, n) - 1  # mean = mean_turns
-    turns = np.maximum(turns, 1)
+    turns = rng.geometric(1 / cfg.mean_turns, n)  # 1, 2, ...: mean = mean_turns
     ranks = np.arange(1, cfg.prefixes + 1, dtype=np.float64) ** -cfg.zipf_s
     prefix_of = rng.choice(cfg.prefixes, size=n, p=ranks / ranks.sum())
     closes = rng.random(n) < cfg.close_fraction
