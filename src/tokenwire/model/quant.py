@@ -2,7 +2,11 @@
 
 A quantised weight is the GGUF's own bytes: a contiguous uint8 tensor [out_features,
 in_features / 32 * block_bytes], one row of blocks per output feature, exactly as in the file
-(q/k rows un-permuted like the fp32 path). Nothing is re-quantised for these three types: the
+(q/k rows un-permuted like the fp32 path); that is what `quantize`, `dequantize` and the
+conversion cache hold. In memory, QuantLinear and QuantEmbedding keep each row split
+(`split_rows`: the row's scales, then its minimums, then its quants; the same bytes), the form
+our kernels read: the decode matvec converts and applies eight blocks' scales at once.
+Nothing is re-quantised for these three types: the
 kernels dequantise bit-exactly as gguf's reference dequantiser does. Other GGUF types (K-quants,
 IQ-quants) are converted once, at GGUF conversion, to Q8_0 from their dequantised values; a
 Hugging Face directory is quantised at load with `--weights int8` (Q8_0) or `int4` (Q4_1).
@@ -51,25 +55,55 @@ def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(packed)).view(torch.uint8).reshape(shape)
 
 
+def split_rows(packed: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF blocks [N, nb * block_bytes] -> the kernels' row form: per row the nb fp16 scales,
+    then (Q4_1) the nb fp16 minimums, then the nb blocks' quant bytes."""
+    n, row_bytes = packed.shape
+    blocks = packed.reshape(n, row_bytes // BLOCK_BYTES[qtype], BLOCK_BYTES[qtype])
+    header = 4 if qtype == Q4_1 else 2
+    parts = [blocks[:, :, 0:2], *([blocks[:, :, 2:4]] if qtype == Q4_1 else []), blocks[:, :, header:]]
+    return torch.cat([p.reshape(n, -1) for p in parts], dim=1)
+
+
+def _dequantize_split(
+    split: torch.Tensor, qtype: int, in_features: int, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    empty = torch.empty(0, dtype=torch.long)
+    return _ops().dequantize(split, qtype, in_features, empty if rows is None else rows)
+
+
 def dequantize(
     packed: torch.Tensor, qtype: int, in_features: int, rows: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Packed blocks -> fp32 [rows, in_features], bit-exact with gguf's dequantiser."""
-    empty = torch.empty(0, dtype=torch.long)
-    return _ops().dequantize(packed, qtype, in_features, empty if rows is None else rows)
+    packed = torch.as_tensor(packed)
+    packed_shape(packed.shape[0], in_features, qtype)  # names a bad feature count first
+    if packed.dim() != 2 or packed.shape[1] != in_features // BLOCK * BLOCK_BYTES[qtype]:
+        raise ValueError(f"packed weight {tuple(packed.shape)} does not hold {in_features} features")
+    return _dequantize_split(split_rows(packed, qtype), qtype, in_features, rows)
 
 
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W in GGUF blocks; fp32 activations and accumulation."""
 
-    def __init__(self, packed: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        qtype: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        *,
+        split: bool = False,
+    ):
+        """`packed`: GGUF blocks, or with `split` rows already in split_rows' form (a tied
+        table's buffer, shared)."""
         super().__init__()
         if qtype not in BLOCK_BYTES:
             raise ValueError(f"unsupported quantisation type {qtype}")
         expected = packed_shape(packed.shape[0], in_features, qtype)
         if tuple(packed.shape) != expected or packed.dtype != torch.uint8:
             raise ValueError(f"packed weight {tuple(packed.shape)} {packed.dtype} is not uint8 {expected}")
-        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("packed", packed.contiguous() if split else split_rows(packed, qtype))
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.qtype = qtype
         self.in_features = in_features
@@ -83,7 +117,7 @@ class QuantLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantised weight (for inspection and tests; the forward never builds it whole
         below DENSE_FROM_ROWS rows)."""
-        return dequantize(self.packed, self.qtype, self.in_features)
+        return _dequantize_split(self.packed, self.qtype, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
@@ -104,17 +138,18 @@ class QuantEmbedding(nn.Module):
     tied QuantLinear lm_head, so a tied table is resident once."""
 
     def __init__(self, packed: torch.Tensor, qtype: int, embedding_dim: int) -> None:
+        """`packed`: GGUF blocks, kept split (split_rows)."""
         super().__init__()
-        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("packed", split_rows(packed, qtype))
         self.qtype = qtype
         self.embedding_dim = embedding_dim
 
     @property
     def weight(self) -> torch.Tensor:
-        return dequantize(self.packed, self.qtype, self.embedding_dim)
+        return _dequantize_split(self.packed, self.qtype, self.embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = dequantize(self.packed, self.qtype, self.embedding_dim, ids.reshape(-1))
+        flat = _dequantize_split(self.packed, self.qtype, self.embedding_dim, ids.reshape(-1))
         return flat.view(*ids.shape, self.embedding_dim)
 
 

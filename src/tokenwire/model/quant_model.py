@@ -73,7 +73,9 @@ def build_quantized_model(
         "lm_head.weight" if "lm_head.weight" in tensors and not config.tie_word_embeddings else embed_name
     )
     if head_name == embed_name and isinstance(model.embed, QuantEmbedding):
-        model.lm_head = QuantLinear(model.embed.packed, model.embed.qtype, hidden)  # shares the buffer
+        model.lm_head = QuantLinear(
+            model.embed.packed, model.embed.qtype, hidden, split=True
+        )  # shares the buffer
     else:
         model.lm_head = linear([head_name], hidden)
     model.norm = param("model.norm.weight")

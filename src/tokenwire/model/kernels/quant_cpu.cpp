@@ -38,6 +38,30 @@ constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 bool g_int16_activations = true;
 constexpr int kBlock = 32;
 
+// In memory a weight row is split, not GGUF's array of blocks: [nb fp16 scales d][nb fp16
+// minimums m (Q4_1 only)][nb x 16 or 32 quant bytes] (quant.py's split_rows; the same bytes per
+// row). The decode matvec then converts 8 blocks' scales with one vcvtph2ps and applies them as
+// one vector, instead of two scalar half conversions and a broadcast per block: measured 1.4-1.5x
+// faster per core on Q4_1 3072x576, 576x1536 and 49152x576 (Zen 3), with the same results.
+struct Block {
+  const uint8_t* d;  // fp16 scale
+  const uint8_t* m;  // fp16 minimum (Q4_1)
+  const uint8_t* q;  // 16 bytes of nibbles (Q4_0, Q4_1) or 32 int8 (Q8_0)
+};
+
+inline int64_t quant_bytes(int64_t qtype) { return qtype == kQ8_0 ? 32 : 16; }
+
+inline const uint8_t* row_minimums(const uint8_t* row, int64_t nb) { return row + 2 * nb; }
+
+inline const uint8_t* row_quants(const uint8_t* row, int64_t qtype, int64_t nb) {
+  return row + (qtype == kQ4_1 ? 4 : 2) * nb;
+}
+
+inline Block block_at(const uint8_t* row, int64_t qtype, int64_t nb, int64_t j) {
+  return {row + 2 * j, qtype == kQ4_1 ? row_minimums(row, nb) + 2 * j : nullptr,
+          row_quants(row, qtype, nb) + j * quant_bytes(qtype)};
+}
+
 int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
     case kQ4_0: return 18;
@@ -76,20 +100,20 @@ inline float half_to_float(const uint8_t* p) {
 }
 
 // One block of 32 weights as exact fp32 values (scalar reference; also the portable path).
-inline void dequant_block_scalar(const uint8_t* b, int64_t qtype, float* out) {
-  const float d = half_to_float(b);
+inline void dequant_block_scalar(const Block& b, int64_t qtype, float* out) {
+  const float d = half_to_float(b.d);
   if (qtype == kQ8_0) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b.q);
     for (int i = 0; i < kBlock; ++i) out[i] = d * static_cast<float>(q[i]);
   } else if (qtype == kQ4_0) {
-    const uint8_t* q = b + 2;
+    const uint8_t* q = b.q;
     for (int i = 0; i < 16; ++i) {
       out[i] = d * static_cast<float>((q[i] & 0x0f) - 8);
       out[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
     }
   } else {
-    const float m = half_to_float(b + 2);
-    const uint8_t* q = b + 4;
+    const float m = half_to_float(b.m);
+    const uint8_t* q = b.q;
     for (int i = 0; i < 16; ++i) {
       out[i] = d * static_cast<float>(q[i] & 0x0f) + m;
       out[i + 16] = d * static_cast<float>(q[i] >> 4) + m;
@@ -99,18 +123,17 @@ inline void dequant_block_scalar(const uint8_t* b, int64_t qtype, float* out) {
 
 #ifdef TW_AVX2
 // One block as four vectors of 8 exact fp32 weights (w[0] = weights 0..7, ...).
-inline void dequant_block_avx2(const uint8_t* b, int64_t qtype, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_to_float(b));
+inline void dequant_block_avx2(const Block& b, int64_t qtype, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(half_to_float(b.d));
   if (qtype == kQ8_0) {
-    const uint8_t* q = b + 2;
+    const uint8_t* q = b.q;
     for (int i = 0; i < 4; ++i) {
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i));
       w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
     }
     return;
   }
-  const uint8_t* q = b + (qtype == kQ4_1 ? 4 : 2);
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.q));
   const __m128i mask = _mm_set1_epi8(0x0f);
   const __m128i lo = _mm_and_si128(packed, mask);                     // weights 0..15
   const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // weights 16..31
@@ -121,7 +144,7 @@ inline void dequant_block_avx2(const uint8_t* b, int64_t qtype, __m256 w[4]) {
       _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)),
   };
   if (qtype == kQ4_1) {
-    const __m256 m = _mm256_set1_ps(half_to_float(b + 2));
+    const __m256 m = _mm256_set1_ps(half_to_float(b.m));
     // d*q is exact in fp32 (11-bit by 4-bit mantissas): the fused form rounds once, like d*q+m
     for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(ints[i]), m);
   } else {
@@ -165,14 +188,13 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 }
 
 void dequant_row(const uint8_t* row, int64_t qtype, int64_t nb, float* out) {
-  const int64_t bb = block_bytes(qtype);
   for (int64_t j = 0; j < nb; ++j) {
 #ifdef TW_AVX2
     __m256 w[4];
-    dequant_block_avx2(row + j * bb, qtype, w);
+    dequant_block_avx2(block_at(row, qtype, nb, j), qtype, w);
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + j * kBlock + 8 * i, w[i]);
 #else
-    dequant_block_scalar(row + j * bb, qtype, out + j * kBlock);
+    dequant_block_scalar(block_at(row, qtype, nb, j), qtype, out + j * kBlock);
 #endif
   }
 }
@@ -194,7 +216,7 @@ void matmul_small_avx2(const float* x, int64_t K, const uint8_t* w, int64_t qtyp
       for (int a = 0; a < kAcc; ++a) acc[m][a] = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; ++j) {
       __m256 wv[4];
-      dequant_block_avx2(row + j * bb, qtype, wv);
+      dequant_block_avx2(block_at(row, qtype, nb, j), qtype, wv);
       for (int m = 0; m < M; ++m) {
         const float* xb = x + m * K + j * kBlock;
         for (int i = 0; i < 4; ++i)
@@ -241,15 +263,15 @@ QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K) 
 }
 
 // sum over the block of q_i * xq_i as 8 int32 lanes (q: the stored integers, 0..15 or -128..127)
-inline __m256i block_dot_i16(const uint8_t* b, int64_t qtype, const int16_t* xq) {
+inline __m256i block_dot_i16(const uint8_t* q, int64_t qtype, const int16_t* xq) {
   const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
   const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
   __m256i w0, w1;
   if (qtype == kQ8_0) {
-    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
-    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)));
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
   } else {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (qtype == kQ4_1 ? 4 : 2)));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     const __m128i mask = _mm_set1_epi8(0x0f);
     w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
     w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
@@ -257,39 +279,61 @@ inline __m256i block_dot_i16(const uint8_t* b, int64_t qtype, const int16_t* xq)
   return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
 }
 
+// eight blocks' lane vectors -> one vector of their eight sums (block t in lane t)
+inline __m256i sum_lanes8(const __m256i v[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+inline int32_t sum_lanes(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_hadd_epi32(s, s);
+  return _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
+}
+
+// Per row and activation row: integer block dots, eight blocks at a time scaled by d_w * s_x as
+// one vector; the minimum (Q4_1) or offset (Q4_0: -8 d) times the block's exact fp32 sum beside.
 template <int M, int64_t QT>
 void matmul_small_i16(const QuantizedActivations& a, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
                       float* out, int64_t N) {
-  const int64_t nb = K / kBlock, bb = block_bytes(QT), row_bytes = nb * bb;
+  const int64_t nb = K / kBlock, row_bytes = nb * block_bytes(QT), qb = quant_bytes(QT);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
-    // two slots per row for the vector sums and for the scalar min/offset terms: a single
-    // scalar accumulator alone would chain every block on an add's latency
-    __m256 acc[M][2];
-    float extra[M][2];
+    const uint8_t* quants = row_quants(row, QT, nb);
+    __m256 acc[M], extra[M];
+    float tail[M];
     for (int m = 0; m < M; ++m) {
-      acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-      extra[m][0] = extra[m][1] = 0;
+      acc[m] = extra[m] = _mm256_setzero_ps();
+      tail[m] = 0;
     }
-    auto step = [&](int64_t j, int slot) {
-      const uint8_t* b = row + j * bb;
-      const float d = half_to_float(b);
-      const float offset = QT == kQ4_1 ? half_to_float(b + 2) : (QT == kQ4_0 ? -8.0f * d : 0.0f);
+    int64_t j = 0;
+    for (; j + 8 <= nb; j += 8) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * j)));
+      __m256 offset = _mm256_setzero_ps();
+      if (QT == kQ4_1)
+        offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_minimums(row, nb) + 2 * j)));
+      else if (QT == kQ4_0)
+        offset = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
       for (int m = 0; m < M; ++m) {
         const int64_t r = m * nb + j;
-        const __m256 dots = _mm256_cvtepi32_ps(block_dot_i16(b, QT, a.q.data() + r * kBlock));
-        acc[m][slot] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.scale[r]), dots, acc[m][slot]);
-        if (QT != kQ8_0) extra[m][slot] += offset * a.sum[r];
+        __m256i dots[8];
+        for (int t = 0; t < 8; ++t) dots[t] = block_dot_i16(quants + (j + t) * qb, QT, a.q.data() + (r + t) * kBlock);
+        const __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(a.scale.data() + r));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dots)), scale, acc[m]);
+        if (QT != kQ8_0) extra[m] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a.sum.data() + r), extra[m]);
       }
-    };
-    int64_t j = 0;
-    for (; j + 2 <= nb; j += 2) {
-      step(j, 0);
-      step(j + 1, 1);
     }
-    if (j < nb) step(j, 0);
-    for (int m = 0; m < M; ++m)
-      out[m * N + n] = hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + (extra[m][0] + extra[m][1]);
+    for (; j < nb; ++j) {
+      const float d = half_to_float(row + 2 * j);
+      const float offset = QT == kQ4_1 ? half_to_float(row_minimums(row, nb) + 2 * j) : (QT == kQ4_0 ? -8.0f * d : 0.0f);
+      for (int m = 0; m < M; ++m) {
+        const int64_t r = m * nb + j;
+        const int32_t dot = sum_lanes(block_dot_i16(quants + j * qb, QT, a.q.data() + r * kBlock));
+        tail[m] += d * a.scale[r] * static_cast<float>(dot) + offset * a.sum[r];
+      }
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = hsum(acc[m]) + hsum(extra[m]) + tail[m];
   }
 }
 
@@ -316,7 +360,7 @@ void matmul_small(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
   for (int64_t n = n0; n < n1; ++n) {
     float acc[3] = {0, 0, 0};
     for (int64_t j = 0; j < nb; ++j) {
-      dequant_block_scalar(w + n * row_bytes + j * bb, qtype, wb);
+      dequant_block_scalar(block_at(w + n * row_bytes, qtype, nb, j), qtype, wb);
       for (int64_t m = 0; m < M; ++m)
         for (int i = 0; i < kBlock; ++i) acc[m] += wb[i] * x[m * K + j * kBlock + i];
     }
