@@ -225,6 +225,37 @@ def test_graphpipe_forward_runs_on_a_replica_by_name(servers) -> None:
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_structured_output_grammar_is_rebuilt_on_the_replica(servers) -> None:
+    """A JSON-schema constraint crosses to the replica as its grammar text (the matcher does not
+    pickle) and constrains there exactly as in-process."""
+    replicated, reference = servers
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"enum": [1, 2, 3]}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": "tiny", "temperature": 0, "max_tokens": 40,
+        "messages": [{"role": "user", "content": "A colour and a number, as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
+    }  # fmt: skip
+
+    def ask(port: int) -> dict:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())["choices"][0]
+
+    got, want = ask(replicated.http), ask(reference.http)
+    assert got["message"]["content"] == want["message"]["content"]
+    assert got["finish_reason"] == "stop"
+    value = json.loads(got["message"]["content"])
+    assert value["color"] in ("red", "green", "blue") and value["n"] in (1, 2, 3)
+
+
 def test_metrics_and_ray_status_list_each_replica(servers, ray_address) -> None:
     replicated, _ = servers
     time.sleep(0.6)  # a stats poll

@@ -99,6 +99,8 @@ class GrammarConstraint(Constraint):
         if matcher.is_error():
             raise ValueError(f"invalid grammar: {_clean(matcher.get_error())}")
         self._matcher = matcher
+        # what it was built from: a replica process rebuilds it from these (serve --replicas)
+        self.grammar, self.eos_token_ids = grammar, eos_token_ids
         self._init_state(vocab_size)
 
     def _init_state(self, vocab_size: int) -> None:

@@ -13,6 +13,7 @@ a new incarnation, when new sessions go to it again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from tokenwire.engine.request import FinishEvent, GenerateOptions
 from tokenwire.engine.session import Ttl
 from tokenwire.model.tokenizer import Tokenizer
 from tokenwire.scale.handle import RemoteHandle, _lost_errors
-from tokenwire.scale.replica import ReplicaInfo
+from tokenwire.scale.replica import GrammarRecipe, ReplicaInfo
 from tokenwire.scale.router import Router, prefix_keys
 
 log = logging.getLogger("tokenwire.scale")
@@ -256,9 +257,7 @@ class ReplicaEngine:
     ) -> RemoteHandle:
         options = options or GenerateOptions()
         if options.constraint is not None:
-            raise InvalidRequestError(
-                "constrained generation (grammars, AICI controllers) is not available with --replicas yet"
-            )
+            options = dataclasses.replace(options, constraint=self._portable(options.constraint))
         if session_id is None:
             replica, incarnation = self._place(append), ""
         else:
@@ -287,6 +286,18 @@ class ReplicaEngine:
         with self._lock:
             self.router.dispatched(replica, handle.load)
         return handle
+
+    @staticmethod
+    def _portable(constraint: Any) -> GrammarRecipe:
+        """A constraint as the replica rebuilds it: grammars (JSON schema, regex, Lark) travel as
+        their grammar text; other constraints (AICI controllers) cannot leave this process."""
+        from tokenwire.engine.grammar import GrammarConstraint
+
+        if not isinstance(constraint, GrammarConstraint):
+            raise InvalidRequestError(
+                f"{type(constraint).__name__} constraints are not available with --replicas (grammars are)"
+            )
+        return GrammarRecipe(constraint.grammar, constraint.vocab_size, constraint.eos_token_ids)
 
     def _ended(self, handle: RemoteHandle, event: FinishEvent, exc: BaseException | None) -> None:
         with self._lock:

@@ -70,6 +70,21 @@ class ReplicaInfo:
     steps: int = 0
 
 
+@dataclass(frozen=True)
+class GrammarRecipe:
+    """A GrammarConstraint crossing to a replica: its llguidance grammar string, rebuilt there on
+    the replica's own tokenizer (the matcher itself does not pickle)."""
+
+    grammar: str
+    vocab_size: int
+    eos_token_ids: Any = None
+
+    def build(self, tokenizer: Any) -> Any:
+        from tokenwire.engine.grammar import GrammarConstraint
+
+        return GrammarConstraint(tokenizer, self.vocab_size, self.grammar, eos_token_ids=self.eos_token_ids)
+
+
 @dataclass
 class _Active:
     handle: RequestHandle
@@ -183,6 +198,8 @@ class EngineReplica:
         """Start a request (an EngineError is raised instead when refused); its events go to
         the `events` stream of `ingress` (the front-end process that asked), under `key`.
         Returns the session id and the prompt positions whose KV was reused."""
+        if isinstance(options.constraint, GrammarRecipe):
+            options.constraint = options.constraint.build(self.engine.tokenizer.hf)
         handle = (
             self.engine.generate(session_id, append, options, images=images)
             if images
