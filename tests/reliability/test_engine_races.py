@@ -58,3 +58,34 @@ def test_ending_requests_mid_step_fails_no_step(
         assert stats["kv_blocks_available"] == total, stats
     finally:
         engine.shutdown()
+
+
+def test_kv_exhaustion_with_many_sessions_evicts_or_refuses(smollm2_source: Any) -> None:
+    """More open sessions than the KV budget holds: idle sessions give their blocks back (and
+    recompute when used again), a request that cannot fit is refused with the KV error; no step
+    fails and the engine keeps serving."""
+    from tokenwire.engine.errors import KVBudgetError
+
+    engine = random_engine_of(smollm2_source, kv_cache_mb=0.25)
+    try:
+        total = engine.stats()["kv_blocks_total"]
+        block = engine.kv.block_size
+        greedy = GenerateOptions(max_tokens=4)
+        sessions = [engine.create_session() for _ in range(2 * total)]  # more than fit (2 blocks each)
+        rng = random.Random(0)
+        for sid in sessions:  # each holds blocks once done, idle
+            events, finish = engine.generate(
+                sid, [rng.randrange(3, 40000) for _ in range(block)], greedy
+            ).result()
+            assert finish.reason == "length" and len(events) == 4, finish
+        again = engine.generate(sessions[0], [5], greedy).result()  # evicted long ago: recomputed
+        assert again[1].reason == "length"
+        handles = [engine.generate(sid, [7], greedy) for sid in rng.sample(sessions, 8)]  # at once
+        reasons = [h.result()[1] for h in handles]
+        assert all(r.reason == "length" or "KV cache budget" in str(r.error) for r in reasons), reasons
+        with pytest.raises(KVBudgetError, match="KV cache budget"):  # alone larger than the budget
+            engine.generate(None, [3] * (block * total + 1), greedy)
+        events, finish = engine.generate(None, [1, 2, 3], greedy).result()
+        assert finish.reason == "length"
+    finally:
+        engine.shutdown()

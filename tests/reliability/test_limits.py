@@ -216,3 +216,38 @@ def test_grpc_connection_limits_are_set(servers: Servers) -> None:
     with grpc.insecure_channel(servers.url("grpc")) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_grpc_bytes_that_do_not_parse_get_invalid_argument(servers: Servers) -> None:
+    """reliability-findings.md: undecodable Salience requests came back UNKNOWN; now
+    INVALID_ARGUMENT naming the method, for unary and server-streaming RPCs alike."""
+    from tokenwire.protocols.salience.gen import salience_pb2 as pb
+
+    with grpc.insecure_channel(servers.url("grpc")) as channel:
+        for method, streaming in (("OpenSession", False), ("Generate", True)):
+            call = (channel.unary_stream if streaming else channel.unary_unary)(
+                f"/salience.v1.Salience/{method}"
+            )
+            with pytest.raises(grpc.RpcError) as caught:
+                result = call(b"\xff\xff\xff\x07garbage", timeout=10)
+                if streaming:
+                    list(result)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+            assert method in caught.value.details() and "not a valid message" in caught.value.details()
+        open_session = channel.unary_unary(
+            "/salience.v1.Salience/OpenSession",
+            request_serializer=pb.OpenSessionRequest.SerializeToString,
+            response_deserializer=pb.OpenSessionResponse.FromString,
+        )
+        sid = open_session(pb.OpenSessionRequest(), timeout=10).session_id  # still serving
+        generate = channel.unary_stream(
+            "/salience.v1.Salience/Generate",
+            request_serializer=pb.GenerateRequest.SerializeToString,
+            response_deserializer=pb.GenerateEvent.FromString,
+        )
+        events = list(
+            generate(
+                pb.GenerateRequest(session_id=sid, append_tokens=[1, 2], offset=0, max_tokens=3), timeout=30
+            )
+        )
+        assert sum(e.HasField("token") and not e.token.is_prefill for e in events) == 3

@@ -69,7 +69,8 @@ class RandomTokenModel(nn.Module):
         captured = {layer: torch.zeros(rows, self.config.hidden_size) for layer in capture_layers}
         return hidden, captured
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, fused_decode: bool = False) -> torch.Tensor:
+        """`fused_decode`: LlamaModel's lm_head option on fused decode steps; nothing to fuse here."""
         if len(hidden) == 1:  # a single stream's decode step: a view, no copy of the row
             row = int(hidden[0])
             return self.table[row : row + 1]

@@ -88,8 +88,9 @@ class GrpcServer:
     async def bind(self) -> GrpcServer:
         """Take the port now (credentials read, address checked); serve it in `start`."""
         token = auth_token(self.args)
+        interceptors: list[grpc.aio.ServerInterceptor] = [BearerAuthInterceptor(token)] if token else []
         server = grpc.aio.server(
-            interceptors=[BearerAuthInterceptor(token)] if token else None,
+            interceptors=[*interceptors, DecodeGuardInterceptor()],
             options=self.server_options(),
         )
         address = f"{self.host}:{self.requested_port}"
@@ -207,3 +208,66 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(deny)
         return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class _Undecodable:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
+    """A request message that does not parse gets INVALID_ARGUMENT naming the message type and
+    the parser's reason. grpc's own path answers UNKNOWN ("Exception deserializing request!"),
+    which a client cannot act on (reliability-findings.md). Unary requests only: a streamed
+    request's bad message still ends its stream with grpc's UNKNOWN."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        method = details.method
+
+        def guarded(raw: bytes) -> object:
+            try:
+                return parse(raw)
+            except Exception as exc:  # protobuf's DecodeError and friends
+                return _Undecodable(exc)
+
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+        async def checked(request: object, context: grpc.aio.ServicerContext) -> object:
+            if isinstance(request, _Undecodable):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method}: the request is not a valid message: {request.error}",
+                )
+            return await behavior(request, context)
+
+        async def checked_stream(request: object, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+            if isinstance(request, _Undecodable):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method}: the request is not a valid message: {request.error}",
+                )
+            result = behavior(request, context)
+            if hasattr(result, "__aiter__"):
+                async for item in result:
+                    yield item
+            else:
+                await result
+
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        return make(
+            checked_stream if handler.response_streaming else checked,
+            request_deserializer=guarded,
+            response_serializer=handler.response_serializer,
+        )

@@ -140,9 +140,13 @@ class AiciClient:
     def side(self, op: str, timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
         return _unwrap(self.side_future(op, **fields).result(timeout))
 
-    async def side_async(self, op: str, **fields: Any) -> dict[str, Any]:
+    async def side_async(self, op: str, timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
+        """`timeout`: a runtime that stopped answering fails the call (AiciError), never hangs it."""
         fut = await asyncio.get_running_loop().run_in_executor(None, lambda: self.side_future(op, **fields))
-        return _unwrap(await asyncio.wrap_future(fut))
+        try:
+            return _unwrap(await asyncio.wait_for(asyncio.wrap_future(fut), timeout))
+        except TimeoutError:
+            raise AiciError(f"the AICI runtime did not answer {op!r} within {timeout:g} s") from None
 
     def _read_side(self) -> None:
         while not self._closed:

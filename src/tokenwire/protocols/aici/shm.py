@@ -95,7 +95,12 @@ class MessageChannel:
             raise FrameError(
                 f"message of {len(payload)} bytes does not fit channel {self.name} ({self.region.size} bytes)"
             )
-        self.write_sem.acquire()
+        while True:
+            try:
+                self.write_sem.acquire()
+                break
+            except posix_ipc.SignalError:  # a timer signal (see _acquire_read): wait on
+                continue
         write_frame(self.region.map, payload)
         self.read_sem.release()
 
@@ -131,11 +136,18 @@ class MessageChannel:
                     break
             if timeout is not None:
                 timeout = max(0.0, timeout - (time.monotonic() - now))
-        try:
-            sem.acquire(timeout)
-            return True
-        except posix_ipc.BusyError:
-            return False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                sem.acquire(timeout)
+                return True
+            except posix_ipc.BusyError:
+                return False
+            except posix_ipc.SignalError:
+                # found by the soak bench: the runtime's time-limit timer signal interrupts a
+                # waiting side-channel thread, which died of it (every later instantiate hung)
+                if deadline is not None:
+                    timeout = max(0.0, deadline - time.monotonic())
 
     def close(self) -> None:
         self.closed = True
