@@ -114,6 +114,11 @@ def test_what_the_fuzzer_found_stays_fixed(targets: dict[str, Target], engine: A
     assert "nested too deeply" in lmtp_errors(f"GENERATE {deep}")[0]
     surrogate = f'GENERATE {{"stream_id": 1, "model": "{engine.name}", "prompt": "\\ud800", "max_tokens": 2}}'
     assert "lone UTF-16 surrogate" in lmtp_errors(surrogate)[0]  # was: the WebSocket closed
+    huge = (
+        f'GENERATE {{"stream_id": 7, "model": "{engine.name}", "prompt": [1], "max_tokens": 1{"0" * 5000}}}'
+    )
+    (frame,) = lmtp_errors(huge)  # was: no answer on stream 7 (the JSON did not parse)
+    assert frame.startswith("TOKEN ") and '"stream_id":7' in frame and "digits" in frame, frame[:200]
     body = b'{"model": "%s", "prompt": "\\ud800"}' % engine.name.encode()
     assert targets["openai"].run(("completion", body)) == "refused"  # was: TypeError, HTTP 500
     with pytest.raises(Exception, match="lone UTF-16 surrogate"):

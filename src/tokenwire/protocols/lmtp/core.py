@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,19 @@ log = logging.getLogger("tokenwire.lmtp")
 Watch = Callable[[RequestHandle, Stream], None]
 _EXT_MESSAGES = {"BUFFER": "buffers", "DROP": "buffers", "CANCEL": "retry"}
 _STREAM_MESSAGES = ("GENERATE", "SCORE")  # their errors are TOKEN records: they end a stream
+_STREAM_ID = re.compile(r'"stream_id"\s*:\s*(-?\d{1,18}(?![\d.eE])|"(?:[^"\\]|\\.){0,256}")')
+
+
+def _stream_id_in(text: str) -> StreamId | None:
+    """The stream_id of a frame whose JSON does not parse, when it can be read (first match)."""
+    match = _STREAM_ID.search(text[:4096])
+    if match is None:
+        return None
+    try:
+        sid = json.loads(match.group(1))
+    except ValueError:
+        return None
+    return sid if isinstance(sid, int | str) else None
 
 
 class LmtpConnection:
@@ -83,7 +97,11 @@ class LmtpConnection:
         try:
             kind, payload = decode_frame(text)
         except FrameError as exc:
-            self._error("MSG", None, str(exc), "bad_frame")
+            # the stream it was meant for still gets its answer when its id can be read
+            # (reliability-findings: a GENERATE with a 5,000-digit number waited forever)
+            sid = _stream_id_in(text)
+            stream_kind = sid is not None and text.lstrip().startswith(_STREAM_MESSAGES)
+            self._error("TOKEN" if stream_kind else "MSG", sid, str(exc), "bad_frame")
             return
         if self.engine is None and not (kind == "HELLO" and _asks_system(payload)):
             self._parked.append(text)
