@@ -251,3 +251,24 @@ def test_grpc_bytes_that_do_not_parse_get_invalid_argument(servers: Servers) -> 
             )
         )
         assert sum(e.HasField("token") and not e.token.is_prefill for e in events) == 3
+
+
+def test_evergreen_detokenize_of_deep_json_is_invalid_argument(servers: Servers) -> None:
+    """reliability-findings.md: DETOKENIZE of an array nested 100k deep ended INTERNAL
+    (RecursionError); now INVALID_ARGUMENT naming the action, and the next request works."""
+    from tokenwire.protocols.evergreen.client import EvergreenError, EvergreenSession
+
+    async def run() -> tuple[str, str]:
+        async with await EvergreenSession.connect(servers.url("grpc")) as session:
+            node = session.data(("[" * 100_000 + "]" * 100_000).encode(), "application/json")
+            try:
+                await session.action("DETOKENIZE", {"tokens": node}, ["text"])["text"].text()
+                return "ok", ""
+            except EvergreenError as exc:
+                failed = exc
+        async with await EvergreenSession.connect(servers.url("grpc")) as session:
+            return f"{failed.code} {failed.details}", await session.detokenize([1, 2, 3])
+
+    error, text = asyncio.run(asyncio.wait_for(run(), 30))
+    assert error.startswith("INVALID_ARGUMENT") and "nested too deeply" in error, error
+    assert isinstance(text, str)

@@ -295,8 +295,9 @@ async def _token_tool(host: ActionHost, action: ActionState) -> None:
     elif spec.name == "DETOKENIZE":
         try:
             ids = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise invalid(f"action {spec.label}: input is not a JSON array of token ids: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # incl. nesting 5k+ deep (reliability-findings)
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise invalid(f"action {spec.label}: input is not a JSON array of token ids: {reason}") from None
         vocab = host.engine.vocab_size
         if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
             raise invalid(f"action {spec.label}: input must be a JSON array of token ids in [0, {vocab})")
