@@ -121,7 +121,10 @@ def run_step(
             capture_index,
             **extra,
         )
-        logits = model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]).cpu()
+        rows = hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]
+        # a fused decode step's lm_head takes the fused layers' int16 matvec (only LlamaModel fuses)
+        fused = isinstance(attention, PagedDecode)
+        logits = (model.logits(rows, fused_decode=True) if fused else model.logits(rows)).cpu()
     out_logits = {key: logits[i] for i, key in enumerate(logit_keys)}
     out_hidden: dict[tuple[int, int], torch.Tensor] = {}
     if capture_rows:

@@ -245,7 +245,13 @@ class LlamaModel(nn.Module):
             )
         )
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, fused_decode: bool = False) -> torch.Tensor:
+        """fused_decode: the hidden states came from the fused decode layers (int16 matvecs);
+        a quantised lm_head then runs with the same numerics (QuantLinear.decode_rows)."""
+        from tokenwire.model.quant import QuantLinear
+
+        if fused_decode and isinstance(self.lm_head, QuantLinear):
+            return self.lm_head.decode_rows(hidden)
         return self.lm_head(hidden).float()
 
     # ----------------------------------------------------------------- weights

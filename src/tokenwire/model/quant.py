@@ -129,6 +129,15 @@ class QuantLinear(nn.Module):
             y = _ops().qmatmul(x, self.packed, self.qtype)
         return y if self.bias is None else y + self.bias
 
+    def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The lm_head of a fused decode step: fewer than 4 rows take the int16-activation
+        matvec the fused layers use (their numerics), else the exact path."""
+        rows = x.numel() // self.in_features
+        if rows >= 4 or x.dtype != torch.float32:
+            return self(x)
+        y = _ops().qmatmul(x, self.packed, self.qtype, True)
+        return y if self.bias is None else y + self.bias
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {QTYPE_NAMES[self.qtype]}"
 
