@@ -41,8 +41,10 @@ def _cpu_flags() -> set[str]:
 
 def compiler_flags() -> list[str]:
     """-O3 without fp contraction (scalar code rounds where it is written); AVX2/FMA/F16C when
-    this CPU has them (the kernels fall back to portable C++ otherwise)."""
-    flags = ["-O3", "-ffp-contract=off", "-std=c++17"]
+    this CPU has them (the kernels fall back to portable C++ otherwise). -fopenmp: at::parallel_for
+    is an inline template whose `#pragma omp parallel` is ignored without it, and every kernel
+    then ran on one thread (the loader maps torch's own libgomp for the extension)."""
+    flags = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
     if {"avx2", "fma", "f16c"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma", "-mf16c"]
     return flags
@@ -79,6 +81,7 @@ def load_kernels() -> None:
             name="tokenwire_quant_cpu",
             sources=[str(_SOURCE)],
             extra_cflags=compiler_flags(),
+            extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             is_python_module=False,
             verbose=False,
