@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,25 +22,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve_process import kill_if_running, wait_ready
+from tokenwire.bench.inprocess import free_ports
 
 MODEL = "SmolLM2-135M-Instruct"
 PROTOCOLS = ("lmtp", "salience", "evergreen", "graphpipe", "aici", "openai")
 GRACE = 5.0
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 class Server:
     def __init__(self) -> None:
-        self.lmtp, self.grpc, self.graphpipe, self.http, self.metrics, self.aici = _free_ports(6)
+        self.lmtp, self.grpc, self.graphpipe, self.http, self.metrics, self.aici = free_ports(6)
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "tokenwire.cli", "--log-format", "json", "serve", "--kv-cache-mb", "64",

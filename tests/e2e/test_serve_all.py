@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -14,17 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.serve_process import kill_if_running, stop_cleanly, wait_ready
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+from tokenwire.bench.inprocess import free_ports
 
 
 def _get_json(url: str) -> object:
@@ -52,7 +41,7 @@ async def _lmtp_model_info(port: int) -> dict:
 
 
 def test_serve_starts_every_protocol_and_stops_cleanly() -> None:
-    lmtp, grpc_port, graphpipe, aici = _free_ports(4)
+    lmtp, grpc_port, graphpipe, aici = free_ports(4)
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "tokenwire.cli", "serve", "--kv-cache-mb", "64",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.serve_process import kill_if_running
+from tokenwire.bench.inprocess import free_ports
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -46,16 +46,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_source) -> 
         if (smollm2_source.model_dir / name).exists():
             shutil.copy(smollm2_source.model_dir / name, out / name)
     return out
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class ServeProcess:
