@@ -28,8 +28,8 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tests.e2e.test_serve_all import _free_ports
 from tests.serve_process import kill_if_running, stop_cleanly, wait_ready
+from tokenwire.bench.inprocess import free_ports
 
 TOKEN = "s3cret-token"
 
@@ -68,7 +68,7 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
 def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tls")
     cert, key = _self_signed(directory)
-    ports = dict(zip(["lmtp", "grpc", "graphpipe", "aici", "http", "metrics"], _free_ports(6), strict=True))
+    ports = dict(zip(["lmtp", "grpc", "graphpipe", "aici", "http", "metrics"], free_ports(6), strict=True))
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "tokenwire.cli", "serve", "--kv-cache-mb", "64",

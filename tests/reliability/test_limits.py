@@ -253,6 +253,26 @@ def test_grpc_bytes_that_do_not_parse_get_invalid_argument(servers: Servers) -> 
         assert sum(e.HasField("token") and not e.token.is_prefill for e in events) == 3
 
 
+def test_evergreen_stream_message_that_does_not_parse_gets_invalid_argument(servers: Servers) -> None:
+    """reliability-findings.md: a bidi Session message that does not parse ended the stream with
+    grpc's UNKNOWN; now INVALID_ARGUMENT naming the method, and the next session works."""
+    from tokenwire.protocols.evergreen.client import EvergreenSession
+
+    method = "/evergreen.v2.EvergreenService/StartSession"
+    with grpc.insecure_channel(servers.url("grpc")) as channel:
+        call = channel.stream_stream(method)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(call(iter([b"\xff\xff\xff\x07garbage"]), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert method in caught.value.details() and "not a valid message" in caught.value.details()
+
+    async def detokenize() -> str:
+        async with await EvergreenSession.connect(servers.url("grpc")) as session:
+            return await session.detokenize([1, 2, 3])
+
+    assert isinstance(asyncio.run(asyncio.wait_for(detokenize(), 30)), str)
+
+
 def test_evergreen_detokenize_of_deep_json_is_invalid_argument(servers: Servers) -> None:
     """reliability-findings.md: DETOKENIZE of an array nested 100k deep ended INTERNAL
     (RecursionError); now INVALID_ARGUMENT naming the action, and the next request works."""

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -218,8 +218,8 @@ class _Undecodable:
 class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
     """A request message that does not parse gets INVALID_ARGUMENT naming the message type and
     the parser's reason. grpc's own path answers UNKNOWN ("Exception deserializing request!"),
-    which a client cannot act on (reliability-findings.md). Unary requests only: a streamed
-    request's bad message still ends its stream with grpc's UNKNOWN."""
+    which a client cannot act on (reliability-findings.md). Unary requests and bidi streams
+    (Evergreen's Session: the bad message ends the stream when the servicer reads it)."""
 
     async def intercept_service(
         self,
@@ -227,8 +227,10 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
+        if handler.request_streaming and not handler.response_streaming:
+            return handler  # client streaming: no such RPC in our protocols
         parse = handler.request_deserializer
         method = details.method
 
@@ -238,6 +240,12 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:  # protobuf's DecodeError and friends
                 return _Undecodable(exc)
 
+        if handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                self._checked_bidi(handler.stream_stream, method),
+                request_deserializer=guarded,
+                response_serializer=handler.response_serializer,
+            )
         behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
         async def checked(request: object, context: grpc.aio.ServicerContext) -> object:
@@ -271,3 +279,24 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             request_deserializer=guarded,
             response_serializer=handler.response_serializer,
         )
+
+    @staticmethod
+    def _checked_bidi(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        async def checked(requests: AsyncIterator[object], context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+            async def parsed() -> AsyncIterator[object]:
+                async for request in requests:
+                    if isinstance(request, _Undecodable):
+                        await context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{method}: a streamed message is not a valid message: {request.error}",
+                        )
+                    yield request
+
+            result = behavior(parsed(), context)
+            if hasattr(result, "__aiter__"):
+                async for item in result:
+                    yield item
+            else:
+                await result
+
+        return checked
