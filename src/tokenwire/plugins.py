@@ -64,4 +64,3 @@ def benchmarks() -> list[ModuleType]:
         salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
         vision_bench, scale_bench, fuzz_bench, soak_bench,
     ]  # fmt: skip
-

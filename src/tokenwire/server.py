@@ -41,9 +41,7 @@ def add_serve_args(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     g.add_argument(
         "--shutdown-grace", type=float, default=10.0, help="seconds open streams get to end on SIGTERM"
     )
-    g.add_argument(
-        "--metrics-port", type=int, default=9464, help="Prometheus /metrics HTTP port (0 = off)"
-    )
+    g.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics HTTP port (0 = off)")
     add_scale_args(parser)  # --replicas N: engine replicas on Ray (tokenwire/scale)
     for plugin in plugins.SERVER_PLUGINS:
         plugin.add_serve_args(parser)

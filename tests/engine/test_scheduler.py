@@ -86,6 +86,7 @@ def test_preempted_request_finishes_after_the_urgent_one_with_the_same_tokens(to
         events = iter(batch)
         first = next(events)  # decoding now, holding 3 blocks; the urgent prompt needs 6
         rest: list[int] = []
+
         def read_rest() -> None:
             rest.extend(e.token_id for e in events if isinstance(e, TokenEvent))
             done.append("batch")

@@ -105,9 +105,7 @@ def prepare(request: Request, tokenizer: Tokenizer, kv: KVCache) -> None:
     if opts.sampling.seed is not None:
         request.generator = torch.Generator().manual_seed(opts.sampling.seed)
     else:
-        request.generator = torch.Generator().manual_seed(
-            int.from_bytes(uuid.uuid4().bytes[:8], "little")
-        )
+        request.generator = torch.Generator().manual_seed(int.from_bytes(uuid.uuid4().bytes[:8], "little"))
     request.decoder = tokenizer.incremental_decoder(skip_special_tokens=not opts.special_text)
     if opts.stop:
         request.stopper = StopStringMatcher(list(opts.stop))

@@ -238,7 +238,4 @@ def _ends_generation(ctx: StepContext, request: Request, token: int, text: str) 
 
 
 def _at_length(ctx: StepContext, request: Request) -> bool:
-    return (
-        request.generated >= request.options.max_tokens
-        or len(request.session.tokens) >= ctx.max_model_len
-    )
+    return request.generated >= request.options.max_tokens or len(request.session.tokens) >= ctx.max_model_len

@@ -125,10 +125,7 @@ def test_cli_describes_and_runs(onnx_server: ServerThread, tmp_path, capsys) -> 
     assert printed["shape"] == [1, 4]
     session = ort.InferenceSession(str(onnx_dir_path(onnx_server)), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(printed["value"], session.run(["y"], {"x": x})[0], rtol=1e-5)
-    assert (
-        main(["graphpipe", *server, "--input", str(tmp_path / "x.npy"), "--input-name", "q"])
-        == 1
-    )
+    assert main(["graphpipe", *server, "--input", str(tmp_path / "x.npy"), "--input-name", "q"]) == 1
     assert "unknown input 'q'" in capsys.readouterr().err
 
 

@@ -31,10 +31,25 @@ def openai_server() -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "tokenwire.cli", "serve", "--kv-cache-mb", "256",
-            "--http-port", str(port), "--api-key", API_KEY,
+            sys.executable,
+            "-m",
+            "tokenwire.cli",
+            "serve",
+            "--kv-cache-mb",
+            "256",
+            "--http-port",
+            str(port),
+            "--api-key",
+            API_KEY,
             # everything else off: this server is the OpenAI API alone
-            "--lmtp-port", "0", "--grpc-port", "0", "--graphpipe-port", "0", "--metrics-port", "0",
+            "--lmtp-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--graphpipe-port",
+            "0",
+            "--metrics-port",
+            "0",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

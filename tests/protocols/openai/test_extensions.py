@@ -94,8 +94,11 @@ def with_concepts(smollm2_source: Any) -> Iterator[str]:
     hidden = smollm2_source.config.hidden_size
     concepts = ConceptSet(["honesty", "joy"], [0, 1], torch.randn(2, 2, hidden))
     engine = Engine(
-        lambda: RandomTokenModel(smollm2_source.config), smollm2_source.tokenizer, name=MODEL,
-        kv_cache_mb=64, concepts=concepts,
+        lambda: RandomTokenModel(smollm2_source.config),
+        smollm2_source.tokenizer,
+        name=MODEL,
+        kv_cache_mb=64,
+        concepts=concepts,
     )
     server = InProcess(engine)
     yield server.url

@@ -100,4 +100,3 @@ def ops() -> Any:
     if not _loaded:
         load_kernels()
     return torch.ops.tokenwire
-

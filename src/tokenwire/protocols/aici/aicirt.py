@@ -32,6 +32,7 @@ from tokenwire.protocols.aici.shm import MessageChannel, SharedRegion, channel_n
 
 log = logging.getLogger("tokenwire.aicirt")
 
+
 def main(argv: list[str] | None = None) -> int:
     """Console script `tokenwire-aicirt`."""
     p = argparse.ArgumentParser(prog="tokenwire-aicirt", description=__doc__)

@@ -96,7 +96,6 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, nargs="?", const="1", default=None, help=argparse.SUPPRESS)
 
 
-
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("AICI")
     g.add_argument("--aici", action="store_true", help="start the AICI runtime and serve AICI's REST API")
@@ -113,7 +112,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="ms the runtime spins for the next command (default: 200 when the model runs on a GPU, "
         "0 on the CPU, whose cores the forward needs)",
     )
-
 
 
 async def bind(args: argparse.Namespace) -> SocketListener | None:

@@ -54,7 +54,9 @@ def _check_unicode(kind: str, value: Any) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
-                raise FrameError(f"{kind} payload holds a lone UTF-16 surrogate (not valid Unicode text)") from None
+                raise FrameError(
+                    f"{kind} payload holds a lone UTF-16 surrogate (not valid Unicode text)"
+                ) from None
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
