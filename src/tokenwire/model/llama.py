@@ -245,6 +245,10 @@ class LlamaModel(nn.Module):
             )
         )
 
+    def finish_build(self, device: str | torch.device) -> None:
+        """After loading and the dtype cast, so the rotary tables stay exact fp32 (cast per call)."""
+        self.rotary = Rotary(self.config, self.max_positions).to(device)
+
     def logits(self, hidden: torch.Tensor, fused_decode: bool = False) -> torch.Tensor:
         """fused_decode: the hidden states came from the fused decode layers (int16 matvecs);
         a quantised lm_head then runs with the same numerics (QuantLinear.decode_rows)."""
@@ -330,12 +334,13 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
+    model_class: type[LlamaModel] | None = None,
 ) -> LlamaModel:
+    """`model_class`: LlamaModel or a subclass (Qwen2-VL's decoder) built the same way."""
     with torch.device("meta"):
-        model = LlamaModel(config, max_positions)
+        model = (model_class or LlamaModel)(config, max_positions)
     model = model.to_empty(device=device)
     model.load_hf_state_dict(state)
     model = model.to(dtype)
-    # Built after the dtype cast so the tables stay exact fp32; they are cast per call.
-    model.rotary = Rotary(config, model.max_positions).to(device)
+    model.finish_build(device)
     return model.eval().requires_grad_(False)

@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from tokenwire.model.config import ModelConfig
-from tokenwire.model.llama import AttentionBackend, LlamaModel, PagedDecode, rms_norm, rope_inv_freq
+from tokenwire.model.llama import (
+    AttentionBackend,
+    LlamaModel,
+    PagedDecode,
+    build_model,
+    rms_norm,
+    rope_inv_freq,
+)
 from tokenwire.model.qwen2_vl_vision import VisionTower
 
 # (index of the image's first pad token, merged grid height, merged grid width)
@@ -57,6 +64,11 @@ class Qwen2VLModel(LlamaModel):
             raise ValueError(f"{config.architecture} config has no vision_config / mrope_section")
         self.visual = VisionTower(config.vision)
         self.init_tables()
+
+    def finish_build(self, device: str | torch.device) -> None:
+        self.init_tables()
+        # the 1-D table of LlamaModel is unused here; an empty module keeps the attribute valid
+        self.rotary = nn.Module()
 
     def init_tables(self) -> None:
         """M-RoPE tables (plain CPU tensors, rebuilt after a meta-device construction)."""
@@ -145,12 +157,8 @@ def build_vl_model(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
 ) -> Qwen2VLModel:
-    with torch.device("meta"):
-        model = Qwen2VLModel(config, max_positions)
-    model = model.to_empty(device=device)
-    model.init_tables()
-    model.load_hf_state_dict(state)
-    model = model.to(dtype)
-    # the 1-D table of LlamaModel is unused here; a small one keeps the attribute valid
-    model.rotary = nn.Module()
-    return model.eval().requires_grad_(False)
+    model = build_model(
+        config, state, dtype=dtype, device=device, max_positions=max_positions, model_class=Qwen2VLModel
+    )
+    assert isinstance(model, Qwen2VLModel)
+    return model
