@@ -3,6 +3,7 @@ against it, and the in-process engine as the oracle for what the API must return
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -25,43 +26,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def openai_server() -> Iterator[str]:
-    """Base URL (…/v1) of a `tokenwire serve` with only the OpenAI API on and an API key."""
+@contextlib.contextmanager
+def openai_only_serve(*args: str) -> Iterator[tuple[int, str]]:
+    """`tokenwire serve` with only the OpenAI API on (every other listener off) and `args`;
+    yields (port, the start-up log), stops it cleanly after."""
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tokenwire.cli",
-            "serve",
-            "--kv-cache-mb",
-            "256",
-            "--http-port",
-            str(port),
-            "--api-key",
-            API_KEY,
-            # everything else off: this server is the OpenAI API alone
-            "--lmtp-port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--graphpipe-port",
-            "0",
-            "--metrics-port",
-            "0",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    off = ["--lmtp-port", "0", "--grpc-port", "0", "--graphpipe-port", "0", "--metrics-port", "0"]
+    serve = [sys.executable, "-m", "tokenwire.cli", "serve", "--kv-cache-mb", "256", "--http-port", str(port)]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "text": True}
+    proc = subprocess.Popen([*serve, *args, *off], **quiet)
     try:
         log = wait_ready(proc)
-        assert f"OpenAI API listening on http://127.0.0.1:{port}/v1" in log
-        yield f"http://127.0.0.1:{port}/v1"
+        yield port, log
         stop_cleanly(proc)
     finally:
         kill_if_running(proc)
+
+
+@pytest.fixture(scope="session")
+def openai_server() -> Iterator[str]:
+    """Base URL (…/v1) of a `tokenwire serve` with only the OpenAI API on and an API key."""
+    with openai_only_serve("--api-key", API_KEY) as (port, log):
+        assert f"OpenAI API listening on http://127.0.0.1:{port}/v1" in log
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 @pytest.fixture(scope="session")

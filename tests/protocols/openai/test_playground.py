@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.protocols.openai.conftest import MODEL, InProcess, free_port, http
-from tests.serve_process import kill_if_running, stop_cleanly, wait_ready
+from tests.protocols.openai.conftest import MODEL, InProcess, http, openai_only_serve
 
 pytestmark = pytest.mark.slow
 
@@ -67,36 +66,8 @@ def server(out_dir: Path) -> Iterator[str]:
         timeout=300,
     )
     assert built.returncode == 0, built.stderr
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            *CMD,
-            "serve",
-            "--kv-cache-mb",
-            "256",
-            "--http-port",
-            str(port),
-            "--concepts",
-            str(concepts),
-            "--lmtp-port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--graphpipe-port",
-            "0",
-            "--metrics-port",
-            "0",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        wait_ready(proc)
+    with openai_only_serve("--concepts", str(concepts)) as (port, _):
         yield f"http://127.0.0.1:{port}"
-        stop_cleanly(proc)
-    finally:
-        kill_if_running(proc)
 
 
 @pytest.fixture(scope="module")
