@@ -240,34 +240,38 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:  # protobuf's DecodeError and friends
                 return _Undecodable(exc)
 
+        async def refuse_undecodable(request: object, context: grpc.aio.ServicerContext) -> None:
+            if isinstance(request, _Undecodable):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method}: the request is not a valid message: {request.error}",
+                )
+
         if handler.request_streaming:
+            bidi = handler.stream_stream
+
+            async def checked_bidi(requests: AsyncIterator[object], context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+                async def parsed() -> AsyncIterator[object]:
+                    async for request in requests:
+                        await refuse_undecodable(request, context)
+                        yield request
+
+                async for item in _relay(bidi(parsed(), context)):
+                    yield item
+
             return grpc.stream_stream_rpc_method_handler(
-                self._checked_bidi(handler.stream_stream, method),
-                request_deserializer=guarded,
-                response_serializer=handler.response_serializer,
+                checked_bidi, request_deserializer=guarded, response_serializer=handler.response_serializer
             )
         behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
         async def checked(request: object, context: grpc.aio.ServicerContext) -> object:
-            if isinstance(request, _Undecodable):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{method}: the request is not a valid message: {request.error}",
-                )
+            await refuse_undecodable(request, context)
             return await behavior(request, context)
 
         async def checked_stream(request: object, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
-            if isinstance(request, _Undecodable):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{method}: the request is not a valid message: {request.error}",
-                )
-            result = behavior(request, context)
-            if hasattr(result, "__aiter__"):
-                async for item in result:
-                    yield item
-            else:
-                await result
+            await refuse_undecodable(request, context)
+            async for item in _relay(behavior(request, context)):
+                yield item
 
         make = (
             grpc.unary_stream_rpc_method_handler
@@ -280,23 +284,12 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             response_serializer=handler.response_serializer,
         )
 
-    @staticmethod
-    def _checked_bidi(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
-        async def checked(requests: AsyncIterator[object], context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
-            async def parsed() -> AsyncIterator[object]:
-                async for request in requests:
-                    if isinstance(request, _Undecodable):
-                        await context.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{method}: a streamed message is not a valid message: {request.error}",
-                        )
-                    yield request
 
-            result = behavior(parsed(), context)
-            if hasattr(result, "__aiter__"):
-                async for item in result:
-                    yield item
-            else:
-                await result
-
-        return checked
+async def _relay(result: Any) -> AsyncIterator[object]:
+    """A streaming servicer method's answer: an async iterator of responses, or a coroutine that
+    writes them through its context."""
+    if hasattr(result, "__aiter__"):
+        async for item in result:
+            yield item
+    else:
+        await result
