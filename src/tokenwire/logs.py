@@ -33,8 +33,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
+class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever `sys.stderr` is at the time of the record, not the stream that was
+    there at set-up: a CLI entry point called in-process (tests, embedding) must not leave a
+    handler on a stream its caller has since closed ("I/O operation on closed file")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def setup_logging(verbose: bool = False, json_format: bool = False) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     text = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler.setFormatter(JsonFormatter() if json_format else text)
     root = logging.getLogger()

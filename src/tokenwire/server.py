@@ -96,6 +96,7 @@ async def _serve(args: argparse.Namespace) -> int:
         raise
     stoppers: list[Stopper] = []
     try:
+        from tokenwire.heap import freeze_startup_heap
         from tokenwire.metrics import watch_engine
 
         if args.replicas:
@@ -104,6 +105,7 @@ async def _serve(args: argparse.Namespace) -> int:
             watch_replicas(engine)
         else:
             watch_engine(engine)
+        freeze_startup_heap()  # before the first request: heap.py says why
         for listener in listeners:
             stoppers.append(await listener.start(engine))
         protocols = len(stoppers) - (1 if args.metrics_port else 0)

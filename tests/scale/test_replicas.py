@@ -10,10 +10,13 @@ replica-kill test is last because it restarts a replica.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,8 +26,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import wasmtime
 
+from tests.protocols.aici.test_runtime_shm import TINY_WAT
 from tests.scale.conftest import ServeProcess, wait_for
+from tokenwire.bench.inprocess import free_ports
 from tokenwire.evergreen import Chat, EvergreenError, EvergreenSession, GenerateConfig
 from tokenwire.lmtp import Client as LmtpClient
 from tokenwire.protocols.lmtp.client import LmtpError
@@ -40,12 +46,16 @@ def run(coro: Any, timeout: float = 120) -> Any:
 
 
 @pytest.fixture(scope="module")
-def servers(ray_address, tiny_model_dir):
-    """(replicated server, single-process reference server), started side by side."""
+def servers(ray_address, tiny_model_dir, tmp_path_factory):
+    """(replicated server, single-process reference server), started side by side; the
+    replicated one serves AICI too (its `aici_port`)."""
+    (aici_port,) = free_ports(1)
     replicated = ServeProcess(
         tiny_model_dir, "--replicas", "2", "--replica-cpus", "0.5", "--ray-address", ray_address,
-        "--ray-namespace", NAMESPACE,
+        "--ray-namespace", NAMESPACE, "--aici", "--aici-port", str(aici_port),
+        "--aici-store-dir", str(tmp_path_factory.mktemp("aici-store")),
     )  # fmt: skip
+    replicated.aici_port = aici_port
     reference = ServeProcess(tiny_model_dir)
     try:
         replicated.wait_ready()
@@ -279,6 +289,77 @@ def test_metrics_and_ray_status_list_each_replica(servers, ray_address) -> None:
         assert r["state"] == "up" and r["sessions"] >= 1 and r["kv_blocks_total"] == 1024
         assert 0 <= r["kv_blocks_available"] < r["kv_blocks_total"]  # sessions hold KV
     assert status["mapped_sessions"] >= 12
+
+
+# ---------------------------------------------------------------------------------- AICI
+def aici_call(port: int, method: str, path: str, body: Any = None, raw: bytes | None = None) -> Any:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data, method=method)
+    req.add_header("Content-Type", "application/octet-stream" if raw is not None else "application/json")
+    with urllib.request.urlopen(req, timeout=120) as r:
+        text = r.read().decode()
+    if not path.endswith("/run"):
+        return json.loads(text)
+    events = [json.loads(x[6:]) for x in text.split("\n\n") if x.startswith("data: ") and x != "data: [DONE]"]
+    forks: dict[int, dict[str, Any]] = {}
+    for event in events[1:]:
+        for f in event["forks"]:
+            acc = forks.setdefault(f["index"], {"text": "", "error": "", "finish_reason": None})
+            acc["text"] += f["text"]
+            acc["error"] += f["error"]
+            acc["finish_reason"] = f["finish_reason"] or acc["finish_reason"]
+    return events[0], forks
+
+
+def test_aici_runs_whole_on_a_replica_and_uploads_reach_every_replica(servers) -> None:
+    import ray
+
+    from tokenwire.scale.aici import RuntimeConfig
+
+    port = servers[0].aici_port
+    # a fork and a backtrack: the controller, its forks and their sessions all live on one replica
+    program = {
+        "steps": [
+            {"fixed": "Pick:"},
+            {"fork": [[{"fixed": " A"}], [{"fixed": " B"}, {"fixed": " C", "backtrack": 1}]]},
+            {"gen": {"regex": "[xy]{2}"}},
+        ]
+    }
+    first, forks = aici_call(port, "POST", "/v1/run", {"controller": "declctrl", "controller_arg": program})
+    assert first["object"] == "initial-run" and first["model"] == "tiny"
+    assert set(forks) == {0, 1} and all(f["finish_reason"] == "aici-stop" for f in forks.values()), forks
+    texts = [f["text"] for f in forks.values()]
+    assert any(re.fullmatch(r"(Pick:)? A[xy]{2}", t) for t in texts), texts
+    assert any(re.fullmatch(r"(Pick:)? B↩ C[xy]{2}", t) for t in texts), texts
+
+    # an uploaded module and its tag reach both replicas' runtimes, and a run by tag works
+    up = aici_call(port, "POST", "/v1/controllers", raw=wasmtime.wat2wasm(TINY_WAT % 0))  # never stops
+    tag = {"module_id": up["module_id"], "tags": ["rep-t"]}
+    tagged = aici_call(port, "POST", "/v1/controllers/tags", tag)
+    assert tagged["tags"][0]["tag"] == "rep-t"
+    config = RuntimeConfig([], None)
+    for i in range(2):
+        tags = ray.get(replica(i).aici_side.remote(config, "get_tags", {}), timeout=60)["tags"]
+        assert {t["tag"]: t["module_id"] for t in tags}["rep-t"] == up["module_id"], (i, tags)
+    body = {"controller": "rep-t", "controller_arg": "", "max_tokens": 3}
+    _, forks = aici_call(port, "POST", "/v1/run", body)
+    assert forks[0]["finish_reason"] == "length" and forks[0]["error"] == "", forks
+    # a bad controller is the run's own error, as in-process
+    _, forks = aici_call(port, "POST", "/v1/run", {"controller": "no-such-tag", "controller_arg": ""})
+    assert forks[0]["finish_reason"] == "fail" and "no-such-tag" in forks[0]["error"], forks
+
+    # a client that goes away mid-run cancels it on its replica: the engine there goes idle
+    sessions = [replica_call(i, "stats")["sessions"] for i in range(2)]
+    body = {"controller": "regex", "controller_arg": "[a-z ]*", "max_tokens": 470}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/run", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    response.readline()  # the initial-run event: the run is placed
+    wait_for(lambda: sum(replica_call(i, "stats")["running"] for i in range(2)) == 1, timeout=30)
+    conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    conn.close()
+    wait_for(lambda: sum(replica_call(i, "stats")["running"] for i in range(2)) == 0, timeout=5)
+    wait_for(lambda: [replica_call(i, "stats")["sessions"] for i in range(2)] == sessions, timeout=5)
 
 
 # ---------------------------------------------------------------------------------- failure

@@ -119,7 +119,6 @@ def test_replicas_zero_imports_no_ray() -> None:
         (["--replicas", "-1"], "--replicas must be >= 0, got -1"),
         (["--replicas", "2", "--replica-cpus", "-0.5"], "--replica-cpus must be >= 0"),
         (["--ray-address", "127.0.0.1:6379"], "--ray-address needs --replicas N"),
-        (["--replicas", "2", "--aici"], "--aici is not available with --replicas"),
     ],
 )
 def test_bad_scale_flags_fail_before_anything_loads(flags: list[str], message: str) -> None:

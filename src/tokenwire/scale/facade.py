@@ -351,6 +351,13 @@ class ReplicaEngine:
         replica = self._place(())
         return self.replicas[replica].model_call.remote(name, *args).future()
 
+    def aici_runtimes(self, runtime_args: list[str], busy_wait_ms: float | None) -> Any:
+        """`serve --aici` under --replicas: runs go whole to a replica, whose own runtime steers
+        them (scale/aici.py)."""
+        from tokenwire.scale.aici import RemoteAici, RuntimeConfig
+
+        return RemoteAici(self, RuntimeConfig(runtime_args, busy_wait_ms))
+
     # ------------------------------------------------------------------ replica health and load
     def replica_lost(self, replica: int, exc: BaseException | None = None) -> None:
         with self._lock:

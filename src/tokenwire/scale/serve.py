@@ -54,9 +54,6 @@ def check_scale_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--replica-gpus must be >= 0, got {args.replica_gpus}")
     if args.ray_address and not args.replicas:
         raise ValueError("--ray-address needs --replicas N (N > 0)")
-    if args.replicas and getattr(args, "aici", False):
-        # AICI controllers steer every token from beside the engine's model thread (shared memory)
-        raise ValueError("--aici is not available with --replicas yet: serve AICI from a --replicas 0 server")
 
 
 def build_replicated(settings: EngineSettings, args: argparse.Namespace) -> ReplicaEngine:

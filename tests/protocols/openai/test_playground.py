@@ -270,7 +270,8 @@ def test_stream_tokens_hover_keyboard_fork_and_close(browser: Any, server: str, 
     )
     assert "blocks" in js(driver, "return document.getElementById('kv-usage').textContent")
 
-    # streamed: the box count grows chunk by chunk (recorded at each DOM change)
+    # streamed: the box count grows chunk by chunk (recorded at each DOM change). 48 tokens take
+    # long enough (~0.5 s) that a browser starved of CPU by the engine still sees several chunks.
     js(
         driver,
         """window.__counts = [];
@@ -278,6 +279,11 @@ def test_stream_tokens_hover_keyboard_fork_and_close(browser: Any, server: str, 
                       document.querySelectorAll('#tokens .tok.generated').length))
                     .observe(document.getElementById('tokens'), {childList: true, subtree: true});""",
     )
+    generate(driver, prompt=PROMPT, max_tokens=48)
+    counts = js(driver, "return window.__counts")
+    assert any(0 < c < 48 for c in counts), counts  # some boxes were shown before the last came
+    driver.get(server + "/")  # a fresh page (a second Generate would continue this text)
+    wait_for(lambda: js(driver, "return document.body.dataset.ready === 'true'"), what="the page to start")
     generate(driver, prompt=PROMPT, max_tokens=8)
     shot(driver, out_dir, "02-generated")
     assert js(driver, "return document.getElementById('error').hidden"), js(
@@ -292,8 +298,6 @@ def test_stream_tokens_hover_keyboard_fork_and_close(browser: Any, server: str, 
     assert len(generated) == expected["usage"]["completion_tokens"] == 8
     assert "".join(t["text"] for t in generated) == expected["choices"][0]["text"][len(PROMPT) :]
     assert js(driver, "return document.getElementById('tokens').dataset.generated") == "8"
-    counts = js(driver, "return window.__counts")
-    assert any(0 < c < 8 for c in counts), counts  # some boxes were shown before the last came
     for t, lp in zip(shown, legacy["token_logprobs"], strict=True):
         assert (t["logprob"] is None) == (lp is None) and (
             lp is None or math.isclose(t["logprob"], lp, abs_tol=1e-4)

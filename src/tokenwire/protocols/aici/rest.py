@@ -25,7 +25,7 @@ from aiohttp import web
 from tokenwire.logs import access_log
 from tokenwire.protocols.aici.client import AiciClient, AiciError
 from tokenwire.protocols.aici.engine_bridge import Coordinator
-from tokenwire.protocols.aici.run import RunRequest, run_events
+from tokenwire.protocols.aici.run import RunRequest, failed_run, run_events
 from tokenwire.protocols.aici.supervisor import RuntimeSupervisor
 from tokenwire.protocols.http_site import start_site
 from tokenwire.protocols.security import aiohttp_auth, auth_token, ssl_context
@@ -48,21 +48,26 @@ class AiciServer:
     def __init__(
         self,
         engine: Engine,
-        client: AiciClient,
+        client: AiciClient | None,
         host: str = "127.0.0.1",
         port: int = 4242,
         sock: socket.socket | None = None,
         auth_token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
         make_client: Callable[[], AiciClient] | None = None,
+        remote: Any = None,
     ) -> None:
         self.engine = engine
+        # under --replicas (scale/aici.py): runs and uploads go to the replicas' own runtimes
+        self.remote = remote
         # restarts a runtime that died (supervisor.py); None: a dead runtime stays dead
         self.supervisor = RuntimeSupervisor(self, make_client) if make_client is not None else None
         self.auth_token = auth_token
         self.ssl_context = ssl_context
         self.client = client
-        self.coord = Coordinator(client, engine.vocab_size, step_count=lambda: engine.steps)
+        self.coord = (
+            Coordinator(client, engine.vocab_size, step_count=lambda: engine.steps) if client else None
+        )
         self.host = host
         self.port = port
         self.sock = sock  # bound before the model loaded (tokenwire serve)
@@ -81,7 +86,8 @@ class AiciServer:
         self._runner, self.port = await start_site(
             app, self.host, self.port, self.sock, "--aici-port", self.ssl_context
         )
-        log.info("AICI REST listening on %s/v1/ (runtime %s)", self.url, self.client.prefix)
+        runtime = self.remote.describe() if self.remote is not None else self.client.prefix
+        log.info("AICI REST listening on %s/v1/ (runtime %s)", self.url, runtime)
         if self.supervisor is not None:
             self.supervisor.start()
         return self
@@ -101,13 +107,16 @@ class AiciServer:
     async def _upload(self, request: web.Request) -> web.Response:
         body = await request.read()
         try:
-            data = await self.client.side_async("mk_module", binary=base64.b64encode(body).decode())
+            data = await self._side("mk_module", binary=base64.b64encode(body).decode())
         except AiciError as e:
             return _error(400, str(e))
         return web.json_response(data)
 
     async def _get_tags(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.client.side_async("get_tags"))
+        try:
+            return web.json_response(await self._side("get_tags"))
+        except AiciError as e:
+            return _error(503, str(e))
 
     async def _set_tags(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -115,7 +124,7 @@ class AiciServer:
             return body
         tags = body.get("tags")
         try:
-            data = await self.client.side_async("set_tags", module_id=body.get("module_id"), tags=tags)
+            data = await self._side("set_tags", module_id=body.get("module_id"), tags=tags)
         except AiciError as e:
             return _error(400, str(e))
         return web.json_response(data)
@@ -134,7 +143,11 @@ class AiciServer:
             return _error(503, "the AICI runtime died and is restarting; retry shortly")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        events = run_events(self.engine, self.client, self.coord, req)
+        if self.remote is not None:
+            events = self.remote.run(req)
+        else:
+            assert self.client is not None and self.coord is not None
+            events = run_events(self.engine, self.client, self.coord, req)
         task = asyncio.current_task()
         assert task is not None
         self._runs.add(task)
@@ -155,6 +168,12 @@ class AiciServer:
             await events.aclose()  # a client that went away: cancel the forks, free everything
         return resp
 
+    async def _side(self, op: str, **fields: Any) -> dict[str, Any]:
+        if self.remote is not None:
+            return await self.remote.side(op, **fields)
+        assert self.client is not None
+        return await self.client.side_async(op, **fields)
+
     async def shutdown(self, message: str = SHUTDOWN_MESSAGE, wait_s: float = 2.0) -> None:
         """Server stopping: refuse new runs (503) and end the streaming ones with a failed fork
         whose error is `message`, then `[DONE]`."""
@@ -172,12 +191,12 @@ class AiciServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        self.coord.close()
+        if self.coord is not None:
+            self.coord.close()
 
 
 def shutdown_event(message: str) -> dict[str, Any]:
-    fork = {"index": 0, "text": "", "logs": "", "storage": [], "error": message, "finish_reason": "fail"}
-    return {"object": "run", "forks": [fork], "error": {"message": message, "code": 503}}
+    return {**failed_run(message), "error": {"message": message, "code": 503}}
 
 
 @web.middleware
@@ -227,12 +246,26 @@ def tokenizer_spec(engine: Engine) -> str:
     return str(source.model_dir) if source is not None else "default"
 
 
+def runtime_spin_ms(requested: float | None, engine: Engine) -> float:
+    """--aici-busy-wait-ms, or by default 200 ms when the model runs on a GPU and 0 on the CPU
+    (a spinning runtime takes a core the forward needs)."""
+    if requested is not None:
+        return requested
+    return 200.0 if engine.model.device.type == "cuda" else 0.0
+
+
 async def start_on(engine: Engine, args: argparse.Namespace, sock: socket.socket) -> Stopper:
     """`tokenwire serve --aici`: start the runtime, then serve the REST API on `sock`."""
+    requested_spin = getattr(args, "aici_busy_wait_ms", None)
+    remote_runtimes = getattr(engine, "aici_runtimes", None)
+    if remote_runtimes is not None:  # --replicas: every replica starts its own runtime on first use
+        remote = remote_runtimes(runtime_args_from(args), requested_spin)
+        server = await AiciServer(
+            engine, None, args.host, args.aici_port, sock, auth_token(args), ssl_context(args), None, remote
+        ).start()
+        return server.stop
     loop = asyncio.get_running_loop()
-    spin_ms = getattr(args, "aici_busy_wait_ms", None)
-    if spin_ms is None:
-        spin_ms = 200.0 if engine.model.device.type == "cuda" else 0.0
+    spin_ms = runtime_spin_ms(requested_spin, engine)
 
     def make_client() -> AiciClient:
         return AiciClient(

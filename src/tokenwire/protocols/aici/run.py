@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 BACKTRACK_MARK = "↩"
 SUSPEND_WAIT_S = 0.002
 
-__all__ = ["RunRequest", "run_events"]
+__all__ = ["RunRequest", "failed_run", "run_events"]
 
 
 @dataclass
@@ -103,6 +103,11 @@ def _fork_json(
         "error": "\n".join([*errors, *([error] if error and error not in errors else [])]),
         "finish_reason": finish,
     }
+
+
+def failed_run(message: str) -> dict[str, Any]:
+    """A run object ending the run: fork 0 failed with `message` (AICI's error form in a stream)."""
+    return {"object": "run", "forks": [_fork_json(0, "", [], "fail", message)]}
 
 
 async def run_events(
