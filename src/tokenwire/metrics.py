@@ -14,7 +14,7 @@ import logging
 import socket
 import ssl
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -98,31 +98,39 @@ _engine_collector: EngineCollector | None = None
 
 def observe_request(request: Request, finish: FinishEvent) -> None:
     """The engine's on_finish hook: latency and token metrics, and the access log line."""
-    origin = request.options.origin
+    session = None if request.session.ephemeral else request.session.id
+    record_request(request.options.origin, finish, request.arrived, request.token_times, session)
+
+
+def record_request(
+    origin: Any, finish: FinishEvent, arrived: float, times: list[float], session: str | None, **fields: Any
+) -> None:
+    """One finished request: its counters, TTFT and inter-token histograms (`times`: when each
+    generated token came, on the clock of `arrived`) and its access log line (+ `fields`)."""
     protocol = origin.protocol if origin is not None else "engine"
-    times = request.token_times
     REQUESTS.labels(protocol, finish.reason).inc()
     PROMPT_TOKENS.labels(protocol).inc(finish.prompt_tokens)
     GENERATED_TOKENS.labels(protocol).inc(finish.completion_tokens)
-    ttft = times[0] - request.arrived if times else None
+    ttft = times[0] - arrived if times else None
     if ttft is not None:
         TTFT.labels(protocol).observe(ttft)
     if len(times) > 1:
         itl = ITL.labels(protocol)
         for earlier, later in itertools.pairwise(times):
             itl.observe(later - earlier)
-    end = times[-1] if times else request.arrived
+    end = times[-1] if times else arrived
     access_log(
         protocol,
         origin.method if origin is not None else "generate",
         finish.reason,
         peer=origin.peer if origin is not None else None,
-        session=None if request.session.ephemeral else request.session.id,
+        session=session,
         prompt_tokens=finish.prompt_tokens,
         generated_tokens=finish.completion_tokens,
         ttft_s=ttft,
-        duration_s=max(end, request.arrived) - request.arrived,
+        duration_s=max(end, arrived) - arrived,
         error=finish.error,
+        **fields,
     )
 
 

@@ -277,6 +277,12 @@ def test_metrics_and_ray_status_list_each_replica(servers, ray_address) -> None:
         assert f'tokenwire_kv_blocks{{replica="{i}",state="free"}}' in text
         assert f'tokenwire_sessions_open{{replica="{i}"}}' in text
         assert f'tokenwire_replica_requests_total{{outcome="length",replica="{i}"}}' in text
+    # latency as the ingress saw it: every protocol's requests are in its TTFT/inter-token histograms
+    for protocol in ("salience", "evergreen", "lmtp"):
+        ttft = re.search(rf'tokenwire_time_to_first_token_seconds_count{{protocol="{protocol}"}} (\S+)', text)
+        itl = re.search(rf'tokenwire_inter_token_latency_seconds_count{{protocol="{protocol}"}} (\S+)', text)
+        assert ttft and float(ttft.group(1)) > 0 and itl and float(itl.group(1)) > 0, protocol
+    assert " replica=" in replicated.log and "ttft_s=" in replicated.log  # access lines name the replica
     out = subprocess.run(
         [sys.executable, "-m", "tokenwire.cli", "ray", "status", "--ray-address", ray_address,
          "--ray-namespace", NAMESPACE, "--json"],

@@ -64,8 +64,8 @@ class ReplicaEngine:
         self.kv_cache_mb = info.kv_cache_mb
         self.kv = SimpleNamespace(block_size=info.kv_block_size)  # what metrics read of the KV cache
         self.source: Any = None
-        # (replica, FinishEvent, origin) of every finished request: the metrics' per-replica series
-        self.on_finish: Callable[[int, FinishEvent, Any], None] | None = None
+        # (handle, FinishEvent) of every finished request: the metrics' per-replica series
+        self.on_finish: Callable[[RemoteHandle, FinishEvent], None] | None = None
         self.incarnations = [i.incarnation for i in infos]
         self.up = [True] * len(actors)
         self.router = Router(len(actors), prefix_aware=prefix_aware)
@@ -266,6 +266,7 @@ class ReplicaEngine:
         handle = RemoteHandle(replica, actor, uuid.uuid4().hex, self._ended)
         handle.load = float(len(append) + options.max_tokens)
         handle.origin = options.origin
+        handle.ephemeral = session_id is None
         with self._lock:  # before the start: the pump may bring its first events before it returns
             self._handles[replica][handle.key] = handle
         try:
@@ -305,7 +306,7 @@ class ReplicaEngine:
             self.router.finished(handle.replica, handle.load)
         if self.on_finish is not None:
             try:
-                self.on_finish(handle.replica, event, handle.origin)
+                self.on_finish(handle, event)
             except Exception:  # observing must never break serving
                 log.exception("on_finish observer failed")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -54,6 +55,9 @@ class RemoteHandle:
         self.finished = False
         self.load = 0.0  # what the router counted for it
         self.origin: Any = None
+        self.ephemeral = False  # started without a session (the replica made a one-request one)
+        self.arrived = time.monotonic()
+        self.token_times: list[float] = []  # when each generated token reached this process
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
@@ -81,6 +85,8 @@ class RemoteHandle:
     # ------------------------------------------------------------------ delivery (pump thread)
     def deliver(self, cached_tokens: int, events: list[Event]) -> None:
         self._cached = cached_tokens
+        now = time.monotonic()
+        self.token_times.extend(now for e in events if isinstance(e, TokenEvent) and not e.is_prefill)
         if events and isinstance(events[-1], FinishEvent):
             self._end(events[-1], None)  # first: a client that saw its end finds it counted
         self._emit(events)

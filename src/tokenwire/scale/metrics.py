@@ -2,21 +2,22 @@
 replica (label `replica`), from the stats the facade polls (no round trip at scrape time), plus
 whether each replica is up and per-replica request counts.
 
-The request latency histograms (TTFT, inter-token) are measured inside an in-process engine; under
---replicas they are not observed (the replica's own clock is in another process) - a known gap.
+The request latency histograms (TTFT, inter-token) and the access log lines are taken here, at the
+ingress, from when each token event arrived: the latency a client sees, the hop to the replica
+included.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenwire.engine.request import FinishEvent
-from tokenwire.metrics import GENERATED_TOKENS, PROMPT_TOKENS, REGISTRY, REQUESTS
+from tokenwire.metrics import REGISTRY, record_request
 from tokenwire.scale.facade import ReplicaEngine
+from tokenwire.scale.handle import RemoteHandle
 
 REPLICA_REQUESTS = Counter(
     "tokenwire_replica_requests",
@@ -72,12 +73,10 @@ class ReplicaCollector:
 _collector: ReplicaCollector | None = None
 
 
-def observe_remote(replica: int, finish: FinishEvent, origin: Any) -> None:
-    protocol = origin.protocol if origin is not None else "engine"
-    REQUESTS.labels(protocol, finish.reason).inc()
-    PROMPT_TOKENS.labels(protocol).inc(finish.prompt_tokens)
-    GENERATED_TOKENS.labels(protocol).inc(finish.completion_tokens)
-    REPLICA_REQUESTS.labels(str(replica), finish.reason).inc()
+def observe_remote(handle: RemoteHandle, finish: FinishEvent) -> None:
+    session = None if handle.ephemeral else handle.session_id
+    record_request(handle.origin, finish, handle.arrived, handle.token_times, session, replica=handle.replica)
+    REPLICA_REQUESTS.labels(str(handle.replica), finish.reason).inc()
 
 
 def watch_replicas(engine: ReplicaEngine) -> None:
