@@ -162,6 +162,43 @@ def test_sessions_turns_and_forks_stay_on_one_replica_with_single_process_output
     assert all(n > 12 for n in new_requests), new_requests
 
 
+def test_one_replica_gives_the_single_process_output(servers, ray_address, tiny_model_dir) -> None:
+    """`--replicas 1`: the same scenario and an OpenAI API completion, the same greedy output."""
+    _, reference = servers
+    single = ServeProcess(
+        tiny_model_dir, "--replicas", "1", "--replica-cpus", "0.5", "--ray-address", ray_address,
+        "--ray-namespace", NAMESPACE + "-one",
+    )  # fmt: skip
+    try:
+        single.wait_ready()
+
+        def outputs(result: dict[str, Any]) -> dict[str, Any]:
+            return {
+                **result,
+                "salience": [{k: v for k, v in r.items() if k != "ids"} for r in result["salience"]],
+            }
+
+        assert outputs(run(scenario(single))) == outputs(run(scenario(reference)))
+        body = {
+            "model": "tiny",
+            "prompt": [9, 10, 11],
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        completions = []
+        for server in (single, reference):
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{server.http}/v1/completions", json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(req, timeout=60) as r:
+                completions.append(json.loads(r.read())["choices"][0]["text"])
+        assert completions[0] == completions[1] and completions[0]
+    finally:
+        assert single.stop() == 0, single.log[-3000:]
+
+
 def test_cancel_through_the_front_end_frees_the_request_on_the_replica(servers) -> None:
     replicated, _ = servers
 
