@@ -36,6 +36,7 @@ from tokenwire.lmtp import Client as LmtpClient
 from tokenwire.protocols.lmtp.client import LmtpError
 from tokenwire.protocols.salience.client import AsyncClient, AsyncSession
 from tokenwire.protocols.salience.client_session import SalienceError, SessionView
+from tokenwire.scale.cluster import find_replicas, remove_all
 
 NAMESPACE = "tokenwire-test-replicas"
 GREEDY = GenerateConfig(temperature=0, max_tokens=6)
@@ -64,6 +65,7 @@ def servers(ray_address, tiny_model_dir, tmp_path_factory):
     finally:
         reference.stop()
         assert replicated.stop() == 0, replicated.log[-3000:]
+        remove_all(NAMESPACE)  # on a joined cluster the replicas outlive the ingress (detached)
 
 
 def replica(i: int) -> Any:
@@ -162,15 +164,29 @@ def test_sessions_turns_and_forks_stay_on_one_replica_with_single_process_output
     assert all(n > 12 for n in new_requests), new_requests
 
 
-def test_one_replica_gives_the_single_process_output(servers, ray_address, tiny_model_dir) -> None:
-    """`--replicas 1`: the same scenario and an OpenAI API completion, the same greedy output."""
+def test_one_replica_gives_the_single_process_output_and_outlives_its_first_ingress(
+    servers, ray_address, tiny_model_dir
+) -> None:
+    """`--replicas 1`: the same scenario and an OpenAI API completion give the same greedy output.
+    The replica (detached on a joined cluster) outlives the ingress that created it: a session
+    opened through that one continues through a second after the first stopped; `tokenwire ray
+    down` removes the replica and the session map."""
     _, reference = servers
-    single = ServeProcess(
-        tiny_model_dir, "--replicas", "1", "--replica-cpus", "0.5", "--ray-address", ray_address,
-        "--ray-namespace", NAMESPACE + "-one",
-    )  # fmt: skip
+    namespace = NAMESPACE + "-one"
+    flags = (
+        "--replicas",
+        "1",
+        "--replica-cpus",
+        "0.5",
+        "--ray-address",
+        ray_address,
+        "--ray-namespace",
+        namespace,
+    )
+    first = ServeProcess(tiny_model_dir, *flags)
+    second = None
     try:
-        single.wait_ready()
+        first.wait_ready()
 
         def outputs(result: dict[str, Any]) -> dict[str, Any]:
             return {
@@ -178,7 +194,7 @@ def test_one_replica_gives_the_single_process_output(servers, ray_address, tiny_
                 "salience": [{k: v for k, v in r.items() if k != "ids"} for r in result["salience"]],
             }
 
-        assert outputs(run(scenario(single))) == outputs(run(scenario(reference)))
+        assert outputs(run(scenario(first))) == outputs(run(scenario(reference)))
         body = {
             "model": "tiny",
             "prompt": [9, 10, 11],
@@ -187,7 +203,7 @@ def test_one_replica_gives_the_single_process_output(servers, ray_address, tiny_
             "ignore_eos": True,
         }
         completions = []
-        for server in (single, reference):
+        for server in (first, reference):
             req = urllib.request.Request(
                 f"http://127.0.0.1:{server.http}/v1/completions", json.dumps(body).encode(),
                 {"Content-Type": "application/json"},
@@ -195,8 +211,42 @@ def test_one_replica_gives_the_single_process_output(servers, ray_address, tiny_
             with urllib.request.urlopen(req, timeout=60) as r:
                 completions.append(json.loads(r.read())["choices"][0]["text"])
         assert completions[0] == completions[1] and completions[0]
+
+        second = ServeProcess(tiny_model_dir, *flags)
+        second.wait_ready()
+
+        async def turn(
+            port: int, view: SessionView | None, append: list[int]
+        ) -> tuple[SessionView, list[int]]:
+            async with AsyncClient(f"127.0.0.1:{port}") as client:
+                session = await client.open() if view is None else AsyncSession(client, view)
+                got = [t.id async for t in session.generate(append, max_tokens=5, top_k=1)]
+                return session.view, got
+
+        view, one = run(turn(first.grpc, None, [40, 41, 42]))
+        view = SessionView(view.session_id, view.max_model_len, view.tokens)
+        assert first.stop() == 0, first.log[-3000:]
+        _, two = run(turn(second.grpc, view, [43]))  # the replica and the session map are still there
+        ref_view, ref_one = run(turn(reference.grpc, None, [40, 41, 42]))
+        _, ref_two = run(
+            turn(
+                reference.grpc,
+                SessionView(ref_view.session_id, ref_view.max_model_len, ref_view.tokens),
+                [43],
+            )
+        )
+        assert (one, two) == (ref_one, ref_two)
     finally:
-        assert single.stop() == 0, single.log[-3000:]
+        for server in (first, second):
+            if server is not None:
+                server.stop()
+    down = subprocess.run(
+        [sys.executable, "-m", "tokenwire.cli", "ray", "down", "--ray-address", ray_address,
+         "--ray-namespace", namespace],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert down.returncode == 0 and "removed 2 actors" in down.stdout, down.stderr[-2000:]
+    assert find_replicas(namespace) == []
 
 
 def test_cancel_through_the_front_end_frees_the_request_on_the_replica(servers) -> None:

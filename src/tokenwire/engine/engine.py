@@ -64,6 +64,9 @@ class _Loaded:
 
 
 class Engine:
+    # Sessions die with this process; a ReplicaEngine on detached replicas says True (scale/)
+    sessions_outlive_server = False
+
     def __init__(
         self,
         model: LlamaModel | torch.nn.Module | Callable[[], torch.nn.Module],

@@ -2,8 +2,12 @@
 
 Replicas are named actors (`tokenwire-replica-<i>` in the namespace, default "tokenwire"): the
 first ingress process creates them, later ones (same --ray-address and namespace) find the same
-ones by name. Ray restarts a dead replica (max_restarts=-1); calls that were in flight on it fail
-(max_task_retries=0: a generation is not silently re-run on a fresh KV cache).
+ones by name. On a cluster joined with --ray-address the replicas and the session map are
+detached actors: they outlive the ingress that created them, so ingress processes behind a load
+balancer come and go freely, and `tokenwire ray down` removes them. On the local cluster an
+ingress starts for itself they end with it (the cluster does). Ray restarts a dead replica
+(max_restarts=-1); calls that were in flight on it fail (max_task_retries=0: a generation is not
+silently re-run on a fresh KV cache).
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ class ClusterSpec:
     replica_cpus: float = 1.0
     replica_gpus: float = 0.0
     start_timeout_s: float = 600.0
+
+    @property
+    def detached(self) -> bool:
+        """On a joined cluster the replicas outlive the ingress that made them (module doc)."""
+        return bool(self.address)
 
 
 def connect(spec: ClusterSpec) -> None:
@@ -74,11 +83,15 @@ def start_replicas(spec: ClusterSpec, settings: EngineSettings) -> tuple[list[An
     settings = replace(settings, progress=False)
     if settings.threads is None:
         settings = replace(settings, threads=replica_threads(spec.replica_cpus))
+    lifetime = "detached" if spec.detached else None
     directory = (
         ray.remote(SessionDirectory)
-        .options(name=DIRECTORY_NAME, get_if_exists=True, num_cpus=0, max_restarts=-1, max_concurrency=64)
+        .options(
+            name=DIRECTORY_NAME, get_if_exists=True, num_cpus=0, max_restarts=-1, max_concurrency=64,
+            lifetime=lifetime,
+        )
         .remote()
-    )
+    )  # fmt: skip
     actor_cls = ray.remote(EngineReplica)
     actors = [
         actor_cls.options(
@@ -89,6 +102,7 @@ def start_replicas(spec: ClusterSpec, settings: EngineSettings) -> tuple[list[An
             max_restarts=-1,
             max_task_retries=0,
             max_concurrency=1000,
+            lifetime=lifetime,
         ).remote(i, settings)
         for i in range(spec.replicas)
     ]
@@ -116,3 +130,17 @@ def find_replicas(namespace: str = NAMESPACE) -> list[tuple[int, Any]]:
 
             found.append((int(name[len(REPLICA_PREFIX) :]), ray.get_actor(name, namespace=namespace)))
     return sorted(found, key=lambda pair: pair[0])
+
+
+def remove_all(namespace: str = NAMESPACE) -> int:
+    """Kill the namespace's replicas and session map (no restart); how many actors were removed."""
+    import ray
+
+    actors = [actor for _, actor in find_replicas(namespace)]
+    try:
+        actors.append(ray.get_actor(DIRECTORY_NAME, namespace=namespace))
+    except ValueError:  # no session map in this namespace
+        pass
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    return len(actors)

@@ -46,6 +46,7 @@ class ReplicaEngine:
         tokenizer: Tokenizer,
         *,
         prefix_aware: bool = True,
+        detached: bool = False,
         poll_s: float = 0.25,
         call_timeout_s: float = 60.0,
     ) -> None:
@@ -64,6 +65,8 @@ class ReplicaEngine:
         self.kv_cache_mb = info.kv_cache_mb
         self.kv = SimpleNamespace(block_size=info.kv_block_size)  # what metrics read of the KV cache
         self.source: Any = None
+        # detached replicas (a joined cluster) keep their sessions when this ingress stops
+        self.sessions_outlive_server = detached
         # (handle, FinishEvent) of every finished request: the metrics' per-replica series
         self.on_finish: Callable[[RemoteHandle, FinishEvent], None] | None = None
         self.incarnations = [i.incarnation for i in infos]

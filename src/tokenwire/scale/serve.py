@@ -75,7 +75,10 @@ def build_replicated(settings: EngineSettings, args: argparse.Namespace) -> Repl
     )
     connect(spec)
     actors, directory, infos = start_replicas(spec, settings)
-    engine = ReplicaEngine(actors, directory, infos, source.tokenizer, prefix_aware=args.prefix_placement)
+    engine = ReplicaEngine(
+        actors, directory, infos, source.tokenizer, prefix_aware=args.prefix_placement,
+        detached=spec.detached,
+    )  # fmt: skip
     engine.source = source
     return engine
 

@@ -31,6 +31,14 @@ def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     status.add_argument("--ray-namespace", default="tokenwire", help="namespace of the replicas")
     status.add_argument("--json", action="store_true", help="print the replicas' stats as JSON")
     status.set_defaults(handler=run_status)
+    down = rsub.add_parser(
+        "down",
+        help="remove the replicas and session map (they outlive ingress processes on a shared cluster)",
+        formatter_class=HelpFormatter,
+    )
+    down.add_argument("--ray-address", default="auto", help="the Ray cluster (auto: the one on this machine)")
+    down.add_argument("--ray-namespace", default="tokenwire", help="namespace of the replicas")
+    down.set_defaults(handler=run_down)
 
 
 def collect(namespace: str) -> dict[str, Any]:
@@ -78,14 +86,40 @@ def format_table(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_status(args: argparse.Namespace) -> int:
+def _join(args: argparse.Namespace) -> bool:
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     import ray
 
     try:
         ray.init(address=args.ray_address, namespace=args.ray_namespace, log_to_driver=False)
     except ConnectionError as exc:
-        print(f"tokenwire ray status: no Ray cluster at {args.ray_address}: {exc}", file=sys.stderr)
+        print(
+            f"tokenwire ray {args.ray_command}: no Ray cluster at {args.ray_address}: {exc}", file=sys.stderr
+        )
+        return False
+    return True
+
+
+def run_down(args: argparse.Namespace) -> int:
+    import ray
+
+    from tokenwire.scale.cluster import remove_all
+
+    if not _join(args):
+        return 1
+    try:
+        removed = remove_all(args.ray_namespace)
+    finally:
+        ray.shutdown()
+    what = "engine replicas and the session map"
+    print(f"removed {removed} actors ({what}) from namespace {args.ray_namespace!r}")
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    import ray
+
+    if not _join(args):
         return 1
     try:
         status = collect(args.ray_namespace)

@@ -277,9 +277,12 @@ class SalienceServicer(pb_grpc.SalienceServicer):
             handle.cancel()
 
     async def close(self) -> None:
-        """Server shutdown: release every session this servicer opened."""
-        for sid in list(self._opened):
-            self.engine.close_session(sid)
+        """Server shutdown: release every session this servicer opened, unless the engine keeps
+        them for other servers (replicas shared by several ingress processes: a client continues
+        through another; its TTL still ends an abandoned one)."""
+        if not self.engine.sessions_outlive_server:
+            for sid in list(self._opened):
+                self.engine.close_session(sid)
         self._opened.clear()
         self._images.clear()
 
