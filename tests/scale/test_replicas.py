@@ -308,6 +308,31 @@ def test_a_second_ingress_continues_a_session_opened_through_the_first(servers, 
     assert replica_call(0, "ping") and replica_call(1, "ping")  # its exit left the replicas running
 
 
+def test_a_restarted_session_map_rebuilds_itself_from_the_replicas(servers) -> None:
+    import ray
+
+    replicated, _ = servers
+
+    async def opened() -> list[str]:
+        async with AsyncClient(f"127.0.0.1:{replicated.grpc}") as client:
+            sessions = [await client.open() for _ in range(4)]
+            return [s.view.session_id for s in sessions]
+
+    ids = run(opened())
+    before = {sid: placement(sid) for sid in ids}
+    assert all(before.values())
+    directory = ray.get_actor("tokenwire-sessions", namespace=NAMESPACE)
+    ray.kill(directory, no_restart=False)  # Ray restarts it, empty but for what it asks the replicas
+
+    def rebuilt() -> bool:
+        try:
+            return all(placement(sid) == where for sid, where in before.items())
+        except Exception:  # the actor is restarting
+            return False
+
+    wait_for(rebuilt, timeout=30, interval=0.5)
+
+
 def test_graphpipe_forward_runs_on_a_replica_by_name(servers) -> None:
     """GraphPipe's whole-tensor forward is a named model call on a replica (nothing pickled)."""
     from tokenwire.protocols.graphpipe.client import execute_multi

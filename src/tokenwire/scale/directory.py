@@ -59,10 +59,31 @@ class SessionTable:
 
 
 class SessionDirectory:
-    """The Ray actor (decorated in cluster.py): every method is one dict operation."""
+    """The Ray actor (decorated in cluster.py): every method is one dict operation.
+
+    Ray restarts it when it dies (max_restarts=-1), running __init__ again: the new one asks
+    every replica of its namespace for the sessions it holds, so open sessions keep their place
+    (at first start there are no replicas yet, and nothing to ask)."""
 
     def __init__(self) -> None:
         self.table = SessionTable()
+        self.recovered = self._recover()
+
+    def _recover(self) -> int:
+        import ray
+
+        from tokenwire.scale.cluster import find_replicas
+
+        found = 0
+        for index, actor in find_replicas(ray.get_runtime_context().namespace):
+            try:
+                incarnation, sessions = ray.get(actor.sessions.remote(), timeout=30)
+            except Exception:  # a replica down now holds no sessions to find
+                continue
+            for session_id in sessions:
+                self.table.assign(session_id, index, incarnation)
+            found += len(sessions)
+        return found
 
     def assign(self, session_id: str, replica: int, incarnation: str) -> None:
         self.table.assign(session_id, replica, incarnation)

@@ -177,6 +177,11 @@ class EngineReplica:
             raise AttributeError(f"replica has no engine method {method!r}")
         return getattr(self.engine, method)(*args, **kwargs)
 
+    def sessions(self) -> tuple[str, list[str]]:
+        """This incarnation and the sessions made here that are still open (a restarted session
+        map rebuilds itself from these)."""
+        return self.incarnation, [sid for sid in self._known if self.engine.has_session(sid)]
+
     def ended(self) -> list[str]:
         """Sessions made here that have since ended (expired, or closed by a request's end)."""
         gone = [sid for sid in self._known if not self.engine.has_session(sid)]
