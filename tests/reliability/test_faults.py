@@ -140,8 +140,10 @@ def _sse(
 
 
 def _events(response: Any) -> list[Any]:
-    raw = response.read().decode()
-    return [json.loads(x[6:]) for x in raw.split("\n\n") if x.startswith("data: ") and x != "data: [DONE]"]
+    """The SSE events left in `response` (after a readline() the rest starts with the blank line
+    that ended the first event: strip it, or the next event would be lost)."""
+    chunks = [x.strip() for x in response.read().decode().split("\n\n")]
+    return [json.loads(x[6:]) for x in chunks if x.startswith("data: ") and x != "data: [DONE]"]
 
 
 def test_aici_disconnect_frees_everything(servers: Servers, engine: Any) -> None:

@@ -10,11 +10,13 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from tokenwire.cli_args import HelpFormatter
 
 STATS_TIMEOUT_S = 10.0
+T = TypeVar("T")
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -22,23 +24,25 @@ def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         "ray", help="the engine replicas of `serve --replicas` on Ray", formatter_class=HelpFormatter
     )
     rsub = p.add_subparsers(dest="ray_command", required=True, metavar="ACTION")
-    status = rsub.add_parser(
-        "status", help="list replicas with their sessions and KV usage", formatter_class=HelpFormatter
-    )
-    status.add_argument(
-        "--ray-address", default="auto", help="the Ray cluster (auto: the one on this machine)"
-    )
-    status.add_argument("--ray-namespace", default="tokenwire", help="namespace of the replicas")
+    status = _cluster_parser(rsub, "status", "list replicas with their sessions and KV usage")
     status.add_argument("--json", action="store_true", help="print the replicas' stats as JSON")
     status.set_defaults(handler=run_status)
-    down = rsub.add_parser(
+    down = _cluster_parser(
+        rsub,
         "down",
-        help="remove the replicas and session map (they outlive ingress processes on a shared cluster)",
-        formatter_class=HelpFormatter,
+        "remove the replicas and session map (they outlive ingress processes on a shared cluster)",
     )
-    down.add_argument("--ray-address", default="auto", help="the Ray cluster (auto: the one on this machine)")
-    down.add_argument("--ray-namespace", default="tokenwire", help="namespace of the replicas")
     down.set_defaults(handler=run_down)
+
+
+def _cluster_parser(rsub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """An action's parser with the flags naming the cluster and namespace."""
+    action = rsub.add_parser(name, help=help, formatter_class=HelpFormatter)
+    action.add_argument(
+        "--ray-address", default="auto", help="the Ray cluster (auto: the one on this machine)"
+    )
+    action.add_argument("--ray-namespace", default="tokenwire", help="namespace of the replicas")
+    return action
 
 
 def collect(namespace: str) -> dict[str, Any]:
@@ -86,7 +90,8 @@ def format_table(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _join(args: argparse.Namespace) -> bool:
+def _in_cluster(args: argparse.Namespace, action: Callable[[str], T]) -> T | None:
+    """action(namespace) while joined to the cluster; None (after saying why) when there is none."""
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     import ray
 
@@ -96,35 +101,28 @@ def _join(args: argparse.Namespace) -> bool:
         print(
             f"tokenwire ray {args.ray_command}: no Ray cluster at {args.ray_address}: {exc}", file=sys.stderr
         )
-        return False
-    return True
+        return None
+    try:
+        return action(args.ray_namespace)
+    finally:
+        ray.shutdown()
 
 
 def run_down(args: argparse.Namespace) -> int:
-    import ray
-
     from tokenwire.scale.cluster import remove_all
 
-    if not _join(args):
+    removed = _in_cluster(args, remove_all)
+    if removed is None:
         return 1
-    try:
-        removed = remove_all(args.ray_namespace)
-    finally:
-        ray.shutdown()
     what = "engine replicas and the session map"
     print(f"removed {removed} actors ({what}) from namespace {args.ray_namespace!r}")
     return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
-    import ray
-
-    if not _join(args):
+    status = _in_cluster(args, collect)
+    if status is None:
         return 1
-    try:
-        status = collect(args.ray_namespace)
-    finally:
-        ray.shutdown()
     if not status["replicas"]:
         print(
             f"tokenwire ray status: no engine replicas in namespace {args.ray_namespace!r}", file=sys.stderr
