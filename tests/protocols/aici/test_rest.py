@@ -10,6 +10,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import regex
 import wasmtime
 
 from tests.protocols.aici.test_jsctrl import SEED_PROGRAM as SEED
@@ -142,14 +143,14 @@ SCHEMA_HEAD = "Here is JSON objects for five European cities:\n["
 SCHEMA_CITY = r'\{\n    "name": "[^\n]*,\n    "population": \d+,\n    "url": "[^\n]*\n'
 
 
-def _sample_run(server, name: str, max_tokens: int = 256) -> dict:
+def _sample_run(server, name: str, max_tokens: int = 256, finishes: tuple[str, ...] = ("aici-stop",)) -> dict:
     program = (SAMPLES / name).read_text(encoding="utf-8")
     forks, _ = _run(
         server, {"controller": "jsctrl-latest", "controller_arg": program, "max_tokens": max_tokens}
     )
     assert list(forks) == [0]
     f = forks[0]
-    assert f["error"] == "" and f["finish_reason"] == "aici-stop", f
+    assert f["error"] == "" and f["finish_reason"] in finishes, f
     return f
 
 
@@ -165,12 +166,18 @@ def test_sample_hellots_ts(server):
 
 def test_sample_schema_js(server):
     # up to three cities: fixed JSON keys, a JSON-string regex, \d+, and gen({options: [...]}) choosing
-    # between another object and the closing bracket; console.log(start.textSince()) goes to the logs
-    f = _sample_run(server, "schema.js", max_tokens=1000)
+    # between another object and the closing bracket; console.log(start.textSince()) goes to the logs.
+    # \d+ has no length limit, and a greedy 135M model can repeat a digit until max_tokens (seen
+    # once: "population": 8111222222...): then the text so far must still obey the program.
+    f = _sample_run(server, "schema.js", max_tokens=1000, finishes=("aici-stop", "length"))
     text = f["text"]
     assert text.startswith(SCHEMA_HEAD + "{\n"), text
     body = text[len(SCHEMA_HEAD) :]
-    assert re.fullmatch(rf"(?:{SCHEMA_CITY}}},\n){{0,2}}{SCHEMA_CITY}(?:\]|}},\n)", body), body
+    pattern = rf"(?:{SCHEMA_CITY}}},\n){{0,2}}{SCHEMA_CITY}(?:\]|}},\n)"
+    if f["finish_reason"] == "length":
+        assert regex.fullmatch(pattern, body, partial=True), body
+        return
+    assert re.fullmatch(pattern, body), body
     assert body in f["logs"]  # Label.textSince() printed by the program
 
 
