@@ -133,17 +133,24 @@ async def scenario(server: ServeProcess) -> dict[str, Any]:
     return {"salience": results[:6], "evergreen": results[6:11], "lmtp": results[11:]}
 
 
-def test_sessions_turns_and_forks_stay_on_one_replica_with_single_process_output(servers) -> None:
-    replicated, reference = servers
+def outputs(result: dict[str, Any]) -> dict[str, Any]:
+    """A scenario's generated tokens and texts (not its session ids)."""
+    return {**result, "salience": [{k: v for k, v in r.items() if k != "ids"} for r in result["salience"]]}
+
+
+@pytest.fixture(scope="module")
+def single_process_outputs(servers) -> dict[str, Any]:
+    """The scenario's greedy output on the `--replicas 0` reference (deterministic: run once)."""
+    return outputs(run(scenario(servers[1])))
+
+
+def test_sessions_turns_and_forks_stay_on_one_replica_with_single_process_output(
+    servers, single_process_outputs
+) -> None:
+    replicated, _ = servers
     before = [replica_call(i, "served") for i in range(2)]
     got = run(scenario(replicated))
-    want = run(scenario(reference))
-
-    def outputs(result: dict[str, Any]) -> dict[str, Any]:
-        sal = [{k: v for k, v in r.items() if k != "ids"} for r in result["salience"]]
-        return {**result, "salience": sal}
-
-    assert outputs(got) == outputs(want)
+    assert outputs(got) == single_process_outputs
     served = [replica_call(i, "served") for i in range(2)]
     for conversation in got["salience"]:
         parent, fork = conversation["ids"]
@@ -165,7 +172,7 @@ def test_sessions_turns_and_forks_stay_on_one_replica_with_single_process_output
 
 
 def test_one_replica_gives_the_single_process_output_and_outlives_its_first_ingress(
-    servers, ray_address, tiny_model_dir
+    servers, ray_address, tiny_model_dir, single_process_outputs
 ) -> None:
     """`--replicas 1`: the same scenario and an OpenAI API completion give the same greedy output.
     The replica (detached on a joined cluster) outlives the ingress that created it: a session
@@ -188,13 +195,7 @@ def test_one_replica_gives_the_single_process_output_and_outlives_its_first_ingr
     try:
         first.wait_ready()
 
-        def outputs(result: dict[str, Any]) -> dict[str, Any]:
-            return {
-                **result,
-                "salience": [{k: v for k, v in r.items() if k != "ids"} for r in result["salience"]],
-            }
-
-        assert outputs(run(scenario(first))) == outputs(run(scenario(reference)))
+        assert outputs(run(scenario(first))) == single_process_outputs
         body = {
             "model": "tiny",
             "prompt": [9, 10, 11],
