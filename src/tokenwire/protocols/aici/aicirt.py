@@ -29,7 +29,7 @@ from tokenwire.protocols.aici.controller import ControllerLimits
 from tokenwire.protocols.aici.plugin import add_runtime_args
 from tokenwire.protocols.aici.registry import ModuleRegistry
 from tokenwire.protocols.aici.runtime import AiciRuntime, StopRuntime
-from tokenwire.protocols.aici.shm import MessageChannel, SharedRegion, channel_names
+from tokenwire.protocols.aici.shm import MessageChannel, SharedRegion, channel_names, remove_channels
 
 log = logging.getLogger("tokenwire.aicirt")
 
@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError:
         pass  # already a group leader
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if args.exit_with_parent:
+        _exit_with_parent(os.getppid(), args.name)
     import torch
 
     # one thread: an OpenMP team here stalls ~8 ms per op whenever the CPU is shared (measured)
@@ -96,6 +98,22 @@ def run(args: argparse.Namespace) -> int:
     log.info("aicirt serving %s (vocab %d)", args.name, env.vocab_size)
     serve_main(runtime, cmd, resp, bias, main_queue, busy_wait_s=max(0.0, args.busy_wait_time) / 1000)
     return 0
+
+
+def _exit_with_parent(parent: int, prefix: str, poll_s: float = 1.0) -> None:
+    """Exit once `parent` is gone (we were re-parented), removing the channels it made. The
+    engine that started us kills our process group when it stops, but an engine killed outright
+    (SIGKILL, the OOM killer, a Ray actor killed with its replica) cannot: its runtime would
+    spin on channels nobody writes, and they would stay in /dev/shm."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log.warning("the engine (pid %d) is gone: removing its channels and exiting", parent)
+        remove_channels(prefix)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="aicirt-parent", daemon=True).start()
 
 
 def serve_main(

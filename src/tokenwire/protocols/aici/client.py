@@ -62,6 +62,7 @@ class AiciClient:
             # the runtime spins this long for the next command (AICI's own default is 200 ms:
             # right beside an accelerator, wrong when the forward runs on the same CPU cores)
             f"--busy-wait-time={busy_wait_ms:g}",
+            "--exit-with-parent",  # no orphan spinning on if this process is killed outright
             *(runtime_args or []),
         ]
         self.proc = subprocess.Popen(args)

@@ -92,6 +92,11 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
         "0 when the engine computes on the same CPU cores)",
     )
     p.add_argument("--side-workers", type=int, default=2, help="threads serving the side channel")
+    p.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="exit when the process that started this runtime is gone (tokenwire's engines pass it)",
+    )
     for flag in _CAPABILITY_FLAGS:
         p.add_argument(flag, nargs="?", const="1", default=None, help=argparse.SUPPRESS)
 

@@ -158,6 +158,16 @@ class MessageChannel:
                 _unlink_sem(sem.name)
 
 
+def remove_channels(prefix: str) -> None:
+    """Unlink the shared memory and semaphores of a runtime's five objects (their creator, the
+    engine, is gone and cannot); names absent already are skipped."""
+    for role, name in channel_names(prefix).items():
+        _unlink_shm(name + "-shm")
+        if role != "bin":
+            _unlink_sem(name + "-wr")
+            _unlink_sem(name + "-rd")
+
+
 def _unlink_shm(name: str) -> None:
     try:
         posix_ipc.unlink_shared_memory(name)
