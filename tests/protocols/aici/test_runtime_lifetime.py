@@ -3,6 +3,7 @@ removes the engine's channels from /dev/shm instead of spinning on them forever.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -47,3 +48,31 @@ def test_runtime_exits_and_removes_the_channels_when_its_engine_is_killed(tmp_pa
         time.sleep(0.1)
     assert not _running(runtime), "the orphaned runtime is still running"
     assert _shm_objects(prefix) == []
+
+
+def test_stale_channels_of_a_dead_engine_are_swept(tmp_path: Path) -> None:
+    """When the runtime was killed with its engine (Ray's raylet kills a dead worker's children),
+    nobody removed the channels: the next engine's start sweeps every set whose creator is gone."""
+    from tokenwire.protocols.aici.shm import MessageChannel, SharedRegion, channel_names, sweep_stale_channels
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = f"/tw{int(gone.stdout)}-beef-"  # that process has exited
+    live = f"/tw{os.getpid()}-cafe-"  # this one runs: its channels stay
+    made = []
+    for prefix in (dead, live):
+        names = channel_names(prefix)
+        made += [
+            MessageChannel(names[role], 4096, create=True)
+            for role in ("cmd", "resp", "cmd_side", "resp_side")
+        ]
+        made.append(SharedRegion(names["bin"], 4096, create=True))
+    try:
+        assert len(_shm_objects(dead)) == len(_shm_objects(live)) == 13
+        assert sweep_stale_channels() >= 1
+        assert _shm_objects(dead) == [] and len(_shm_objects(live)) == 13
+    finally:
+        for obj in made:
+            obj.close()
+    assert _shm_objects(live) == []

@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from tokenwire.protocols.aici.codec import decode_message, encode_message
-from tokenwire.protocols.aici.shm import MIB, MessageChannel, SharedRegion, channel_names, pid_prefix
+from tokenwire.protocols.aici.shm import (
+    MIB,
+    MessageChannel,
+    SharedRegion,
+    channel_names,
+    pid_prefix,
+    sweep_stale_channels,
+)
 
 __all__ = ["AiciClient", "AiciError"]
 
@@ -44,6 +51,7 @@ class AiciClient:
         start_timeout_s: float = 120.0,
         busy_wait_ms: float = 0.0,
     ) -> None:
+        sweep_stale_channels()  # left by engines killed outright (shm.py)
         self.prefix = prefix or pid_prefix()
         names = channel_names(self.prefix)
         self.cmd = MessageChannel(names["cmd"], json_mb * MIB, create=True)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import time
+from pathlib import Path
 
 import posix_ipc
 
@@ -168,6 +170,26 @@ def remove_channels(prefix: str) -> None:
             _unlink_sem(name + "-rd")
 
 
+_STALE_NAME = re.compile(r"^(?:sem\.)?tw(\d+)-([0-9a-f]{4})-")
+
+
+def sweep_stale_channels(shm_dir: Path = Path("/dev/shm")) -> int:
+    """Remove the channel sets (named by `pid_prefix`) whose creating engine is no longer
+    running: an engine killed outright, whose runtime was killed too before it could remove
+    them (Ray's raylet kills a dead worker's children). Returns how many sets were removed.
+    Only Linux lists POSIX shared memory as files; elsewhere this does nothing."""
+    if not shm_dir.is_dir():
+        return 0
+    stale = set()
+    for path in shm_dir.iterdir():
+        m = _STALE_NAME.match(path.name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            stale.add(f"/tw{m.group(1)}-{m.group(2)}-")
+    for prefix in stale:
+        remove_channels(prefix)
+    return len(stale)
+
+
 def _unlink_shm(name: str) -> None:
     try:
         posix_ipc.unlink_shared_memory(name)
@@ -183,5 +205,6 @@ def _unlink_sem(name: str) -> None:
 
 
 def pid_prefix(base: str = "/tw") -> str:
-    """A short per-process prefix (macOS caps names at 31 characters)."""
-    return f"{base}{os.getpid() % 100000}-{os.urandom(2).hex()}-"
+    """A short per-process prefix (macOS caps names at 31 characters: "/tw" + a pid of up to 7
+    digits + "-xxxx-" + "resp-side-shm" is 29). The whole pid: `sweep_stale_channels` reads it."""
+    return f"{base}{os.getpid()}-{os.urandom(2).hex()}-"
