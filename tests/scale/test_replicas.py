@@ -530,6 +530,33 @@ def http_request(port: int) -> Any:
         return exc.code, json.loads(exc.read())
 
 
+def http_stream(port: int) -> Any:
+    """A streamed completion: its completion tokens (the usage chunk), or the error event that ended it."""
+    body = {"model": "tiny", "prompt": [9, 10, 11], "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}),
+        {"Content-Type": "application/json"},
+    )
+    response = conn.getresponse()
+    assert response.status == 200
+    completion_tokens = 0
+    try:
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return event
+            if event.get("usage"):
+                completion_tokens = event["usage"]["completion_tokens"]
+        return completion_tokens
+    finally:
+        conn.close()
+
+
 def streams() -> list[int]:
     """Generate streams running on each replica now (the replicas' own count)."""
     return [replica_call(i, "stats")["streams"] for i in range(2)]
@@ -568,6 +595,7 @@ def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -
         "lmtp": lambda: timed(lmtp_stream(replicated.lmtp)),
         "evergreen": lambda: timed(evergreen_stream(replicated.grpc)),
         "http": lambda: timed(asyncio.to_thread(http_request, replicated.http)),
+        "http_sse": lambda: timed(asyncio.to_thread(http_stream, replicated.http)),
     }
 
     async def go() -> tuple[dict[str, list[tuple[Any, float, int]]], float]:
@@ -587,6 +615,8 @@ def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -
                     assert outcome["usage"]["completion_tokens"] == LONG, outcome
                 elif name == "evergreen":
                     assert isinstance(outcome, str) and outcome, outcome
+                elif name == "http_sse":
+                    assert outcome == LONG, outcome
                 else:
                     assert outcome == LONG, (name, outcome)
                 continue
@@ -601,6 +631,9 @@ def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -
             elif name == "evergreen":
                 assert isinstance(outcome, EvergreenError), outcome
                 assert outcome.code == "UNAVAILABLE" and "replica 0" in outcome.details, outcome
+            elif name == "http_sse":  # the status line was sent: the error is the last event
+                assert isinstance(outcome, dict) and outcome["error"]["code"] == "replica_lost", outcome
+                assert "replica 0" in outcome["error"]["message"], outcome
             else:
                 status, body = outcome
                 assert status == 503 and body["error"]["code"] == "replica_lost", outcome

@@ -14,6 +14,7 @@ sees it. Health and reflection stay open: probes and `grpcurl list` carry no sec
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -175,10 +176,16 @@ def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | Non
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
+FIRST_MESSAGE_WAIT_S = 5.0
+
+
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Every protocol RPC needs `authorization: Bearer TOKEN`; health and reflection are open.
     A refused call gets a handler of the same shape that only aborts UNAUTHENTICATED: the
-    service's handler never runs, and no request message is read."""
+    service's handler never runs and no request is parsed. A request stream's first message is
+    taken (raw bytes, dropped) before the abort: refused at once, a client's first write was
+    still in flight, and grpc.aio reports such a failed write as INTERNAL, hiding the
+    UNAUTHENTICATED (seen once in a full test run: Evergreen's StartSession)."""
 
     def __init__(self, token: str) -> None:
         self.token = token
@@ -201,10 +208,17 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
             refused("grpc", context.peer(), method, presented)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
+        async def deny_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+            try:
+                await asyncio.wait_for(anext(aiter(requests), None), FIRST_MESSAGE_WAIT_S)
+            except (TimeoutError, grpc.RpcError):
+                pass  # no first message: refuse anyway
+            await deny(requests, context)
+
         if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny)
+            return grpc.stream_stream_rpc_method_handler(deny_stream)
         if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny)
+            return grpc.stream_unary_rpc_method_handler(deny_stream)
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(deny)
         return grpc.unary_unary_rpc_method_handler(deny)
