@@ -32,7 +32,7 @@ class StartupProgress:
             self._bar = tqdm(
                 total=len(self.stages), file=self.stream, desc="starting: ", unit="step", leave=False,
                 bar_format="{desc}{n_fmt}/{total_fmt} |{bar}| {elapsed}",
-                mininterval=0,
+                mininterval=0, miniters=1,  # every stage drawn (tqdm's adaptive miniters skipped some)
             )  # fmt: skip
         return self
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import select
 
 from tokenwire.progress import StartupProgress
 
@@ -33,11 +34,19 @@ def test_one_bar_over_every_stage_on_a_terminal() -> None:
                 with bar.stage("load + warm-up"):
                     pass
             tty.flush()
-        drawn = os.read(leader, 65536).decode(errors="replace")
+        drawn = _read_all(leader).decode(errors="replace")
     finally:
         os.close(leader)
         os.close(follower)
     assert "model files" in drawn and "load + warm-up" in drawn and "2/2" in drawn, drawn
+
+
+def _read_all(fd: int) -> bytes:
+    """Everything written to the terminal: one read of a pty may return only part of it."""
+    out = b""
+    while select.select([fd], [], [], 0.2)[0]:
+        out += os.read(fd, 65536)
+    return out
 
 
 def test_disabled_explicitly_even_on_a_terminal() -> None:
