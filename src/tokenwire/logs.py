@@ -38,16 +38,13 @@ class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     there at set-up: a CLI entry point called in-process (tests, embedding) must not leave a
     handler on a stream its caller has since closed ("I/O operation on closed file")."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
     @property  # type: ignore[override]
     def stream(self) -> Any:
         return sys.stderr
 
     @stream.setter
     def stream(self, _value: Any) -> None:
-        pass
+        """StreamHandler's __init__ and setStream assign a stream: ignored, stderr is looked up."""
 
 
 def setup_logging(verbose: bool = False, json_format: bool = False) -> None:

@@ -247,7 +247,7 @@ def bench_overlap(tokens: int, seq_counts: list[int]) -> dict[str, Any]:
 
     engine = build_engine(EngineSettings(kv_cache_mb=512, progress=False))
     client = AiciClient(tokenizer=tokenizer_spec(engine))
-    coord = Coordinator(client, engine.vocab_size, step_count=lambda: engine.steps)
+    coord = Coordinator.for_engine(client, engine)
     out: dict[str, Any] = {"tokens": tokens, "seqs": {}}
     try:
         for seqs in seq_counts:

@@ -48,7 +48,6 @@ class ReplicaAici:
         self.engine = engine
         self.client: AiciClient | None = None
         self.coord: Coordinator | None = None
-        self.restarts = 0
         self._retired: list[tuple[AiciClient, Coordinator]] = []
         self._lock = asyncio.Lock()
 
@@ -66,7 +65,6 @@ class ReplicaAici:
                           self.client.proc.pid, status)  # fmt: skip
                 self.client.fail_pending(f"AICI runtime died (exit status {status})")
                 self._retired.append((self.client, self.coord))  # its runs end on their own
-                self.restarts += 1
             engine = self.engine
             spin = runtime_spin_ms(config.busy_wait_ms, engine)
             loop = asyncio.get_running_loop()
@@ -76,7 +74,7 @@ class ReplicaAici:
                     tokenizer=tokenizer_spec(engine), runtime_args=config.runtime_args, busy_wait_ms=spin
                 ),
             )
-            self.coord = Coordinator(self.client, engine.vocab_size, step_count=lambda: engine.steps)
+            self.coord = Coordinator.for_engine(self.client, engine)
             return self.client, self.coord
 
     async def side(self, config: RuntimeConfig, op: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -106,8 +104,6 @@ class ReplicaAici:
 # ---------------------------------------------------------------------------------- ingress side
 class RemoteAici:
     """What the AICI REST server uses instead of a local runtime under `--replicas`."""
-
-    restarting = False  # each replica restarts its own runtime; the ingress never waits for one
 
     def __init__(self, engine: ReplicaEngine, config: RuntimeConfig) -> None:
         self.engine = engine

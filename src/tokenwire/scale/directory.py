@@ -67,14 +67,13 @@ class SessionDirectory:
 
     def __init__(self) -> None:
         self.table = SessionTable()
-        self.recovered = self._recover()
+        self._recover()
 
-    def _recover(self) -> int:
+    def _recover(self) -> None:
         import ray
 
         from tokenwire.scale.cluster import find_replicas
 
-        found = 0
         for index, actor in find_replicas(ray.get_runtime_context().namespace):
             try:
                 incarnation, sessions = ray.get(actor.sessions.remote(), timeout=30)
@@ -82,8 +81,6 @@ class SessionDirectory:
                 continue
             for session_id in sessions:
                 self.table.assign(session_id, index, incarnation)
-            found += len(sessions)
-        return found
 
     def assign(self, session_id: str, replica: int, incarnation: str) -> None:
         self.table.assign(session_id, replica, incarnation)

@@ -135,7 +135,7 @@ class EngineReplica:
         self._known: set[str] = set()  # sessions made here and not yet seen ended
         self._served: OrderedDict[str, int] = OrderedDict()  # session -> generate requests served
         self._forks: OrderedDict[str, str] = OrderedDict()  # child -> parent
-        self._aici: ReplicaAici | None = None  # its AICI runtime, started by the first AICI call
+        self._aici = ReplicaAici(self.engine)  # its AICI runtime starts at the first AICI call
         freeze_startup_heap()  # heap.py says why
         log.info("replica %d (%s) ready in pid %d", index, self.incarnation, os.getpid())
 
@@ -266,18 +266,13 @@ class EngineReplica:
         return await asyncio.wrap_future(engine.call_on_model_thread(lambda: fn(engine, *args)))
 
     # ------------------------------------------------------------------ AICI (scale/aici.py)
-    def _aici_host(self) -> ReplicaAici:
-        if self._aici is None:
-            self._aici = ReplicaAici(self.engine)
-        return self._aici
-
     async def aici_side(self, config: RuntimeConfig, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         """An upload, a tag or the tag list, through this replica's AICI runtime."""
-        return await self._aici_host().side(config, op, fields)
+        return await self._aici.side(config, op, fields)
 
     async def aici_run(self, config: RuntimeConfig, req: Any) -> AsyncIterator[dict[str, Any]]:
         """One whole AICI run (`/v1/run`) on this replica's engine, its run objects streamed."""
-        async for obj in self._aici_host().run(config, req):
+        async for obj in self._aici.run(config, req):
             yield obj
 
     # ------------------------------------------------------------------ observability
@@ -298,8 +293,7 @@ class EngineReplica:
         return {"requests": dict(self._served), "forks": dict(self._forks)}
 
     def shutdown(self) -> None:
-        if self._aici is not None:
-            self._aici.close()
+        self._aici.close()
         self.engine.shutdown()
 
 

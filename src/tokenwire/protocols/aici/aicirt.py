@@ -81,12 +81,12 @@ def run(args: argparse.Namespace) -> int:
         cmd = MessageChannel(names["cmd"], create=False)
         resp = MessageChannel(names["resp"], create=False)
         side_cmd = MessageChannel(names["cmd_side"], create=False)
-        freeze_startup_heap()  # a full collection here costs 225 ms of a 6 ms deadline: heap.py
         side_resp = MessageChannel(names["resp_side"], create=False)
         bin_region = SharedRegion(names["bin"], 0, create=False)
     except (ValueError, FileNotFoundError) as e:
         print(f"tokenwire-aicirt: error: {e}", file=sys.stderr)
         return 2
+    freeze_startup_heap()  # a full collection here costs 225 ms of a 6 ms deadline: heap.py
     bias = np.frombuffer(bin_region.map, dtype=np.float32, count=bin_region.size // 4)
     main_queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
     threading.Thread(

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ import torch
 from tokenwire.engine.constraints import Constraint, ConstraintStep
 from tokenwire.metrics import AICI_ROUND
 from tokenwire.protocols.aici.client import AiciClient
+
+if TYPE_CHECKING:
+    from tokenwire.engine.engine import Engine
 
 __all__ = ["AiciConstraint", "Coordinator", "RoundStats", "SeqOutcome", "SeqState"]
 
@@ -100,6 +103,11 @@ class Coordinator:
         self._inflight = False
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aici-round")
         self.stats = RoundStats()
+
+    @classmethod
+    def for_engine(cls, client: AiciClient, engine: Engine) -> Coordinator:
+        """The coordinator of `client`'s runtime for `engine` (its logits width, its step count)."""
+        return cls(client, engine.vocab_size, step_count=lambda: engine.steps)
 
     @property
     def rounds(self) -> int:

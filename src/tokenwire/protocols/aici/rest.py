@@ -65,9 +65,7 @@ class AiciServer:
         self.auth_token = auth_token
         self.ssl_context = ssl_context
         self.client = client
-        self.coord = (
-            Coordinator(client, engine.vocab_size, step_count=lambda: engine.steps) if client else None
-        )
+        self.coord = Coordinator.for_engine(client, engine) if client else None
         self.host = host
         self.port = port
         self.sock = sock  # bound before the model loaded (tokenwire serve)

@@ -72,9 +72,7 @@ class RuntimeSupervisor:
                 await asyncio.sleep(RETRY_S)
                 continue
             self.server.client = fresh
-            self.server.coord = Coordinator(
-                fresh, self.server.engine.vocab_size, step_count=lambda: self.server.engine.steps
-            )
+            self.server.coord = Coordinator.for_engine(fresh, self.server.engine)
             self.restarts += 1
             self.restarting = False
             log.info("AICI runtime restarted (pid %d, restart %d)", fresh.proc.pid, self.restarts)
