@@ -83,6 +83,31 @@ def test_quantized_linear_equals_fp32_matmul(qtype: int, rows: int) -> None:
     assert layer(x.view(1, rows, 576)).shape == (1, rows, 130)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("blocks", [1, 3, 8, 18, 48])
+def test_int16_decode_rows_stay_within_their_rounding_bound(qtype: int, blocks: int) -> None:
+    """The decode matvec (int16 activations per 32-value block, integer block dots, groups of 8
+    blocks with a short last one) against fp32 with the dequantised weight. Each activation is
+    off by at most max|block| / 65534 and meets the block's integer part d*q (Q4_1's minimum and
+    Q4_0's -8d go with exact fp32 block sums), so a result is off by at most that times sum d*q."""
+    k = 32 * blocks
+    packed, reference = _blocks(37, k, qtype, seed=blocks)
+    layer = QuantLinear(packed, qtype, k)
+    w = torch.from_numpy(reference)
+    raw = packed.view(37, blocks, -1)
+    d = raw[..., :2].contiguous().view(torch.float16).float()  # [37, blocks, 1]
+    offset = {Q4_0: -8 * d, Q4_1: raw[..., 2:4].contiguous().view(torch.float16).float(), Q8_0: 0 * d}[qtype]
+    integer_part = (w.view(37, blocks, 32) - offset).abs().sum(-1)  # sum |d*q| per block
+    generator = torch.Generator().manual_seed(blocks)
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, k, generator=generator) * torch.rand(rows, k, generator=generator) * 4
+        x[0, :32] = 0  # an all-zero block
+        got, expected = layer.decode_rows(x), x @ w.T
+        block_max = x.abs().view(rows, blocks, 32).amax(-1)
+        bound = block_max @ integer_part.T / 65534 + 1e-5 * expected.abs() + 1e-6
+        assert ((got - expected).abs() <= bound).all(), (rows, (got - expected).abs().max().item())
+
+
 def test_quantized_layers_reject_what_they_cannot_run() -> None:
     packed, _ = _blocks(4, 64, Q8_0)
     with pytest.raises(ValueError, match="not uint8"):
@@ -103,14 +128,14 @@ def test_quantize_round_trips_through_gguf_reference() -> None:
     assert (dequantize(packed, Q4_1, 64) - w).abs().max() < 0.5  # 4 bits of a N(0,1) row
 
 
-def _twins(qtype: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _twins(qtype: int, arch: str = "smollm2") -> tuple[torch.nn.Module, torch.nn.Module]:
     """A quantised tiny model and the fp32 model built from its dequantised weights."""
-    hf = hf_model("smollm2")
+    hf = hf_model(arch)
     config = ModelConfig.from_hf_dict(hf.config.to_dict())
     tensors, qtypes = quantize_state(config, dict(hf.state_dict()), qtype)
     quantised = build_quantized_model(config, tensors, qtypes)
     dense_state = {
-        name: dequantize(t, qtypes[name], t.shape[1] // {Q4_1: 20, Q8_0: 34}[qtype] * 32)
+        name: dequantize(t, qtypes[name], t.shape[1] // {Q4_0: 18, Q4_1: 20, Q8_0: 34}[qtype] * 32)
         if name in qtypes
         else t
         for name, t in tensors.items()
@@ -140,12 +165,12 @@ def _greedy(engine, prompt: list[int], n: int) -> list[int]:
     return [e.token_id for e in events]
 
 
-def _decode_runs(model, tokenizer, fuse: bool, int16: bool) -> list[list[tuple[int, float]]]:
+def _decode_runs(model, tokenizer, fuse: bool, int16: bool, sequences: int) -> list[list[tuple[int, float]]]:
     from tokenwire.engine.engine import Engine
     from tokenwire.engine.request import GenerateOptions, SamplingParams
     from tokenwire.model.kernels import ops
 
-    prompts = [[1, 2, 3, 4, 5] * k + [7] for k in (1, 4, 9)]
+    prompts = [[1, 2, 3, 4, 5] * k + [7] for k in range(1, 4 * sequences, 4)]
     model.fuse_decode = fuse
     ops().set_int16_activations(int16)
     engine = Engine(model, tokenizer, name="tiny", kv_cache_mb=16)
@@ -166,18 +191,24 @@ def _max_logprob_diff(a: list[list[tuple[int, float]]], b: list[list[tuple[int, 
     return max(abs(p - q) for x, y in zip(a, b, strict=True) for (_, p), (_, q) in zip(x, y, strict=True))
 
 
-def test_fused_decode_equals_eager_layers_in_the_engine(smollm2_source) -> None:
-    """Batched decode through the fused kernel (paged KV, several sequences of different
-    lengths) gives the eager layers' tokens and logprobs: to 1e-4 with fp32 matvecs, and to
-    the documented int16 tolerance with the default int16 activations."""
-    quantised, _ = _twins(Q8_0)
+@pytest.mark.parametrize(
+    ("arch", "qtype", "sequences"),
+    [("smollm2", Q8_0, 3), ("smollm2", Q4_1, 1), ("qwen2", Q4_0, 2), ("smollm2", Q4_1, 5)],
+)
+def test_fused_decode_equals_eager_layers_in_the_engine(
+    smollm2_source, arch: str, qtype: int, sequences: int
+) -> None:
+    """Batched decode through the fused stack (paged KV, sequences of different lengths) gives
+    the eager layers' tokens and logprobs: to 1e-4 with fp32 matvecs, and to the documented int16
+    tolerance with the default int16 activations (under 4 rows; 5 rows take the fp32 tiles).
+    SmolLM2's tiny twin has 3 blocks per row (a short last group), Qwen2's a qkv bias."""
+    quantised, _ = _twins(qtype, arch)
     tok = smollm2_source.tokenizer
-    eager = _decode_runs(quantised, tok, fuse=False, int16=True)  # eager layers are fp32 anyway
-    assert _max_logprob_diff(_decode_runs(quantised, tok, fuse=True, int16=False), eager) <= 1e-4
-    assert (
-        _max_logprob_diff(_decode_runs(quantised, tok, fuse=True, int16=True), eager)
-        <= INT16_DECODE_LOGPROB_TOL
-    )
+    eager = _decode_runs(quantised, tok, fuse=False, int16=True, sequences=sequences)  # eager is fp32
+    fused_fp32 = _decode_runs(quantised, tok, fuse=True, int16=False, sequences=sequences)
+    assert _max_logprob_diff(fused_fp32, eager) <= 1e-4
+    fused_int16 = _decode_runs(quantised, tok, fuse=True, int16=True, sequences=sequences)
+    assert _max_logprob_diff(fused_int16, eager) <= INT16_DECODE_LOGPROB_TOL
 
 
 def test_k_quant_tensors_become_q8_0_blocks_at_conversion() -> None:

@@ -133,36 +133,6 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate).mul_(up))
 
-    def decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedDecode) -> None:
-        """The whole layer for one decode token per row, in one kernel call (x updated in place):
-        ~30 framework dispatches become one. Only for quantised linears (see can_fuse_decode)."""
-        from tokenwire.model.kernels import ops
-
-        i = self.index
-        ops().decode_layer(
-            x,
-            self.input_norm,
-            self.post_attention_norm,
-            self.eps,
-            self.qkv.packed,
-            self.qkv.qtype,
-            self.qkv.bias,
-            self.o_proj.packed,
-            self.o_proj.qtype,
-            self.gate_up.packed,
-            self.gate_up.qtype,
-            self.down.packed,
-            self.down.qtype,
-            cos,
-            sin,
-            batch.k[i],
-            batch.v[i],
-            batch.positions,
-            batch.block_tables,
-            self.num_heads,
-            self.num_kv_heads,
-        )
-
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
@@ -213,13 +183,29 @@ class LlamaModel(nn.Module):
             cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         capture(0, x)
         last = len(self.layers)
-        for i, layer in enumerate(self.layers):
-            if fused:
-                layer.decode_fused(x, cos, sin, attention)
-            else:
+        if isinstance(attention, PagedDecode):
+            # the stack in one kernel call, cut where a layer's output is captured
+            start = 0
+            for end in sorted({i for i in capture_layers if 0 < i < last} | {last}):
+                self._decode_stack.run(
+                    x,
+                    cos,
+                    sin,
+                    attention.k,
+                    attention.v,
+                    attention.positions,
+                    attention.block_tables,
+                    start,
+                    end,
+                )
+                if end < last:
+                    capture(end, x)
+                start = end
+        else:
+            for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, attention)
-            if i + 1 < last:
-                capture(i + 1, x)
+                if i + 1 < last:
+                    capture(i + 1, x)
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         capture(last, x)  # like transformers' hidden_states[-1]: the final, normed states
         return x, captured
@@ -244,6 +230,32 @@ class LlamaModel(nn.Module):
                 for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
             )
         )
+
+    @functools.cached_property
+    def _decode_stack(self) -> torch.ScriptObject:
+        """The fused decode kernel's handle on every layer's weights (built at the first fused step)."""
+        from tokenwire.model.kernels import ops
+
+        ops()  # loads the kernels, which define the class
+        cfg = self.config
+        stack = torch.classes.tokenwire.DecodeStack(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        )
+        for layer in self.layers:
+            stack.add_layer(
+                layer.input_norm,
+                layer.post_attention_norm,
+                layer.qkv.packed,
+                layer.qkv.qtype,
+                layer.qkv.bias,
+                layer.o_proj.packed,
+                layer.o_proj.qtype,
+                layer.gate_up.packed,
+                layer.gate_up.qtype,
+                layer.down.packed,
+                layer.down.qtype,
+            )
+        return stack
 
     def finish_build(self, device: str | torch.device) -> None:
         """After loading and the dtype cast, so the rotary tables stay exact fp32 (cast per call)."""

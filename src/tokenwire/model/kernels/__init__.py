@@ -1,9 +1,10 @@
-"""tokenwire's CPU kernels (quant_cpu.cpp), compiled once per machine and cached.
+"""tokenwire's CPU kernels (quant_cpu.cpp and the headers it includes), compiled once per
+machine and cached.
 
 The extension is built with torch's own C++ extension machinery (ninja, the system compiler)
 into `<cache>/kernels/<key>`: cache = `$TOKENWIRE_CACHE_DIR` or `~/.cache/tokenwire` (kernels
 belong to the machine, not to a model, so a model's `--cache-dir` does not rebuild them); key =
-hash of the source, the torch version and the compiler flags. A later start only loads the
+hash of the sources, the torch version and the compiler flags. A later start only loads the
 shared library (~0.1 s); a changed source or torch rebuilds. The first build takes ~40 s on 2
 cores and is logged with its duration. The ops register as `torch.ops.tokenwire.*`.
 """
@@ -54,7 +55,8 @@ def kernel_dir() -> Path:
     from tokenwire.model.loader import default_cache_dir
 
     flags = compiler_flags()
-    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode())
+    sources = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("*.[ch]*")))
+    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(flags).encode())
     return default_cache_dir() / "kernels" / key.hexdigest()[:16]
 
 
