@@ -231,3 +231,66 @@ def test_k_quant_tensors_become_q8_0_blocks_at_conversion() -> None:
     norm = SimpleNamespace(tensor_type=GGMLQuantizationType.F32, data=dense[0])
     kept, none = _packed_tensor(norm, dense[0], None)
     assert none is None and kept.dtype == torch.float32 and np.array_equal(kept.numpy(), dense[0])
+
+
+def test_row_stats_match_torch_reductions() -> None:
+    """The engine's per-row max / first argmax / logsumexp kernel against torch: ties take the
+    first index, a NaN is the maximum, an all -inf row has -inf logsumexp, rows whose logsumexp
+    is not wanted get NaN there, and a vocabulary not a multiple of 8 is read to its end."""
+    from tokenwire.model.kernels import ops
+
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 49157, generator=generator) * 4
+    logits[1, 49156] = 100.0  # the max in the scalar tail
+    logits[2, [5, 900]] = 50.0  # a tie: the first index
+    logits[3, 17] = float("nan")
+    logits[4] = float("-inf")
+    want = torch.tensor([True, True, True, True, True, False])
+    maxima, argmax, lse = ops().row_stats(logits, want)
+    expected_max = logits.max(dim=-1).values
+    assert torch.equal(maxima[[0, 1, 2, 4, 5]], expected_max[[0, 1, 2, 4, 5]]) and maxima[3].isnan()
+    assert argmax.tolist() == [int(logits[0].argmax()), 49156, 5, 17, 0, int(logits[5].argmax())]
+    torch.testing.assert_close(lse[:3], torch.logsumexp(logits[:3], dim=-1), rtol=1e-6, atol=1e-5)
+    assert lse[3].isnan() and lse[4] == float("-inf") and lse[5].isnan()
+
+
+def test_fused_decode_readouts_equal_the_eager_layers(smollm2_source) -> None:
+    """Readouts capture layer outputs mid-stack (the fused kernel runs in segments) and after the
+    final norm (done inside the kernel): the same values as the eager layers (fp32 matvecs)."""
+    from tokenwire.engine.concepts import ConceptSet
+    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.request import GenerateOptions, SamplingParams
+    from tokenwire.model.kernels import ops
+
+    quantised, _ = _twins(Q8_0)
+    concepts = ConceptSet(
+        names=["a", "b"],
+        layers=[0, 1, 2],
+        vectors=torch.randn(3, 2, 96, generator=torch.Generator().manual_seed(3)),
+    )
+    readouts = {}
+    ops().set_int16_activations(False)
+    try:
+        for fuse in (False, True):
+            quantised.fuse_decode = fuse
+            engine = Engine(
+                quantised, smollm2_source.tokenizer, name="tiny", kv_cache_mb=8, concepts=concepts
+            )
+            try:
+                opts = GenerateOptions(
+                    max_tokens=4,
+                    sampling=SamplingParams(temperature=0.0),
+                    ignore_eos=True,
+                    readout_ranges=[(6, 11)],
+                )
+                events, _ = engine.generate(None, [1, 2, 3, 4, 5, 6, 7], opts).result()
+                readouts[fuse] = {e.position: e.readout for e in events if e.readout is not None}
+            finally:
+                engine.shutdown()
+    finally:
+        ops().set_int16_activations(True)
+        quantised.fuse_decode = True
+    assert sorted(readouts[True]) == list(range(6, 11))  # decode positions 7..10 among them
+    for position, value in readouts[False].items():
+        assert value.shape == (3, 2)
+        torch.testing.assert_close(readouts[True][position], value, rtol=1e-4, atol=1e-4)

@@ -10,6 +10,7 @@ from tokenwire.engine.attention import AttentionGroup, PagedAttention, build_gro
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.request import Request
 from tokenwire.engine.vision import EmbeddingCache, step_inputs
+from tokenwire.model import kernels
 from tokenwire.model.llama import PagedDecode
 
 
@@ -98,11 +99,13 @@ def run_step(
             capture_rows.append(base + p - item.start)
             capture_keys.append((rid, p))
     attention: PagedAttention | PagedDecode
+    position_tensor = torch.tensor(positions, device=device)
     if decode_rows and not groups and model.can_fuse_decode:
-        # decode only: each layer runs as one fused kernel that reads the block tables itself
+        # decode only: the stack runs as one fused kernel that reads the block tables itself
+        # (one row per sequence: the rows' positions are the decode starts)
         width = max(len(t) for t in decode_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
-        attention = PagedDecode(kv.k, kv.v, torch.tensor(decode_starts, dtype=torch.long), tables)
+        attention = PagedDecode(kv.k, kv.v, position_tensor, tables)
     else:
         if decode_rows:
             groups.append(build_group(decode_rows, decode_starts, decode_tables, bs, rep, device, dtype))
@@ -115,13 +118,16 @@ def run_step(
     with torch.inference_mode():
         hidden, captured = model(
             torch.tensor(ids, device=device),
-            torch.tensor(positions, device=device),
+            position_tensor,
             attention,
             capture_layers if capture_rows else (),
             capture_index,
             **extra,
         )
-        rows = hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]
+        if logit_rows == list(range(len(ids))):  # decode steps: every row, in order
+            rows = hidden
+        else:
+            rows = hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]
         # a fused decode step's lm_head takes the fused layers' int16 matvec (only LlamaModel fuses)
         fused = isinstance(attention, PagedDecode)
         logits = (model.logits(rows, fused_decode=True) if fused else model.logits(rows)).cpu()
@@ -142,6 +148,13 @@ def _row_stats(
         return {}
     every_row = len(rows) == len(keys)  # rows are in logit order: no gather needed
     scores = (logits if every_row else logits[torch.tensor([i for i, _ in rows])]).float()
+    if scores.device.type == "cpu" and kernels.loaded():
+        # one pass per row on this thread (kernels' row_stats: torch's reductions split a row
+        # over the OpenMP threads, 76 us for SmolLM2's max alone on 2 threads, against ~15)
+        want = torch.tensor([wants for _, wants in rows], dtype=torch.bool)
+        maxima, argmaxes, lse = kernels.ops().row_stats(scores, want)
+        stats = zip(rows, maxima.tolist(), argmaxes.tolist(), lse.tolist(), strict=True)
+        return {keys[i]: RowStats(m, a, v if wants else None) for (i, wants), m, a, v in stats}
     maxima, argmaxes = scores.max(dim=-1)
     lp = [j for j, (_, wants) in enumerate(rows) if wants]
     lses: list[float | None] = [None] * len(rows)

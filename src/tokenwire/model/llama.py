@@ -168,46 +168,60 @@ class LlamaModel(nn.Module):
         after the final norm, as transformers' hidden_states[L]) at capture_index (all
         tokens when None).
         """
+        if isinstance(attention, PagedDecode):
+            return self._decode_forward(input_ids, attention, capture_layers, capture_index)
         x = self.embed(input_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
         captured: dict[int, torch.Tensor] = {}
 
         def capture(layer: int, h: torch.Tensor) -> None:
             if layer in capture_layers:
-                h = h if capture_index is None else h[capture_index]
-                captured[layer] = h.clone() if fused else h  # the fused path updates x in place
+                captured[layer] = h if capture_index is None else h[capture_index]
 
-        fused = isinstance(attention, PagedDecode)
-        if fused:
-            x = x.contiguous()
-            cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         capture(0, x)
         last = len(self.layers)
-        if isinstance(attention, PagedDecode):
-            # the stack in one kernel call, cut where a layer's output is captured
-            start = 0
-            for end in sorted({i for i in capture_layers if 0 < i < last} | {last}):
-                self._decode_stack.run(
-                    x,
-                    cos,
-                    sin,
-                    attention.k,
-                    attention.v,
-                    attention.positions,
-                    attention.block_tables,
-                    start,
-                    end,
-                )
-                if end < last:
-                    capture(end, x)
-                start = end
-        else:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, attention)
-                if i + 1 < last:
-                    capture(i + 1, x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attention)
+            if i + 1 < last:
+                capture(i + 1, x)
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         capture(last, x)  # like transformers' hidden_states[-1]: the final, normed states
+        return x, captured
+
+    def _decode_forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: PagedDecode,
+        capture_layers: tuple[int, ...],
+        capture_index: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """forward for a decode-only step: the whole stack and the final norm in one kernel call
+        (the rotary tables indexed there too), cut where a layer's output is captured."""
+        x = self.embed(input_ids).contiguous()
+        captured: dict[int, torch.Tensor] = {}
+
+        def capture(layer: int) -> None:
+            if layer in capture_layers:  # a copy: the kernel updates x in place
+                captured[layer] = (x if capture_index is None else x[capture_index]).clone()
+
+        capture(0)
+        last = len(self.layers)
+        start = 0
+        for end in sorted({i for i in capture_layers if 0 < i < last} | {last}):
+            self._decode_stack.run(
+                x,
+                self.rotary.cos,
+                self.rotary.sin,
+                batch.k,
+                batch.v,
+                batch.positions,
+                batch.block_tables,
+                start,
+                end,
+                self.norm if end == last else None,
+            )
+            capture(end)
+            start = end
         return x, captured
 
     @property

@@ -39,7 +39,10 @@ def test_session_view_builds_deltas_and_tracks_tokens():
 
 
 def test_sync_client_tracks_truncate_fork_and_verify(salience_server, smollm2_engine):
-    prompt = chat(smollm2_engine, "Say hello.")
+    # a prompt whose greedy top-2 logits stay >= 0.39 apart for these 4 tokens: "Say hello." has
+    # a 7e-4 near-tie at its second token, within the int16 decode path's noise (a prefix-cache
+    # hit that recomputes the last prompt token by itself flips it)
+    prompt = chat(smollm2_engine, "Greet me.")
     with Client(salience_server.target) as client:
         assert client.manifest().hidden_size == smollm2_engine.config.hidden_size
         session = client.open()

@@ -96,6 +96,11 @@ def load_kernels() -> None:
         _loaded = True
 
 
+def loaded() -> bool:
+    """Whether the kernels are built and loaded (a quantised model loads them; fp32 may not)."""
+    return _loaded
+
+
 def ops() -> Any:
     """torch.ops.tokenwire, loading the kernels on first use (afterwards no lock is taken:
     every quantised matmul and fused layer call goes through here)."""

@@ -146,11 +146,13 @@ struct DecodeStack : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
-  // Layers [first, last) for one decode token per row of x [M, H] (updated in place). KV caches
-  // [layers, blocks, block_size, kv_heads, D]; cos/sin [M, D]; positions [M] (the row attends
-  // to 0..position); block_tables [M, max_blocks].
+  // Layers [first, last) for one decode token per row of x [M, H] (updated in place), then the
+  // final RMSNorm when `final_norm` is given. KV caches [layers, blocks, block_size, kv_heads, D];
+  // cos/sin: the rotary tables [max_positions, D], indexed here by the rows' positions [M] (the
+  // row attends to 0..position); block_tables [M, max_blocks].
   void run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-           const at::Tensor& positions, const at::Tensor& block_tables, int64_t first, int64_t last) {
+           const at::Tensor& positions, const at::Tensor& block_tables, int64_t first, int64_t last,
+           const std::optional<at::Tensor>& final_norm) {
     TORCH_CHECK(0 <= first && first <= last && last <= num_layers(), "layer range out of bounds");
     const int64_t M = x.size(0), H = x.size(1), D = head_dim;
     TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous() && x.dim() == 2 && H == layers[0].input_norm.numel(),
@@ -160,8 +162,11 @@ struct DecodeStack : torch::CustomClassHolder {
                     k_cache.size(0) >= last && k_cache.size(3) == num_kv_heads && k_cache.size(4) == D,
                 "KV caches must be contiguous float32 [layers, blocks, block_size, kv_heads, head_dim]");
     TORCH_CHECK(cos.dtype() == at::kFloat && sin.dtype() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-                    cos.numel() == M * D && sin.numel() == M * D,
-                "cos/sin must be contiguous float32 [M, head_dim]");
+                    cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(),
+                "cos/sin must be contiguous float32 [max_positions, head_dim]");
+    if (final_norm.has_value())
+      TORCH_CHECK(final_norm->dtype() == at::kFloat && final_norm->is_contiguous() && final_norm->numel() == H,
+                  "the final norm must be contiguous float32 [hidden]");
     TORCH_CHECK(positions.dtype() == at::kLong && positions.numel() == M && positions.is_contiguous() &&
                     block_tables.dtype() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == M &&
                     block_tables.is_contiguous(),
@@ -170,12 +175,13 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* tables = block_tables.data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m) {
-      TORCH_CHECK(pos[m] >= 0 && pos[m] / bs < max_blocks, "position ", pos[m], " is past its block table");
+      TORCH_CHECK(pos[m] >= 0 && pos[m] / bs < max_blocks && pos[m] < cos.size(0), "position ", pos[m],
+                  " is past its block table or the rotary tables");
       for (int64_t b = 0; b <= pos[m] / bs; ++b)
         TORCH_CHECK(tables[m * max_blocks + b] >= 0 && tables[m * max_blocks + b] < blocks,
                     "block table entry ", tables[m * max_blocks + b], " is not one of the ", blocks, " blocks");
     }
-    if (M == 0 || first == last) return;
+    if (M == 0) return;
 
     const int64_t rep = num_heads / num_kv_heads, q_size = num_heads * D, kv_size = num_kv_heads * D;
     const int64_t slices = num_heads + 2 * num_kv_heads, qkv_n = slices * D, inter = layers[0].gate_up.size(0) / 2;
@@ -227,8 +233,8 @@ struct DecodeStack : torch::CustomClassHolder {
             if (bias != nullptr)
               for (int64_t i = 0; i < D; ++i) v[i] += bias[s * D + i];
             if (s < num_heads + num_kv_heads) {
-              const float* c = cp + m * D;
-              const float* sn = sp + m * D;
+              const float* c = cp + pos[m] * D;
+              const float* sn = sp + pos[m] * D;
               for (int64_t i = 0; i < D; ++i) rotated[i] = v[i] * c[i] + v[(i + half) % D] * sn[i];
               std::memcpy(v, rotated.data(), D * sizeof(float));
             }
@@ -271,8 +277,12 @@ struct DecodeStack : torch::CustomClassHolder {
         matvec_rows(act.data(), int16 ? &qa_act : nullptr, M, inter, L.down, L.down_type, o0, o1, proj.data());
 #pragma omp barrier
       }
-      if (tid == 0)
-        for (int64_t i = 0; i < M * H; ++i) xp[i] = resid[i] + proj[i];
+      if (tid == 0) {
+        if (last > first)
+          for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
+        if (final_norm.has_value()) rms_norm_rows(resid.data(), final_norm->data_ptr<float>(), feps, M, H, xp);
+        else std::memcpy(xp, resid.data(), M * H * sizeof(float));
+      }
     }
   }
 };

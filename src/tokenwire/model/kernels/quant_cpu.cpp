@@ -103,6 +103,71 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, const at::T
   return out;
 }
 
+// Per row of logits [R, V]: the max, its first index and, where want_lse[r], the logsumexp, on
+// the calling thread. torch's max and log_softmax split one 49,152-logit row over the OpenMP
+// threads: 76 us for the max alone on 2 threads (the engine's greedy step needs it every token),
+// and a descheduled thread stalls their barrier for milliseconds; this takes ~15 us.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_stats(const at::Tensor& logits_in, const at::Tensor& want_lse) {
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.dtype() == at::kFloat && logits_in.size(1) > 0,
+              "logits must be float32 [rows, vocab]");
+  TORCH_CHECK(want_lse.dtype() == at::kBool && want_lse.numel() == logits_in.size(0), "want_lse must be bool [rows]");
+  const at::Tensor logits = logits_in.contiguous(), want = want_lse.contiguous();
+  const int64_t R = logits.size(0), V = logits.size(1);
+  at::Tensor maxima = at::empty({R}, logits.options()), lse = at::full({R}, NAN, logits.options());
+  at::Tensor argmax = at::empty({R}, logits.options().dtype(at::kLong));
+  for (int64_t r = 0; r < R; ++r) {
+    const float* x = logits.data_ptr<float>() + r * V;
+    float mx = -INFINITY;
+    bool nan = false;
+    int64_t i = 0;
+#ifdef TW_AVX2
+    __m256 vmx = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= V; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      vmx = _mm256_max_ps(vmx, v);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmx);
+    for (const float lane : lanes) mx = std::max(mx, lane);
+    nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+    for (; i < V; ++i) {
+      nan |= std::isnan(x[i]);
+      mx = std::max(mx, x[i]);
+    }
+    int64_t arg = 0;
+#ifdef TW_AVX2
+    if (!nan)  // the first lane equal to the max, eight at a time
+      for (int mask = 0; arg + 8 <= V; arg += 8)
+        if ((mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + arg), _mm256_set1_ps(mx), _CMP_EQ_OQ)))) {
+          arg += __builtin_ctz(mask);
+          break;
+        }
+#endif
+    while (arg < V && !(nan ? std::isnan(x[arg]) : x[arg] == mx)) ++arg;
+    if (nan) mx = NAN;  // as torch.max: a NaN is the maximum
+    maxima.data_ptr<float>()[r] = mx;
+    argmax.data_ptr<int64_t>()[r] = arg;
+    if (!want.data_ptr<bool>()[r] || nan) continue;
+    if (mx == -INFINITY) {
+      lse.data_ptr<float>()[r] = -INFINITY;
+      continue;
+    }
+    float total = 0;
+    i = 0;
+#ifdef TW_AVX2
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 vmax = _mm256_set1_ps(mx);
+    for (; i + 8 <= V; i += 8) sum = _mm256_add_ps(sum, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax)));
+    total = hsum(sum);
+#endif
+    for (; i < V; ++i) total += std::exp(x[i] - mx);
+    lse.data_ptr<float>()[r] = mx + std::log(total);
+  }
+  return {maxima, argmax, lse};
+}
+
 void set_int16_activations(bool on) { g_int16_activations = on; }
 
 }  // namespace tw
@@ -115,6 +180,7 @@ TORCH_LIBRARY(tokenwire, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
       .def("run", &DecodeStack::run);
+  m.def("row_stats(Tensor logits, Tensor want_lse) -> (Tensor, Tensor, Tensor)");
   m.def("set_int16_activations(bool on) -> ()");
   m.def("qmatmul(Tensor x, Tensor w, int qtype, bool int16_rows=False) -> Tensor");
   m.def("dequantize(Tensor w, int qtype, int k, Tensor rows) -> Tensor");
@@ -123,6 +189,7 @@ TORCH_LIBRARY(tokenwire, m) {
 TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("qmatmul", &qmatmul);
   m.impl("dequantize", &dequantize);
+  m.impl("row_stats", &row_stats);
 }
 
 TORCH_LIBRARY_IMPL(tokenwire, CatchAll, m) { m.impl("set_int16_activations", &set_int16_activations); }
