@@ -140,6 +140,7 @@ def long_prompt(engine: Engine, n: int) -> list[int]:
 
 def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     from tokenwire.bench import llamacpp_baseline
+    from tokenwire.heap import freeze_startup_heap
     from tokenwire.model.quant import resident_bytes
 
     settings.progress = False
@@ -157,6 +158,7 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
         long = long_prompt(engine, args.prefill_tokens)
         model_dir = str(engine.source.model_dir)
         resident_mb = engine.call_on_model_thread(lambda: resident_bytes(engine.model)).result() / 2**20
+        freeze_startup_heap()  # as `serve` does after start-up (heap.py: a full GC costs ~170 ms)
         ours_single(engine, prompts[0], 8)  # warm-up
         if llama is not None:
             llama.single_decode(prompts[0], 8)

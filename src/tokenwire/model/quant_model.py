@@ -13,6 +13,7 @@ from torch import nn
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.llama import LlamaModel, Rotary
 from tokenwire.model.quant import Q8_0, QuantEmbedding, QuantLinear, dequantize, quantize
+from tokenwire.model.weight_arena import move_to_huge_pages
 
 Tensors = dict[str, torch.Tensor]
 
@@ -94,4 +95,5 @@ def build_quantized_model(
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise AssertionError(f"quantised model left tensors unloaded: {left[:5]}")
+    move_to_huge_pages(model)  # the decode step streams every block: weight_arena.py says why
     return model.eval().requires_grad_(False)
