@@ -20,11 +20,10 @@
 
 namespace tw {
 
-// Work below which a parallel region costs more than it saves. A fork/join is a few us on an
-// idle core pair but, when the other core is busy, a barrier waits for its time slice: measured
-// with every matvec of a SmolLM2 decode step split over 2 threads, 98 tok/s with the second core
-// free but 9 tok/s with it taken, against 40-52 on one thread. Splitting only the large matvecs
-// (gate/up, down, lm_head) keeps most of the gain with a third of the regions.
+// qmatmul's work below which a parallel region (one per call) costs more than it saves: a
+// fork/join is a few us on an idle core pair but, when the other core is busy, a barrier waits
+// for its time slice. qmatmul serves the lm_head and unfused steps; the fused decode stack
+// shares out all its work in one region per step instead (decode_stack.h).
 constexpr int64_t kMinParallelWeights = 1 << 19;
 
 inline int64_t rows_per_task(int64_t K, int64_t M) {
