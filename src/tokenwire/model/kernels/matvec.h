@@ -182,26 +182,33 @@ void matmul_small_i16(const QuantizedActivations& a, int64_t K, const uint8_t* w
     __m256 acc[M], extra[M];
     for (int m = 0; m < M; ++m) acc[m] = extra[m] = _mm256_setzero_ps();
     // groups of 8 blocks; the last may be short: its absent lanes get zero dots and scales (the
-    // loads past the row's blocks stay inside the row, or the padded activation arrays)
-    for (int64_t j = 0; j < nb; j += 8) {
-      const int64_t count = std::min<int64_t>(8, nb - j);
-      const __m256 present = _mm256_castsi256_ps(
-          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * j)));
+    // loads past the row's blocks stay inside the row, or the padded activation arrays). Full
+    // groups are a separate call with a constant count, so their loop has no lane mask and no
+    // per-pair branch.
+    auto group = [&](int64_t j, int64_t count) __attribute__((always_inline)) {
+      __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * j)));
       __m256 offset = _mm256_setzero_ps();
       if (QT == kQ4_1)
         offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_minimums(row, nb) + 2 * j)));
       else if (QT == kQ4_0)
         offset = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-      offset = _mm256_and_ps(offset, present);
+      if (count < 8) {
+        const __m256 present = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        d = _mm256_and_ps(d, present);
+        offset = _mm256_and_ps(offset, present);
+      }
       for (int m = 0; m < M; ++m) {
         const int64_t r = m * nb + j;
         const __m256i dots = dots8<QT>(quants, a.q.data() + m * a.stride, j, count);
-        const __m256 scale = _mm256_and_ps(_mm256_mul_ps(d, _mm256_loadu_ps(a.scale.data() + r)), present);
+        const __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(a.scale.data() + r));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[m]);
         if (QT != kQ8_0) extra[m] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a.sum.data() + r), extra[m]);
       }
-    }
+    };
+    int64_t j = 0;
+    for (; j + 8 <= nb; j += 8) group(j, 8);
+    if (j < nb) group(j, nb - j);
     for (int m = 0; m < M; ++m) out[m * N + n] = hsum(acc[m]) + hsum(extra[m]);
   }
 }
