@@ -301,21 +301,22 @@ def test_packed_weights_move_to_one_huge_page_mapping(monkeypatch) -> None:
     embedding and lm_head still share one table, and the model computes what it did before."""
     from tokenwire.model import weight_arena
 
+    available = weight_arena.huge_pages_available()
     quantised, _ = _twins(Q4_1)  # built with the move (when this kernel offers huge pages)
     packed = {id(m): m.packed for m in quantised.modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
     assert quantised.lm_head.packed.data_ptr() == quantised.embed.packed.data_ptr()
-    if not weight_arena.huge_pages_available():
-        pytest.skip("transparent huge pages are off on this machine")
-    arena = torch.frombuffer(quantised._weight_arena, dtype=torch.uint8)
-    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
-    starts = sorted(t.data_ptr() for t in packed.values())
-    assert all(lo <= s and s + 1 <= hi for s in starts) and starts[0] % weight_arena.HUGE_PAGE == 0
-
     monkeypatch.setattr(weight_arena, "huge_pages_available", lambda: False)
     plain, _ = _twins(Q4_1)  # the same weights left where loading put them
-    assert plain.embed.packed.data_ptr() < lo or plain.embed.packed.data_ptr() >= hi
+    assert not hasattr(plain, "_weight_arena")
     ids = torch.randint(0, 49152, (12,))
     with torch.inference_mode():
         a, _ = quantised(ids, torch.arange(12), DenseCausalAttention(1, 12))
         b, _ = plain(ids, torch.arange(12), DenseCausalAttention(1, 12))
     assert torch.equal(a, b)
+    if not available:  # the fallback is checked above; the mapping itself needs the kernel's THP
+        pytest.skip("transparent huge pages are off on this machine")
+    arena = torch.frombuffer(quantised._weight_arena, dtype=torch.uint8)
+    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    starts = sorted(t.data_ptr() for t in packed.values())
+    assert all(lo <= s and s + 1 <= hi for s in starts) and starts[0] % weight_arena.HUGE_PAGE == 0
+    assert plain.embed.packed.data_ptr() < lo or plain.embed.packed.data_ptr() >= hi

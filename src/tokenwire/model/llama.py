@@ -226,7 +226,7 @@ class LlamaModel(nn.Module):
 
     @property
     def can_fuse_decode(self) -> bool:
-        """Whether decode-only steps may run each layer as one fused kernel (PagedDecode): every
+        """Whether decode-only steps may run the stack as one fused kernel (PagedDecode): every
         projection quantised, fp32 on the CPU, and not turned off (`fuse_decode`, --no-compile)."""
         return getattr(self, "fuse_decode", True) and self._fusable
 

@@ -103,7 +103,7 @@ def loaded() -> bool:
 
 def ops() -> Any:
     """torch.ops.tokenwire, loading the kernels on first use (afterwards no lock is taken:
-    every quantised matmul and fused layer call goes through here)."""
+    every quantised matmul and fused stack goes through here)."""
     if not _loaded:
         load_kernels()
     return torch.ops.tokenwire

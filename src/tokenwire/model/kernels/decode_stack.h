@@ -86,24 +86,6 @@ inline void swiglu_block(const float* gate, const float* up, float* out) {
 // 4.74 ms, min 5.80 -> 3.81 ms (the same matvec kernels in both).
 inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) { return {n * tid / nt, n * (tid + 1) / nt}; }
 
-// rows [n0, n1) of out [M, N] = x W^T: int16 activations when `qa` is given, else fp32
-void matvec_rows(const float* x, const QuantizedActivations* qa, int64_t M, int64_t K, const at::Tensor& w,
-                 int64_t qtype, int64_t n0, int64_t n1, float* out) {
-  const int64_t N = w.size(0);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  if (n0 >= n1) return;
-#ifdef TW_AVX2
-  if (qa != nullptr) {
-    if (qtype == kQ4_1) matmul_small_i16_rows<kQ4_1>(*qa, M, K, wp, n0, n1, out, N);
-    else if (qtype == kQ4_0) matmul_small_i16_rows<kQ4_0>(*qa, M, K, wp, n0, n1, out, N);
-    else matmul_small_i16_rows<kQ8_0>(*qa, M, K, wp, n0, n1, out, N);
-    return;
-  }
-#endif
-  if (M < 4) matmul_small(x, M, K, wp, qtype, n0, n1, out, N);
-  else matmul_tiled(x, M, K, wp, qtype, n0, n1, out, N);
-}
-
 struct StackLayer {
   at::Tensor input_norm, post_norm, qkv, o, gate_up, down;
   std::optional<at::Tensor> qkv_bias;
@@ -188,7 +170,7 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t half = D / 2, layer_stride = k_cache.stride(0);
     const float feps = static_cast<float>(eps), scale = 1.0f / std::sqrt(static_cast<float>(D));
     std::vector<float> qkv(M * qkv_n), attn(M * q_size), proj(M * H), gu(M * 2 * inter), act(M * inter);
-    const bool int16 = M < 4 && g_int16_activations;
+    const bool int16 = kInt16Rows && M < 4 && g_int16_activations;
     // the input of down, quantised as the SwiGLU makes it, in the slot order of its block type
     QuantizedActivations act_q4, act_q8;
     act_q4.reset(M, inter, kQ4_1);
@@ -205,11 +187,9 @@ struct DecodeStack : torch::CustomClassHolder {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       std::vector<float> resid(xp, xp + M * H), h(M * H), scores, rotated(D);
       QuantizedActivations qa;  // this thread's copy of the current matvec input
-      qa.reset(M, std::max(H, q_size), kQ4_1);
       auto quantize = [&](const float* in, int64_t K, int64_t qtype) -> const QuantizedActivations* {
         if (!int16) return nullptr;
-        qa.reset(M, K, qtype);
-        qa.quantize_rows(in, 0, M * K / kBlock);
+        qa.quantize(in, M, K, qtype);
         return &qa;
       };
       const auto [s0, s1] = share(slices, tid, nt);                          // q/k/v head slices
@@ -220,8 +200,6 @@ struct DecodeStack : torch::CustomClassHolder {
         const StackLayer& L = layers[l];
         float* kc = k_base + l * layer_stride;
         float* vc = v_base + l * layer_stride;
-        if (l > first)
-          for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];  // the previous layer's down
         rms_norm_rows(resid.data(), L.input_norm.data_ptr<float>(), feps, M, H, h.data());
         matvec_rows(h.data(), quantize(h.data(), H, L.qkv_type), M, H, L.qkv, L.qkv_type, s0 * D, s1 * D, qkv.data());
         // this thread's head slices: bias, RoPE on q and k (x*cos + roll(x, D/2)*signed_sin),
@@ -276,10 +254,9 @@ struct DecodeStack : torch::CustomClassHolder {
 #pragma omp barrier
         matvec_rows(act.data(), int16 ? &qa_act : nullptr, M, inter, L.down, L.down_type, o0, o1, proj.data());
 #pragma omp barrier
+        for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
       }
       if (tid == 0) {
-        if (last > first)
-          for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
         if (final_norm.has_value()) rms_norm_rows(resid.data(), final_norm->data_ptr<float>(), feps, M, H, xp);
         else std::memcpy(xp, resid.data(), M * H * sizeof(float));
       }

@@ -52,7 +52,6 @@ void matmul_small_avx2(const float* x, int64_t K, const uint8_t* w, int64_t qtyp
 // weights stay as the file has them. The integer dots are the same, so results are too (bit for
 // bit on whole groups of 8 blocks). Measured on one core, SmolLM2's shapes (us, before -> after):
 // gate/up 3072x576 160 -> 133, down 576x1536 73 -> 51, qkv 960x576 57 -> 49.
-#ifdef TW_AVX2
 // A Q4 block pair (32 quant bytes = 16 words) is read as four vectors of 16 nibbles: vector k
 // holds nibble k of each word. Word v of a block (v < 8) is quant bytes 2v, 2v+1, whose
 // nibbles are weights 2v, 2v+16, 2v+1, 2v+17. Activations of a pair take 64 int16 slots
@@ -102,12 +101,21 @@ struct QuantizedActivations {
     sum[m * nb + j] = total;
   }
 
-  // rows [M, K] contiguous, blocks [b0, b1) of the M * nb
-  void quantize_rows(const float* x, int64_t b0, int64_t b1) {
-    for (int64_t r = b0; r < b1; ++r) quantize_block(x + r * kBlock, r / nb, r % nb);
+  // all of x [M, K] (contiguous)
+  void quantize(const float* x, int64_t M, int64_t K, int64_t type) {
+    reset(M, K, type);
+    for (int64_t r = 0; r < M * nb; ++r) quantize_block(x + r * kBlock, r / nb, r % nb);
   }
 };
 
+// The integer kernels below need AVX2; without it the int16 rows fall back to the fp32 path.
+#ifdef TW_AVX2
+constexpr bool kInt16Rows = true;
+#else
+constexpr bool kInt16Rows = false;
+#endif
+
+#ifdef TW_AVX2
 // integer dots of a Q4 block pair: 8 int32 lanes, lanes 0-3 summing to the first block's dot,
 // 4-7 to the second's
 inline __m256i pair_dot_q4(const uint8_t* q, const int16_t* x) {
@@ -302,6 +310,24 @@ void matmul_tiled(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
       }
     }
   }
+}
+
+// rows [n0, n1) of out [M, N] = x W^T: int16 activations when `qa` is given (M < 4), else fp32
+void matvec_rows(const float* x, const QuantizedActivations* qa, int64_t M, int64_t K, const at::Tensor& w,
+                 int64_t qtype, int64_t n0, int64_t n1, float* out) {
+  const int64_t N = w.size(0);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (n0 >= n1) return;
+#ifdef TW_AVX2
+  if (qa != nullptr) {
+    if (qtype == kQ4_1) matmul_small_i16_rows<kQ4_1>(*qa, M, K, wp, n0, n1, out, N);
+    else if (qtype == kQ4_0) matmul_small_i16_rows<kQ4_0>(*qa, M, K, wp, n0, n1, out, N);
+    else matmul_small_i16_rows<kQ8_0>(*qa, M, K, wp, n0, n1, out, N);
+    return;
+  }
+#endif
+  if (M < 4) matmul_small(x, M, K, wp, qtype, n0, n1, out, N);
+  else matmul_tiled(x, M, K, wp, qtype, n0, n1, out, N);
 }
 
 }  // namespace tw

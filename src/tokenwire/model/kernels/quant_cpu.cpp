@@ -34,29 +34,18 @@ inline int64_t rows_per_task(int64_t K, int64_t M) {
 void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& out, bool int16_rows) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (M < 4) {
-#ifdef TW_AVX2
-    if (int16_rows) {
-      QuantizedActivations acts;
-      acts.reset(M, K, qtype);
-      acts.quantize_rows(xp, 0, M * K / kBlock);
-      at::parallel_for(0, N, rows_per_task(K, M), [&](int64_t a, int64_t b) {
-        if (qtype == kQ4_1) matmul_small_i16_rows<kQ4_1>(acts, M, K, wp, a, b, op, N);
-        else if (qtype == kQ4_0) matmul_small_i16_rows<kQ4_0>(acts, M, K, wp, a, b, op, N);
-        else matmul_small_i16_rows<kQ8_0>(acts, M, K, wp, a, b, op, N);
-      });
-      return;
-    }
-#endif
+    QuantizedActivations acts;
+    const bool int16 = kInt16Rows && int16_rows;
+    if (int16) acts.quantize(xp, M, K, qtype);
     at::parallel_for(0, N, rows_per_task(K, M), [&](int64_t a, int64_t b) {
-      matmul_small(xp, M, K, wp, qtype, a, b, op, N);
+      matvec_rows(xp, int16 ? &acts : nullptr, M, K, w, qtype, a, b, op);
     });
   } else {
     // tasks are groups of kRows weight rows (the tile's height)
     at::parallel_for(0, (N + kRows - 1) / kRows, 8, [&](int64_t a, int64_t b) {
-      matmul_tiled(xp, M, K, wp, qtype, kRows * a, std::min(N, kRows * b), op, N);
+      matvec_rows(xp, nullptr, M, K, w, qtype, kRows * a, std::min(N, kRows * b), op);
     });
   }
 }
