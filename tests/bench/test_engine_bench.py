@@ -1,0 +1,41 @@
+"""`tokenwire bench engine --json` on the default model, cut to a few tokens: the keys the
+Engine speed issue names (today's measures, prefill_1k, the weights run and their resident size).
+llama.cpp is a `make bench` extra, so its keys are not asserted here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_engine_bench_json_reports_every_measure() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenwire.cli",
+            "bench",
+            "engine",
+            "--json",
+            "--no-llamacpp",
+            "--no-hf",
+            "--decode-tokens=3",
+            "--streams=2",
+            "--prefill-tokens=40",
+            "--session-tokens=40",
+            "--repeats=1",
+            "--kv-cache-mb=32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    for measure in ("single_stream", "streams_2", "prefill_1k"):
+        assert result[measure]["tokenwire_tok_s"] > 0
+        assert "llamacpp_tok_s" not in result[measure]  # not run: no ratio is made up
+    assert result["turn2_ttft"]["reuse_s"] > 0 and result["turn2_ttft"]["ratio"] > 0
+    assert result["weights"] == "gguf"
+    assert 0.9 < result["resident_weight_mb"] / result["gguf_file_mb"] < 1.3
