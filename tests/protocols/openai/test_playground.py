@@ -123,6 +123,15 @@ def js(driver: Any, script: str, *args: Any) -> Any:
     return driver.execute_script(script, *args)
 
 
+def wait_for_page(driver: Any) -> None:
+    """Until the page's script says it is ready. Right after a navigation the script can run
+    before <body> exists (a clean-clone run failed reading null.dataset): not ready yet."""
+    wait_for(
+        lambda: js(driver, "return !!document.body && document.body.dataset.ready === 'true'"),
+        what="the page to start",
+    )
+
+
 def tokens(driver: Any) -> list[dict[str, Any]]:
     """The token boxes of the selected branch as the page shows them."""
     return js(
@@ -250,7 +259,7 @@ def test_stream_tokens_hover_keyboard_fork_and_close(browser: Any, server: str, 
 
     driver = browser
     driver.get(server + "/")
-    wait_for(lambda: js(driver, "return document.body.dataset.ready === 'true'"), what="the page to start")
+    wait_for_page(driver)
     assert driver.title == "tokenwire playground"
     assert js(driver, "return [innerWidth, innerHeight]") == [1280, 800]
     assert js(driver, "return document.getElementById('model-name').textContent") == MODEL
@@ -283,7 +292,7 @@ def test_stream_tokens_hover_keyboard_fork_and_close(browser: Any, server: str, 
     counts = js(driver, "return window.__counts")
     assert any(0 < c < 48 for c in counts), counts  # some boxes were shown before the last came
     driver.get(server + "/")  # a fresh page (a second Generate would continue this text)
-    wait_for(lambda: js(driver, "return document.body.dataset.ready === 'true'"), what="the page to start")
+    wait_for_page(driver)
     generate(driver, prompt=PROMPT, max_tokens=8)
     shot(driver, out_dir, "02-generated")
     assert js(driver, "return document.getElementById('error').hidden"), js(
@@ -398,7 +407,7 @@ def test_invalid_regex_shows_the_server_error_and_the_page_keeps_working(
 ) -> None:
     driver = browser
     driver.get(server + "/")
-    wait_for(lambda: js(driver, "return document.body.dataset.ready === 'true'"), what="the page to start")
+    wait_for_page(driver)
     status, _, error = http(
         "POST", f"{server}/v1/completions", {"model": MODEL, "prompt": "x", "regex": "(["}, key=None
     )
@@ -447,7 +456,7 @@ def test_invalid_regex_shows_the_server_error_and_the_page_keeps_working(
 def test_readout_colouring_and_chart(browser: Any, server: str, out_dir: Path) -> None:
     driver = browser
     driver.get(server + "/")
-    wait_for(lambda: js(driver, "return document.body.dataset.ready === 'true'"), what="the page to start")
+    wait_for_page(driver)
     assert js(driver, "return [...document.getElementById('concept').options].map(o => o.text)") == ["joy"]
     generate(driver, prompt="What a wonderful day, and then", max_tokens=4)
     before = [t["bg"] for t in tokens(driver)]
@@ -480,9 +489,7 @@ def test_phone_width_has_no_horizontal_overflow(browser: Any, server: str, out_d
     viewport(driver, 390, 844, mobile=True)
     try:
         driver.get(server + "/")
-        wait_for(
-            lambda: js(driver, "return document.body.dataset.ready === 'true'"), what="the page to start"
-        )
+        wait_for_page(driver)
         generate(driver, prompt="A long line: " + "word " * 40, max_tokens=4)
         width = js(driver, "return window.innerWidth")
         assert width == 390
