@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -24,6 +23,7 @@ from tokenwire.config import apply_config_defaults
 from tokenwire.model_spec import check_model_spec
 from tokenwire.protocols.serving import Listener, PortInUseError, Stopper
 from tokenwire.scale.serve import add_scale_args, build_replicated, check_scale_args, shutdown_ray
+from tokenwire.shutdown import ShutdownSignals
 
 log = logging.getLogger("tokenwire.server")
 
@@ -81,8 +81,7 @@ async def _serve(args: argparse.Namespace) -> int:
         raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signals = ShutdownSignals(loop, stop, args.shutdown_grace)
     from tokenwire.engine.factory import build_engine
 
     try:
@@ -115,17 +114,18 @@ async def _serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         await stop.wait()
         log.info("shutting down (grace %.0fs)", args.shutdown_grace)
-        deadline = time.monotonic() + args.shutdown_grace
+        deadline = signals.graceful_deadline()
         for stopper in reversed(stoppers):
             try:
                 await asyncio.wait_for(stopper(), max(0.1, deadline - time.monotonic()))
             except TimeoutError:
                 log.warning("a server did not stop within --shutdown-grace; going on")
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout_s=max(0.1, signals.graceful_deadline() - time.monotonic()))
         if args.replicas:
             shutdown_ray()
     log.info("stopped")
+    signals.restore()
     return 0
 
 

@@ -483,7 +483,9 @@ class Engine:
         if self.stopping.is_set():
             raise EngineClosedError("server shutting down")
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Cancel everything and wait up to `timeout_s` for the model thread to leave its step
+        (serve passes what is left of --shutdown-grace)."""
         self.stopping.set()
         with self._lock:
             if self._closed:
@@ -494,6 +496,8 @@ class Engine:
             for _, fut in self._model_calls:
                 fut.cancel()
             self._wake.notify_all()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout_s)
         if self._thread.is_alive():
-            log.warning("the model thread was still busy 10 s after shutdown; exiting without it")
+            log.warning(
+                "the model thread was still busy %.1f s after shutdown; exiting without it", timeout_s
+            )

@@ -454,10 +454,12 @@ class ReplicaEngine:
     def steps(self) -> int:
         return int(self.stats()["steps"])
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop watching and streaming (the replicas cancel this process's requests); the
         replicas end with the Ray driver that owns them (server.py shuts Ray down)."""
         import ray
+
+        deadline = time.monotonic() + timeout_s
 
         self._closed.set()
         for stream in self._streams:
@@ -466,9 +468,8 @@ class ReplicaEngine:
                     ray.cancel(stream)
                 except Exception:  # already ended
                     pass
-        self._monitor.join(timeout=5)
-        for pump in self._pumps:
-            pump.join(timeout=5)
+        for thread in [self._monitor, *self._pumps]:
+            thread.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
 
 
 _SUMMED = (
