@@ -26,6 +26,8 @@ class SessionLimits:
     max_nodes: int = 10_000
     max_bytes: int = 64 * 2**20  # inline data, refs and child ids, plus generated output
     max_actions: int = 1_000
+    # chunks one node flattens to, each shared node counted every time it is used (flatten.py)
+    max_flattened_chunks: int = 100_000
 
 
 @dataclass(eq=False)
@@ -110,7 +112,7 @@ class NodeStore:
             node.final_seq = seq
         while node.contiguous in node.fragments:
             node.contiguous += 1
-        for child in fragment.child_ids:
+        for child in dict.fromkeys(fragment.child_ids):  # a child listed n times is one edge to check
             self._add_edge(node, child)
         return True
 

@@ -46,6 +46,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--evergreen-max-bytes", type=int, default=d.max_bytes, help="bytes per session")
     g.add_argument("--evergreen-max-actions", type=int, default=d.max_actions, help="actions per session")
     g.add_argument(
+        "--evergreen-max-flattened-chunks",
+        type=int,
+        default=d.max_flattened_chunks,
+        help="chunks one action input may flatten to (shared nodes counted each time they are used)",
+    )
+    g.add_argument(
         "--evergreen-max-tokens",
         type=int,
         default=DEFAULT_MAX_TOKENS,

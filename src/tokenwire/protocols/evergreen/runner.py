@@ -57,6 +57,7 @@ class SessionRunner:
         self._ttl_timer: asyncio.TimerHandle | None = None
         self._texts: dict[str, str] = {}
         self._sizes: dict[str, int] = {}
+        self._text_bytes: dict[str, int] = {}  # a text ref's size in bytes
 
     # ------------------------------------------------------------------ intake
     def feed(self, message: spb.SessionMessage) -> None:
@@ -144,12 +145,28 @@ class SessionRunner:
             for part in leaf.parts:
                 if isinstance(part, Ref):
                     if is_text(leaf.mimetype) and part.uri not in self._texts:
-                        self._texts[part.uri] = await asyncio.to_thread(self._read_text, part.uri)
+                        text = await asyncio.to_thread(self._read_text, part.uri)
+                        self._texts[part.uri], self._text_bytes[part.uri] = text, len(text.encode())
                     elif not is_text(leaf.mimetype) and part.uri not in self._sizes and leaf.complete:
                         self._sizes[part.uri] = (
                             await asyncio.to_thread(self.sandbox.summarize, part.uri)
                         ).size
+        self._check_ref_expansion(flat)
         return flat
+
+    def _check_ref_expansion(self, flat: Flattened) -> None:
+        """flatten() bounded the inline bytes; a text ref is read once but its text goes into
+        the prompt every time the leaf is used: the expanded text is bounded by max_bytes too."""
+        limit = self.core.store.limits.max_bytes
+        total = 0
+        for leaf in flat.leaves:
+            if is_text(leaf.mimetype):
+                total += sum(self._text_bytes[p.uri] if isinstance(p, Ref) else len(p) for p in leaf.parts)
+            if total > limit:
+                raise exhausted(
+                    f"node {leaf.id!r}: the input's text with its refs expanded passes the session "
+                    f"byte limit max_bytes={limit} (--evergreen-max-bytes)"
+                )
 
     def _read_text(self, uri: str) -> str:
         limit = self.core.store.limits.max_bytes

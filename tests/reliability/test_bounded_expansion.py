@@ -1,0 +1,140 @@
+"""Issue 29: work is bounded before it starts. An Evergreen graph whose nodes share children
+flattens to far more chunks than it has nodes (a chain of 30 diamonds: 31 nodes, 2^30 chunks);
+every action that flattens its input measures the expansion first and refuses it with
+RESOURCE_EXHAUSTED naming `--evergreen-max-flattened-chunks`, in well under a second and without
+building any of it, and the server goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.protocols.evergreen.helpers import action, inner, leaf
+from tests.reliability.conftest import Servers
+from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
+from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
+from tokenwire.protocols.evergreen.gen import evergreen_service_pb2_grpc as spb_grpc
+
+DEPTH = 30  # d0 .. d29 each list d{i+1} twice; d30 is a text leaf: 2^30 chunks
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:  # the servers run in this process
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def diamond(prefix: str = "d", depth: int = DEPTH) -> list[pb.NodeFragment]:
+    nodes = [inner(f"{prefix}{i}", f"{prefix}{i + 1}", f"{prefix}{i + 1}") for i in range(depth)]
+    return [*nodes, leaf(f"{prefix}{depth}", "x")]
+
+
+@pytest.fixture(scope="module")
+def servers(engine: Any):
+    servers = Servers(engine)
+    yield servers
+    servers.stop()
+
+
+async def exchange(target: str, messages: list[spb.SessionMessage]) -> tuple[str, str]:
+    """Send the messages on one StartSession stream; the session's final status (code, details)
+    or the first fragment the server sends as ("OK", its data)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = spb_grpc.EvergreenServiceStub(channel).StartSession()
+        for message in messages:
+            await call.write(message)
+        try:
+            async for reply in call:
+                for fragment in reply.node_fragments:
+                    return "OK", fragment.chunk_fragment.data.decode(errors="replace")
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name, exc.details() or ""
+        return "CLOSED", ""
+
+
+def refuse(servers: Servers, messages: list[spb.SessionMessage]) -> tuple[str, str, float, float]:
+    before = rss_mib()
+    started = time.monotonic()
+    code, details = asyncio.run(asyncio.wait_for(exchange(servers.url("grpc"), messages), 5))
+    return code, details, time.monotonic() - started, rss_mib() - before
+
+
+def answered_normally(servers: Servers) -> None:
+    from tokenwire.protocols.evergreen.client import EvergreenSession
+
+    async def run() -> int:
+        async with await EvergreenSession.connect(servers.url("grpc")) as session:
+            return await session.count_tokens("Hello there")
+
+    assert asyncio.run(asyncio.wait_for(run(), 30)) > 0
+
+
+def test_diamond_in_one_message_is_refused_at_once(servers: Servers) -> None:
+    """The finding exactly: 31 nodes, depth 30, GENERATE(prompt=d0) in one SessionMessage."""
+    message = spb.SessionMessage(
+        node_fragments=diamond(),
+        actions=[action("GENERATE", {"prompt": "d0"}, {"response": "out"})],
+    )
+    code, details, seconds, grown = refuse(servers, [message])
+    assert code == "RESOURCE_EXHAUSTED", (code, details)
+    assert "--evergreen-max-flattened-chunks" in details and str(2**DEPTH) in details, details
+    assert seconds < 1.0, seconds
+    assert grown < 50, f"RSS grew {grown:.0f} MiB"
+    answered_normally(servers)
+
+
+def test_diamond_assembled_over_several_messages_is_refused(servers: Servers) -> None:
+    """The action arrives first and waits; the graph comes a few nodes per message, the leaf
+    last: the expansion is measured again as it grows, refused before the leaf is read."""
+    fragments = diamond("m")
+    messages = [spb.SessionMessage(actions=[action("GENERATE", {"prompt": "m0"}, {"response": "o"})])]
+    messages += [spb.SessionMessage(node_fragments=fragments[i : i + 4]) for i in range(0, len(fragments), 4)]
+    code, details, seconds, grown = refuse(servers, messages)
+    assert code == "RESOURCE_EXHAUSTED" and "max_flattened_chunks" in details, (code, details)
+    assert seconds < 1.0 and grown < 50, (seconds, grown)
+    answered_normally(servers)
+
+
+@pytest.mark.parametrize("name, output", [("COUNT_TOKENS", "count"), ("TOKENIZE", "tokens")])
+def test_diamond_refused_for_every_flattening_action(servers: Servers, name: str, output: str) -> None:
+    shared = [leaf("big", "y"), *diamond("s", 20)[:-1], inner("s20", "big", "big")]  # 2^21 chunks
+    message = spb.SessionMessage(node_fragments=shared, actions=[action(name, {"text": "s0"}, {output: "o"})])
+    code, details, seconds, grown = refuse(servers, [message])
+    assert code == "RESOURCE_EXHAUSTED" and "--evergreen-max-flattened-chunks" in details, (code, details)
+    assert name in details and seconds < 1.0 and grown < 50, (details, seconds, grown)
+
+
+def test_bytes_of_a_shared_leaf_count_every_time_it_is_used(servers: Servers) -> None:
+    """Few chunks, many bytes: 1 MiB used 2^7 times flattens to 128 MiB, past --evergreen-max-bytes."""
+    fragments = [*diamond("b", 7)[:-1], leaf("b7", b"z" * 2**20)]
+    message = spb.SessionMessage(
+        node_fragments=fragments, actions=[action("SCORE", {"continuation": "b0"}, {"score": "o"})]
+    )
+    code, details, seconds, _ = refuse(servers, [message])
+    assert code == "RESOURCE_EXHAUSTED" and "--evergreen-max-bytes" in details, (code, details)
+    assert seconds < 1.0
+    answered_normally(servers)
+
+
+def test_expansion_counts_shared_nodes_each_time_without_building() -> None:
+    from tokenwire.protocols.evergreen.core import SessionCore
+    from tokenwire.protocols.evergreen.errors import SessionAbort
+    from tokenwire.protocols.evergreen.flatten import expansion, flatten
+    from tokenwire.protocols.evergreen.nodes import SessionLimits
+
+    core = SessionCore({"m"}, SessionLimits(max_depth=100))
+    core.receive(spb.SessionMessage(node_fragments=[*diamond("d", 3), inner("top", "d0", "d3", "gone")]))
+    started = time.monotonic()
+    size = expansion(core.store, "top")
+    assert (size.chunks, size.nbytes) == (2**3 + 1, 2**3 + 1)  # "gone" never arrived: empty
+    assert [lv.id for lv in flatten(core.store, "d0").leaves] == ["d3"] * 8
+    core.receive(spb.SessionMessage(node_fragments=diamond("e", 60)))  # 2^60: counted, not built
+    assert expansion(core.store, "e0").chunks == 2**60 and time.monotonic() - started < 0.5
+    with pytest.raises(SessionAbort, match="max_flattened_chunks=100000"):
+        flatten(core.store, "e0")
