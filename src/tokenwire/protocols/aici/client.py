@@ -76,6 +76,10 @@ class AiciClient:
         self.proc = subprocess.Popen(args)
         self._main_lock = threading.Lock()  # one main-channel command at a time
         self._main_op: Any = None
+        # replies still owed to commands whose wait timed out: the runtime answers every command
+        # in order, so the next reply(s) belong to those and would otherwise be taken as the
+        # answer to the next command (a post_pre_process read as mid_process, and so on)
+        self._unclaimed_replies = 0
         self._pending: dict[str, concurrent.futures.Future[dict[str, Any]]] = {}
         self._pending_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -116,12 +120,16 @@ class AiciClient:
             while True:
                 payload = self.resp.recv(timeout=min(timeout or 1.0, 1.0))
                 if payload is not None:
+                    if self._unclaimed_replies:
+                        self._unclaimed_replies -= 1
+                        continue
                     break
                 if self.proc.poll() is not None:
                     raise AiciError(f"runtime exited with status {self.proc.returncode}")
                 if timeout is not None:
                     timeout -= 1.0
                     if timeout <= 0:
+                        self._unclaimed_replies += 1
                         raise AiciError(f"no reply to {self._main_op!r}")
         finally:
             self._main_lock.release()
@@ -171,7 +179,10 @@ class AiciClient:
                 continue
             with self._pending_lock:
                 fut = self._pending.pop(str(reply.get("$rid")), None)
-            if fut is not None:
+            # a caller that stopped waiting (side_async's timeout, a cancelled run) cancelled its
+            # future: set_result would raise InvalidStateError and end this thread, and every
+            # later side call (instantiate, uploads) would wait for replies nobody reads
+            if fut is not None and fut.set_running_or_notify_cancel():
                 fut.set_result(reply)
 
     # ---- lifecycle ---------------------------------------------------------------------------

@@ -66,6 +66,9 @@ class SeqState:
     entries: list[dict[str, Any]] = field(default_factory=list)  # runtime entries, for logs
     stopped: bool = False
     error: str = ""
+    # its run is gone before the runtime assigned it: assigned (pre_op) in the next round only to
+    # be freed in the one after, the one way AICI's protocol lets the runtime drop a controller
+    discard: bool = False
 
 
 @dataclass
@@ -123,11 +126,27 @@ class Coordinator:
             return state
 
     def free(self, seq_id: int) -> None:
+        """The sequence's run is done with it (idempotent). It leaves the rounds at once: a
+        sequence left here holding a result nobody takes would make `ready_for_round` false
+        forever, and every other sequence would wait (\"wait\" outcomes) without end."""
         with self._lock:
-            state = self.seqs.pop(seq_id, None)
-            if state is not None and state.req_id is None:  # the runtime knows it
+            state = self.seqs.get(seq_id)
+            if state is None:
+                pass
+            elif state.req_id is not None:  # the runtime holds its controller, not yet assigned
+                state.stopped = state.discard = True
+            else:  # the runtime knows it
+                del self.seqs[seq_id]
                 self._freed.append(seq_id)
             self.maybe_start_early()  # it may have been the one everybody waited for
+
+    def drop_instance(self, req_id: str) -> None:
+        """A controller instantiated for a run that is gone (refused, cancelled): the runtime
+        drops it after the next rounds (see SeqState.discard). Any thread."""
+        with self._lock:
+            state = SeqState(next(self._ids), req_id, stopped=True, discard=True)
+            self.seqs[state.seq_id] = state
+            self.maybe_start_early()
 
     def drain_entries(self, seq_id: int) -> list[dict[str, Any]]:
         with self._lock:
@@ -146,8 +165,10 @@ class Coordinator:
         """Lock held. Submit the next round now if every live sequence has reported (or is new)."""
         if not self.overlap or self._inflight or not self.ready_for_round():
             return
-        # something to send: a post op or a new sequence
-        if not any(not s.stopped and (s.has_post or s.req_id is not None) for s in self.seqs.values()):
+        # something to send: a post op, a new sequence, or a discarded one to assign or free
+        if not any(
+            (not s.stopped and (s.has_post or s.req_id is not None)) or s.discard for s in self.seqs.values()
+        ):
             return
         msg = self._begin_round()
         self.stats.early_rounds += 1
@@ -173,6 +194,9 @@ class Coordinator:
 
     def _begin_round(self) -> dict[str, Any]:
         pre_ops, post_ops = [], []
+        for s in [s for s in self.seqs.values() if s.discard and s.req_id is None]:
+            del self.seqs[s.seq_id]  # assigned in an earlier round: the runtime may free it now
+            self._freed.append(s.seq_id)
         for s in self.seqs.values():
             if s.req_id is not None:
                 pre_ops.append({"id": s.seq_id, "req_id": s.req_id})
@@ -211,6 +235,8 @@ class Coordinator:
                 self.stats.round_s += time.perf_counter() - t0
                 self._inflight = False
                 self._cond.notify_all()
+                if any(s.discard for s in self.seqs.values()):
+                    self.maybe_start_early()  # discarded ones just assigned: free them
 
     def _apply_post_pre(self, data: dict[str, Any], early_step: int | None) -> list[dict[str, Any]]:
         for key, entry in data.get("post_seqs", {}).items():

@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from tokenwire.engine.errors import CapacityError, EngineClosedError, EngineError
 from tokenwire.logs import access_log
 from tokenwire.protocols.aici.client import AiciClient, AiciError
+from tokenwire.protocols.aici.codec import FrameError
 from tokenwire.protocols.aici.engine_bridge import Coordinator
 from tokenwire.protocols.aici.run import RunRequest, failed_run, run_events
 from tokenwire.protocols.aici.supervisor import RuntimeSupervisor
@@ -35,13 +37,35 @@ if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
 
 log = logging.getLogger("tokenwire.aici")
-MAX_WASM_BYTES = 64 * 2**20
+# The REST body cap (an upload's Wasm, a run). An upload goes to the runtime base64-encoded
+# (4/3 of its size) in one side-channel frame of 32 MiB (AiciClient's json_mb): 16 MiB of Wasm
+# is ~21.3 MiB there. The old 64 MiB cap let 60 MB through to a FrameError (a 500).
+MAX_WASM_BYTES = 16 * 2**20
+RETRY_AFTER_S = 1  # what a run refused at a capacity cap is told
 
 __all__ = ["AiciServer", "start_on"]
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def _too_large(what: str, size: int | None, limit: int) -> web.Response:
+    got = f"{size} bytes" if size is not None else "more"
+    return _error(413, f"{what} of {got} is over the limit of {limit} bytes (MAX_WASM_BYTES, docs/limits.md)")
+
+
+def _refusal(exc: EngineError | FrameError) -> web.Response:
+    """A run the engine did not admit, answered before its response started: 429 for a full
+    capacity cap (the message names the flag), 503 when the engine stops, 413 when it does not
+    fit the runtime's channel, else 400 (the KV budget or the context cannot ever hold it)."""
+    if isinstance(exc, CapacityError):
+        return _error(429, str(exc), {"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineClosedError):
+        return _error(503, str(exc))
+    if isinstance(exc, FrameError):
+        return _error(413, f"the run does not fit the AICI runtime's channel: {exc}")
+    return _error(400, f"{type(exc).__name__}: {exc}")
 
 
 class AiciServer:
@@ -103,9 +127,16 @@ class AiciServer:
         return f"{'https' if self.ssl_context else 'http'}://{self.host}:{self.port}"
 
     async def _upload(self, request: web.Request) -> web.Response:
-        body = await request.read()
+        if request.content_length is not None and request.content_length > MAX_WASM_BYTES:
+            return _too_large("a Wasm upload", request.content_length, MAX_WASM_BYTES)  # unread
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body past the cap
+            return _too_large("a Wasm upload", None, MAX_WASM_BYTES)
         try:
             data = await self._side("mk_module", binary=base64.b64encode(body).decode())
+        except FrameError as e:  # only if the runtime's channels were made smaller than ours
+            return _error(413, f"the Wasm upload does not fit the AICI runtime's channel: {e}")
         except AiciError as e:
             return _error(400, str(e))
         return web.json_response(data)
@@ -139,17 +170,27 @@ class AiciServer:
             return _error(503, self._shutting_down)
         if self.supervisor is not None and self.supervisor.restarting:
             return _error(503, "the AICI runtime died and is restarting; retry shortly")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         if self.remote is not None:
             events = self.remote.run(req)
         else:
             assert self.client is not None and self.coord is not None
-            events = run_events(self.engine, self.client, self.coord, req)
+            events = run_events(self.engine, self.client, self.coord, req, raise_refusal=True)
         task = asyncio.current_task()
         assert task is not None
         self._runs.add(task)
+        resp: web.StreamResponse | None = None
         try:
+            # admission (session, queue, KV budget) happens before the first object: a refused
+            # run is a whole HTTP error, never a stream cut off after its headers
+            try:
+                first = await anext(events)
+            except (EngineError, FrameError) as e:
+                return _refusal(e)
+            resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await resp.prepare(request)
+            await resp.write(f"data: {json.dumps(first, ensure_ascii=False)}\n\n".encode())
             async for obj in events:
                 await resp.write(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
@@ -158,12 +199,15 @@ class AiciServer:
                 raise  # the client went away
             task.uncancel()
             await events.aclose()
+            if resp is None:  # stopped while the run was being admitted: nothing sent yet
+                return _error(503, self._shutting_down)
             # the server stops: the run ends with AICI's own error form, a failed fork
             await resp.write(f"data: {json.dumps(shutdown_event(self._shutting_down))}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
         finally:
             self._runs.discard(task)
             await events.aclose()  # a client that went away: cancel the forks, free everything
+        assert resp is not None
         return resp
 
     async def _side(self, op: str, **fields: Any) -> dict[str, Any]:
@@ -221,8 +265,12 @@ async def _access_middleware(request: web.Request, handler: Any) -> web.StreamRe
 
 
 async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
+    if request.content_length is not None and request.content_length > MAX_WASM_BYTES:
+        return _too_large("a request body", request.content_length, MAX_WASM_BYTES)
     try:
         body = await request.json()
+    except web.HTTPRequestEntityTooLarge:
+        return _too_large("a request body", None, MAX_WASM_BYTES)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return _error(400, f"malformed JSON body: {e}")
     if not isinstance(body, dict):
