@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
 
 from aiohttp import web
 
+from tokenwire.protocols.connection_guard import ListenerGuard
 from tokenwire.protocols.serving import bind_tcp
+
+
+class GuardedSockSite(web.SockSite):
+    """aiohttp's SockSite, with every accepted connection behind a ListenerGuard (deadlines on
+    half-open requests, the per-address cap; connection_guard.py)."""
+
+    __slots__ = ("guard",)
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        sock: socket.socket,
+        guard: ListenerGuard,
+        ssl_context: ssl.SSLContext | None,
+    ) -> None:
+        super().__init__(runner, sock, ssl_context=ssl_context)
+        self.guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with the runner (SockSite's own would bind)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self.guard.wrap(server), sock=self._sock, ssl=self._ssl_context, backlog=self._backlog
+        )
 
 
 async def start_site(
@@ -28,6 +55,7 @@ async def start_site(
         sock = bind_tcp(host, port, flag)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
-    site = web.SockSite(runner, sock, ssl_context=ssl_context)
+    bound = sock.getsockname()
+    site = GuardedSockSite(runner, sock, ListenerGuard(f"{flag} {bound[0]}:{bound[1]}"), ssl_context)
     await site.start()
-    return runner, int(sock.getsockname()[1])
+    return runner, int(bound[1])

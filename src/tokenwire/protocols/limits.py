@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from tokenwire.protocols import connection_guard
+
 DEFAULT_MAX_SESSIONS = 4096
 DEFAULT_IDLE_TIMEOUT_S = 300.0
 DEFAULT_MAX_STREAMS = 256
@@ -35,12 +37,45 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_STREAMS,
         help="concurrent LMTP streams on one WebSocket / concurrent RPCs on one gRPC connection",
     )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=connection_guard.DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds an HTTP request line + headers may take to arrive (every HTTP/WebSocket port); "
+        "then 408 and closed",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=connection_guard.DEFAULT_BODY_TIMEOUT_S,
+        help="seconds an HTTP request body may send nothing; then 408 and closed",
+    )
+    g.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=connection_guard.DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+        help="open connections from one client address on each HTTP/WebSocket port; more get 429",
+    )
 
 
 async def bind(args: argparse.Namespace) -> None:
-    for flag in ("max_sessions", "idle_timeout", "max_streams_per_connection"):
+    for flag in (
+        "max_sessions",
+        "idle_timeout",
+        "max_streams_per_connection",
+        "header_timeout",
+        "body_timeout",
+        "max_connections_per_client",
+    ):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    connection_guard.configure(
+        connection_guard.ConnectionPolicy(
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            max_connections_per_client=args.max_connections_per_client,
+        )
+    )
     return None
 
 

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import Origin
+from tokenwire.protocols.connection_guard import ListenerGuard
 from tokenwire.protocols.openai import core, responses
 from tokenwire.protocols.openai.body_limit import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware
 from tokenwire.protocols.openai.errors import OpenAIError, from_engine
@@ -311,6 +312,18 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def _guarded_http_protocol(guard: ListenerGuard) -> Any:
+    """uvicorn's `http=` protocol class, behind `guard` (connection_guard.py: deadlines on
+    half-open requests, the per-address cap). uvicorn calls it with its keyword arguments for
+    each accepted connection; the guard makes uvicorn's own protocol only for one it admits."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    def make(**kwargs: Any) -> asyncio.Protocol:
+        return guard.wrap(lambda: AutoHTTPProtocol(**kwargs))()
+
+    return make
+
+
 class EmbeddedServer(uvicorn.Server):
     """uvicorn inside tokenwire's loop: signals stay with `tokenwire serve`."""
 
@@ -343,6 +356,8 @@ class OpenAIServer:
             self.api.app,
             host=self.host,
             port=self.port,
+            http=_guarded_http_protocol(ListenerGuard(f"--http-port {self.host}:{self.port}")),
+            ws="none",  # no WebSocket routes; an upgrade would hand the socket past the guard
             log_level="warning",
             access_log=False,
             lifespan="off",
