@@ -126,3 +126,35 @@ def test_what_the_fuzzer_found_stays_fixed(targets: dict[str, Target], engine: A
     for module_id in ("9" * 300, "../../etc/passwd"):  # was: OSError, name too long / outside the store
         side = b'{"op": "set_tags", "$rid": "1", "module_id": "%s", "tags": ["t"]}' % module_id.encode()
         assert targets["aici"].run(("side", side)) == "refused"
+
+
+def test_structure_aware_targets_answer_every_case_within_its_budget(engine: Any) -> None:
+    """Small inputs that imply large work (fuzz_structures.py: shared Evergreen DAGs over
+    several messages, nested grammars, oversized token arrays): each answered within its
+    budget. On the code before issue 29, evergreen_dag failed 44 of 100 cases (OverBudget in
+    flatten.py, budget 1 s) and prompt_size 4 of 100."""
+    from tokenwire.bench.fuzz_bench import run_fuzz
+
+    report = run_fuzz(engine, cases=150, seed=3, only=["evergreen_dag", "grammar", "prompt_size"])
+    assert report.failures == {}, report.failures
+    for name in ("evergreen_dag", "prompt_size"):  # both kinds made: sound inputs and bombs
+        outcomes = report.targets[name].outcomes
+        assert outcomes["ok"] > 0 and outcomes["refused"] > 0, (name, outcomes)
+    assert report.targets["grammar"].outcomes["ok"] > 0
+
+
+def test_the_budget_cuts_off_a_runaway_case_and_the_run_goes_on() -> None:
+    from tokenwire.bench.fuzz_bench import run_targets
+
+    def run(case: int) -> str:
+        while case == 0:  # the first case never ends on its own
+            pass
+        return "ok"
+
+    cases = iter(range(100))
+    runaway = Target("runaway", lambda rng: next(cases), run, budget_s=0.2)
+    report = run_targets([runaway], cases=3)
+    assert report.targets["runaway"].outcomes == {"failed": 1, "ok": 2}, report.targets["runaway"].outcomes
+    ((where, info),) = report.failures.items()
+    assert where.startswith("runaway: OverBudget"), where
+    assert "budget of 0.2 s" in info["message"]

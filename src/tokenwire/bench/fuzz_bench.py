@@ -1,6 +1,8 @@
 """`tokenwire bench fuzz --cases N`: random and damaged inputs through every network decoder
 (fuzz_targets.py: LMTP frames, GraphPipe flatbuffers, AICI shared-memory messages, Salience and
-Evergreen protobufs, OpenAI JSON bodies), round-robin, on the engine with the no-model backend.
+Evergreen protobufs, OpenAI JSON bodies) and small inputs that imply large work
+(fuzz_structures.py: shared Evergreen DAGs over several messages, nested grammars, oversized
+token arrays, each with a time budget), round-robin, on the engine with the no-model backend.
 
 Reports cases run per target, how many got a valid answer or the protocol's error, the
 distinct failures (an exception type at a place in tokenwire's code; the first input of each
@@ -13,10 +15,14 @@ import argparse
 import json
 import logging
 import random
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,23 +63,57 @@ class FuzzReport:
 def signature(target: str, exc: BaseException) -> str:
     """Where in tokenwire's code an exception escaped: one failure however many inputs hit it."""
     frames = traceback.extract_tb(exc.__traceback__)
+    over = isinstance(exc, OverBudget)  # a runaway is cut at any line of its loop: name the function
     where = next(
         (
-            f"{f.filename.rsplit('tokenwire/', 1)[-1]}:{f.lineno}"
+            f"{f.filename.rsplit('tokenwire/', 1)[-1]}:{f.name if over else f.lineno}"
             for f in reversed(frames)
-            if "tokenwire" in f.filename
+            if "tokenwire" in f.filename and not f.filename.endswith("fuzz_bench.py")  # not the alarm
         ),
         "?",
     )
     return f"{target}: {type(exc).__name__} at {where}"
 
 
+class OverBudget(BaseException):
+    """A case that was not answered within its target's budget (a BaseException, so no
+    `except Exception` in the code under test can swallow it)."""
+
+
+@contextmanager
+def time_budget(seconds: float | None) -> Iterator[None]:
+    """Cut the case off with SIGALRM after `seconds`: a runaway case (a pure-Python loop over a
+    graph's expansion) is stopped, not waited for. Main thread only (signals); elsewhere the
+    elapsed time alone is checked by the caller."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(_signum: int, _frame: Any) -> None:
+        raise OverBudget(f"not answered within its budget of {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run_fuzz(engine: Any, cases: int, seed: int = 0, only: list[str] | None = None) -> FuzzReport:
+    from tokenwire.bench.fuzz_structures import structure_targets
     from tokenwire.bench.fuzz_targets import all_targets
 
-    targets = [t for t in all_targets(engine) if not only or t.name in only]
+    every = all_targets(engine) + structure_targets(engine)
+    targets = [t for t in every if not only or t.name in only]
     if not targets:
         raise ValueError(f"no fuzz target named {only}")
+    return run_targets(targets, cases, seed)
+
+
+def run_targets(targets: list[Any], cases: int, seed: int = 0) -> FuzzReport:
+    """`cases` inputs over `targets`, round-robin, each within its target's budget."""
     rngs = {t.name: random.Random(f"{seed}:{t.name}") for t in targets}
     reports = {t.name: TargetReport(t.name) for t in targets}
     failures: dict[str, dict[str, str]] = {}
@@ -84,8 +124,13 @@ def run_fuzz(engine: Any, cases: int, seed: int = 0, only: list[str] | None = No
         case = target.make(rngs[target.name])
         t0 = time.perf_counter()
         try:
-            report.outcomes[target.run(case)] += 1
-        except Exception as exc:  # a failure: recorded, and the run goes on
+            with time_budget(target.budget_s):
+                outcome = target.run(case)
+            took = time.perf_counter() - t0
+            if target.budget_s is not None and took > target.budget_s:  # a C call the alarm could not cut
+                raise OverBudget(f"answered after {took:.2f} s, over its budget of {target.budget_s:g} s")
+            report.outcomes[outcome] += 1
+        except (Exception, OverBudget) as exc:  # a failure: recorded, and the run goes on
             report.outcomes["failed"] += 1
             failures.setdefault(
                 signature(target.name, exc), {"message": str(exc)[:300], "input": repr(case)[:300]}
@@ -130,7 +175,9 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p = bench_sub.add_parser("fuzz", help="random and damaged inputs through every protocol decoder")
     p.add_argument("--cases", type=int, default=DEFAULT_CASES, help="cases over all targets (round-robin)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target", action="append", help="only this target (repeatable): lmtp, graphpipe, ...")
+    p.add_argument(
+        "--target", action="append", help="only this target (repeatable): lmtp, graphpipe, evergreen_dag, ..."
+    )
     p.add_argument("--model", help="whose tokenizer and vocabulary (default: the default model)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=run_fuzz_bench)

@@ -34,6 +34,7 @@ class Target:
     name: str
     make: Callable[[random.Random], Any]
     run: Callable[[Any], str]
+    budget_s: float | None = None  # seconds one case may take before it counts as a failure
 
 
 class FuzzFailure(AssertionError):
