@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.reliability.conftest import Servers, idle_baseline, wait_idle
+from tests.reliability.conftest import Servers, idle_baseline, random_engine_of, wait_idle
 from tokenwire.protocols.aici.client import AiciClient
 from tokenwire.protocols.aici.rest import MAX_WASM_BYTES, AiciServer, tokenizer_spec
 from tokenwire.protocols.salience.client import AsyncClient as SalienceClient
@@ -58,6 +58,14 @@ class Aici:
         assert forks and forks[-1]["finish_reason"] in ("aici-stop", "length"), forks
         assert all(not f["error"] for f in forks), forks
         return "".join(f["text"] for f in forks)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_source: Any) -> Iterator[Any]:
+    """A KV budget (4 MiB) below the context, so one prompt can need more than all of it."""
+    engine = random_engine_of(smollm2_source, kv_cache_mb=4)
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +157,9 @@ def test_runs_refused_at_every_cap_then_run_again(aici: Aici, engine: Any) -> No
 
     # --kv-cache-mb: a prompt that alone needs more blocks than the whole budget (within the context)
     budget = engine.kv.num_blocks * engine.kv.block_size
-    if budget < engine.max_model_len:
-        prompt = [42] * budget
-        status, _, raw = aici.run({**RUN, "prompt": prompt})
-        assert status == 400 and "--kv-cache-mb" in json.loads(raw)["error"], (status, raw[:300])
+    assert budget < engine.max_model_len
+    status, _, raw = aici.run({**RUN, "prompt": [42] * budget})
+    assert status == 400 and "--kv-cache-mb" in json.loads(raw)["error"], (status, raw[:300])
 
     # capacity back: runs work again, every time, and nothing was left behind or keeps running
     for _ in range(3):
