@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.reliability.conftest import MODEL, Servers, free_ports
+from tests.reliability.conftest import MODEL, Servers, free_ports, serve_args
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
@@ -35,7 +35,9 @@ NORMAL_REQUEST = {
 @pytest.fixture(scope="module")
 def servers(engine: Any) -> Iterator[Servers]:
     from tokenwire.metrics import bind_metrics
+    from tokenwire.protocols import connection_guard
 
+    policy_before = connection_guard.current_policy()
     servers = Servers(
         engine,
         "--header-timeout", str(HEADER_TIMEOUT_S),
@@ -50,6 +52,15 @@ def servers(engine: Any) -> Iterator[Servers]:
     yield servers
     servers.call(stop_metrics())
     servers.stop()
+    connection_guard.configure(policy_before)  # servers started later by other tests: as they were
+
+
+def test_the_flags_must_be_positive() -> None:
+    from tokenwire.protocols import limits
+
+    for flag in ("--header-timeout", "--body-timeout", "--max-connections-per-client"):
+        with pytest.raises(ValueError, match=f"{flag} must be positive"):
+            asyncio.run(limits.bind(serve_args(flag, "0")))
 
 
 def connect(port: int) -> socket.socket:
@@ -235,6 +246,9 @@ def test_connections_per_client_are_capped(
 
 def test_aici_rest_half_open_request_gets_408(engine: Any, tmp_path: Any) -> None:
     """AICI REST is one more aiohttp site (started through http_site.start_site)."""
+    from tokenwire.protocols import connection_guard
+
+    policy_before = connection_guard.current_policy()
     servers = Servers(
         engine, "--header-timeout", str(HEADER_TIMEOUT_S), "--aici-store-dir", str(tmp_path), aici=True
     )
@@ -247,3 +261,4 @@ def test_aici_rest_half_open_request_gets_408(engine: Any, tmp_path: Any) -> Non
         assert_serves(port, "aici")
     finally:
         servers.stop()
+        connection_guard.configure(policy_before)
