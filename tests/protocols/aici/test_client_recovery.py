@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tokenwire.protocols.aici.client import AiciClient, AiciError
+from tokenwire.protocols.aici.engine_bridge import Coordinator
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +44,25 @@ def test_a_reply_after_its_command_timed_out_is_not_the_next_ones(client: AiciCl
     # the late pong is skipped: each command gets its own reply again
     assert client.main({"op": "tokens"}, timeout=10)["vocab_size"] == client.vocab_size
     assert client.main({"op": "ping"}, timeout=10) == {"pong": 1}
+
+
+def test_a_controller_of_a_run_that_is_gone_is_dropped_by_the_runtime(client: AiciClient) -> None:
+    """Instantiated, then its run refused or cancelled before a round assigned it: the
+    Coordinator assigns it in one round and frees it in the next, so the runtime holds no
+    controller for it (its req_id may be instantiated again) and no sequence is left."""
+    coord = Coordinator(client, client.vocab_size)
+    try:
+        args = {"req_id": "gone-1", "prompt": [1], "module_id": "regex", "module_arg": "a"}
+        assert not client.side("instantiate", timeout=30, **args).get("error")
+        coord.drop_instance("gone-1")
+        deadline = time.monotonic() + 10
+        while coord.seqs or coord.rounds < 2:
+            assert time.monotonic() < deadline, (coord.seqs, coord.rounds)
+            time.sleep(0.01)
+        with coord._lock:
+            coord.wait_idle()
+        reply = client.side("instantiate", timeout=30, **args)  # "already in use" if still held
+        assert not reply.get("error"), reply
+        coord.drop_instance("gone-1")
+    finally:
+        coord.close()
