@@ -7,6 +7,9 @@ building any of it, and the server goes on serving."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -14,7 +17,7 @@ import grpc
 import pytest
 
 from tests.protocols.evergreen.helpers import action, inner, leaf
-from tests.reliability.conftest import Servers
+from tests.reliability.conftest import MODEL, Servers
 from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
 from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
 from tokenwire.protocols.evergreen.gen import evergreen_service_pb2_grpc as spb_grpc
@@ -138,3 +141,47 @@ def test_expansion_counts_shared_nodes_each_time_without_building() -> None:
     assert expansion(core.store, "e0").chunks == 2**60 and time.monotonic() - started < 0.5
     with pytest.raises(SessionAbort, match="max_flattened_chunks=100000"):
         flatten(core.store, "e0")
+
+
+LMTP_SENDER = """
+import asyncio, sys, aiohttp
+async def main():
+    frame = 'GENERATE {"stream_id": 1, "model": "%s", "max_tokens": 2, "prompt": [%s1]}' % (
+        sys.argv[2], "1, " * (10**7 - 1))
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(sys.argv[1], max_msg_size=0) as ws:
+            await ws.send_str(frame)
+            del frame
+            while True:
+                reply = await ws.receive_str()
+                if reply.startswith("TOKEN"):
+                    print(reply)
+                    return
+asyncio.run(main())
+"""
+
+
+def test_lmtp_prompt_of_ten_million_ids_is_refused_unread(servers: Servers) -> None:
+    """Issue 29: one LMTP prompt of 10^7 token ids raised RSS ~110 MiB for good. The frame is
+    larger than any request within --max-model-len: refused before its JSON is parsed. The
+    client is another process, so this process's RSS is the server's."""
+    before = rss_mib()
+    sender = [sys.executable, "-c", LMTP_SENDER, servers.url("lmtp"), MODEL]
+    reply = subprocess.run(sender, capture_output=True, text=True, timeout=60, check=True).stdout
+    grown = rss_mib() - before
+    # an error record of the stream (its code rides on the retry extension, not negotiated here)
+    record = json.loads(reply.partition(" ")[2])[0]
+    assert record["stream_id"] == 1 and "--max-model-len" in record["error"], record
+    # the transport still receives the 30 MB frame (two transient copies the allocator may keep);
+    # parsing it as well made that ~90 MiB
+    assert grown < 70, f"RSS grew {grown:.0f} MiB"
+
+
+def test_openai_prompt_of_token_ids_past_the_context_is_refused_before_the_id_check(servers: Servers) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=servers.url("http"), api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=[10**9] * 200_000, max_tokens=2)
+    error = caught.value.body
+    assert error["code"] == "context_length_exceeded" and "--max-model-len" in error["message"], error

@@ -423,7 +423,14 @@ class Engine:
         session.touch()
         # a request cut short may leave prompt positions that were never computed; that is fine:
         # the session keeps its tokens and the next request computes them.
-        event = FinishEvent(finish.reason, request.prompt_len, request.generated, finish.error, finish.detail)
+        event = FinishEvent(
+            finish.reason,
+            request.prompt_len,
+            request.generated,
+            finish.error,
+            finish.detail,
+            bad_input=finish.bad_input,
+        )
         if self.on_finish is not None:  # first: a client that saw its end finds it counted
             try:
                 self.on_finish(request, event)

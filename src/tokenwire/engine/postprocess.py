@@ -8,6 +8,7 @@ which the engine loop applies.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Set
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from tokenwire.engine.concepts import ConceptSet
+from tokenwire.engine.constraints import ConstraintError
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.request import (
     BacktrackEvent,
@@ -28,6 +30,8 @@ from tokenwire.engine.request import (
 from tokenwire.engine.sampler import logprobs_of, processed_logits, sample
 from tokenwire.engine.step import RowStats, StepItem, StepOutput
 from tokenwire.model.tokenizer import Tokenizer
+
+log = logging.getLogger("tokenwire.engine")
 
 NO_TOKEN_ALLOWED = "constraint allows no token at this position"
 
@@ -49,6 +53,7 @@ class Finish:
     reason: FinishReason
     error: str | None = None
     detail: Any = None  # the stop string or stop token id
+    bad_input: bool = False  # the error is the request's own (FinishEvent.bad_input)
 
 
 @dataclass
@@ -66,7 +71,10 @@ def postprocess(items: list[StepItem], output: StepOutput, ctx: StepContext) -> 
         outcome = Outcome(item.request)
         try:
             _after_item(ctx, item, output, outcome)
-        except Exception as exc:  # one sequence's failure (constraint, ...) ends only that sequence
+        except ConstraintError as exc:  # the request's grammar failed (llguidance's own limits)
+            outcome.finish = Finish("error", error=f"{type(exc).__name__}: {exc}", bad_input=True)
+        except Exception as exc:  # one sequence's failure ends only that sequence
+            log.exception("request %s failed after a step", item.request.id)
             outcome.finish = Finish("error", error=f"{type(exc).__name__}: {exc}")
         outcomes.append(outcome)
     return outcomes

@@ -144,6 +144,9 @@ class FinishEvent:
     # an "error" because the engine running the request went away (a lost --replicas replica):
     # protocols answer it as unavailable (retry elsewhere), not as an internal failure
     unavailable: bool = False
+    # an "error" the request's own input caused (its constraint's grammar failed mid-generation,
+    # e.g. past llguidance's lexer limits): protocols answer it as invalid input, not internal
+    bad_input: bool = False
 
     @property
     def total_tokens(self) -> int:

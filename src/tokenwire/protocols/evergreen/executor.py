@@ -233,8 +233,10 @@ async def _stream_generation(host: ActionHost, action: ActionState, handle, opti
             )
         elif isinstance(event, FinishEvent):
             if event.reason == "error":
-                # UNAVAILABLE: the --replicas replica running it died (a retry may succeed)
+                # UNAVAILABLE: the --replicas replica running it died (a retry may succeed);
+                # INVALID_ARGUMENT: the ConstraintConfig's grammar failed (the client's to fix)
                 code = grpc.StatusCode.UNAVAILABLE if event.unavailable else grpc.StatusCode.INTERNAL
+                code = grpc.StatusCode.INVALID_ARGUMENT if event.bad_input else code
                 raise SessionAbort(code, f"action {action.spec.label}: generation failed: {event.error}")
             if event.reason == "cancelled":
                 return

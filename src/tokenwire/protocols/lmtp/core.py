@@ -50,6 +50,24 @@ log = logging.getLogger("tokenwire.lmtp")
 Watch = Callable[[RequestHandle, Stream], None]
 _EXT_MESSAGES = {"BUFFER": "buffers", "DROP": "buffers", "CANCEL": "retry"}
 _STREAM_MESSAGES = ("GENERATE", "SCORE")  # their errors are TOKEN records: they end a stream
+# A frame's byte budget, derived from what the model can take: a prompt (plus a SCORE's scored
+# part) fits in --max-model-len tokens, a logit_bias has at most one entry per vocabulary id.
+# Checked before the JSON is parsed: a frame of 10^7 token ids is refused unread instead of
+# becoming lists of 10^7 Python ints (issue 29: RSS rose ~110 MiB and stayed up).
+FRAME_BYTES_PER_TOKEN = 64  # JSON bytes one prompt token may take (a long text token, escaped)
+FRAME_BYTES_PER_VOCAB_ID = 32  # one logit_bias entry: `"123456": -100.0, `
+FRAME_BYTES_BASE = 64 * 1024  # every other field
+
+
+def frame_budget(engine: Engine) -> int:
+    """The most bytes a client frame needs for this model (a transport may cap messages at it)."""
+    return (
+        FRAME_BYTES_BASE
+        + FRAME_BYTES_PER_TOKEN * engine.max_model_len
+        + FRAME_BYTES_PER_VOCAB_ID * engine.vocab_size
+    )
+
+
 _STREAM_ID = re.compile(r'"stream_id"\s*:\s*(-?\d{1,18}(?![\d.eE])|"(?:[^"\\]|\\.){0,256}")')
 
 
@@ -92,7 +110,7 @@ class LmtpConnection:
     # ------------------------------------------------------------------ transport API
     def feed(self, text: str) -> None:
         """Handle one client frame."""
-        if self.closed:
+        if self.closed or self._oversized(text):
             return
         try:
             kind, payload = decode_frame(text)
@@ -123,6 +141,24 @@ class LmtpConnection:
         except EngineError as exc:
             code, retryable = info.engine_error_code(exc)
             self._error(out_kind, stream_id_of(payload), str(exc), code, retryable)
+
+    def _oversized(self, text: str) -> bool:
+        """Refuses (with the context error record) a frame larger than any request the model
+        can take; True when refused."""
+        engine = self.engine
+        if engine is None:
+            return False
+        budget = frame_budget(engine)
+        if len(text) <= budget:  # characters <= UTF-8 bytes: never refuses a frame within it
+            return False
+        kind = text[:64].strip().partition(" ")[0]
+        sid = _stream_id_in(text)
+        message = (
+            f"{kind[:40]} frame of {len(text)} characters is larger than any request this model "
+            f"can take (--max-model-len {engine.max_model_len}: at most {budget}); refused unread"
+        )
+        self._error("TOKEN" if kind in _STREAM_MESSAGES else "MSG", sid, message, "context_overflow")
+        return True
 
     def on_events(self, batch: Iterable[tuple[Stream, Event]]) -> None:
         for stream, event in batch:

@@ -8,14 +8,15 @@ engine. Every check runs before the engine is touched, so a refused request chan
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenwire.engine.admission import Limits, check_request
-from tokenwire.engine.errors import EngineError
+from tokenwire.engine.errors import EngineError, InvalidRequestError
 from tokenwire.engine.request import GenerateOptions
 from tokenwire.engine.vision import ImageInput
 from tokenwire.model.tokenizer import Tokenizer
@@ -80,6 +81,16 @@ def _check_common(req: Sampling, limits: ModelLimits) -> None:
             raise bad_request(f"logit_bias: token id {key} is negative", "logit_bias", "invalid_token")
 
 
+@contextlib.contextmanager
+def _text_of(param: str) -> Iterator[None]:
+    """The tokenizer refuses text that is not valid Unicode (a lone UTF-16 surrogate, sent
+    escaped or as raw bytes, which JSON decoding lets through): the client's error, a 400."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        raise bad_request(f"{param}: {exc}", param, "invalid_value") from None
+
+
 def _max_tokens(requested: int | None, prompt_len: int, limits: ModelLimits) -> int:
     """OpenAI's default is "until the context is full"; a larger request is capped there."""
     room = max(limits.max_model_len - prompt_len, 0)
@@ -127,7 +138,8 @@ def plan_chat(req: ChatCompletionRequest, limits: ModelLimits, session_tokens: S
     images: list[ChatImage] = []
     messages = chat.template_messages(req.messages, limits.vision, images)
     history = list(session_tokens or ())
-    append = chat.prompt_tokens(tok, messages, history[-SESSION_TAIL:], tools)
+    with _text_of("messages"):
+        append = chat.prompt_tokens(tok, messages, history[-SESSION_TAIL:], tools)
     placed = place_images(append, images, limits.vision, len(history)) if limits.vision else []
     prompt_len = len(history) + len(append)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -201,8 +213,16 @@ def _prompts(prompt: Any, tok: Tokenizer, limits: ModelLimits, fresh: bool) -> l
     out = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            out.append(tok.encode(p, add_special_tokens=fresh))
+            with _text_of("prompt"):
+                out.append(tok.encode(p, add_special_tokens=fresh))
             continue
+        if len(p) > limits.max_model_len:  # counted before 10^7 ids are checked one by one
+            raise bad_request(
+                f"prompt[{i}] has {len(p)} token ids, more than the model's context "
+                f"({limits.max_model_len} tokens, --max-model-len)",
+                "prompt",
+                "context_length_exceeded",
+            )
         for t in p:
             if not 0 <= t < limits.vocab_size:
                 raise bad_request(

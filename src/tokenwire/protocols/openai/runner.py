@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import Event, FinishEvent, RequestHandle
 from tokenwire.protocols.openai.core import Plan
-from tokenwire.protocols.openai.errors import OpenAIError, from_engine
+from tokenwire.protocols.openai.errors import OpenAIError, bad_request, from_engine
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -100,6 +100,9 @@ class Execution:
                             type="service_unavailable",
                             code="replica_lost",
                         )
+                    if event.reason == "error" and event.bad_input:  # the request's grammar failed
+                        message = f"the output constraint failed: {event.error}"
+                        raise bad_request(message, code="invalid_grammar")
                     if event.reason == "error":
                         raise OpenAIError(
                             500, event.error or "generation failed", type="server_error", code="engine_error"

@@ -74,7 +74,7 @@ def compile_structure(structure: Structure | None, tokenizer: Any, width: int) -
         if structure.kind == "regex":
             return GrammarConstraint.regex(tokenizer, width, structure.spec)
         return GrammarConstraint.lark(tokenizer, width, structure.spec)
-    except ValueError as exc:
+    except ValueError as exc:  # UnicodeEncodeError too: a lone surrogate in the grammar
         raise bad_request(str(exc), structure.param) from exc
 
 
