@@ -128,7 +128,7 @@ class Coordinator:
     def free(self, seq_id: int) -> None:
         """The sequence's run is done with it (idempotent). It leaves the rounds at once: a
         sequence left here holding a result nobody takes would make `ready_for_round` false
-        forever, and every other sequence would wait (\"wait\" outcomes) without end."""
+        forever, and every other sequence would wait ("wait" outcomes) without end."""
         with self._lock:
             state = self.seqs.get(seq_id)
             if state is None:
