@@ -185,3 +185,22 @@ def test_openai_prompt_of_token_ids_past_the_context_is_refused_before_the_id_ch
         client.completions.create(model=MODEL, prompt=[10**9] * 200_000, max_tokens=2)
     error = caught.value.body
     assert error["code"] == "context_length_exceeded" and "--max-model-len" in error["message"], error
+
+
+def test_an_oversized_lmtp_frame_is_refused_on_its_stream_wherever_the_stream_id_is(engine: Any) -> None:
+    """Our own client writes stream_id after the prompt: the refusal read unparsed must still
+    find it (it was looked for in the first 4 KiB only, and the client waited forever)."""
+    from tokenwire.protocols.lmtp.core import LmtpConnection
+
+    for payload in (
+        {"stream_id": 5, "model": MODEL, "prompt": [7] * 10**6, "max_tokens": 1},
+        {"model": MODEL, "prompt": [7] * 10**6, "max_tokens": 1, "stream_id": 5},
+    ):
+        conn = LmtpConnection(engine, lambda handle, stream: None)
+        try:
+            conn.feed("GENERATE " + json.dumps(payload))
+            (frame,) = conn.take_frames()
+        finally:
+            conn.close()
+        (record,) = json.loads(frame.partition(" ")[2])
+        assert record["stream_id"] == 5 and "refused unread" in record["error"], record

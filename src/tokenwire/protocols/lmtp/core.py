@@ -72,8 +72,10 @@ _STREAM_ID = re.compile(r'"stream_id"\s*:\s*(-?\d{1,18}(?![\d.eE])|"(?:[^"\\]|\\
 
 
 def _stream_id_in(text: str) -> StreamId | None:
-    """The stream_id of a frame whose JSON does not parse, when it can be read (first match)."""
-    match = _STREAM_ID.search(text[:4096])
+    """The stream_id of a frame whose JSON is not parsed, when it can be read: the first match
+    in its head, else the last in its tail (clients that put the id after a long prompt, as
+    ours does, would otherwise get an error record on no stream and wait forever)."""
+    match = _STREAM_ID.search(text[:4096]) or next(reversed(list(_STREAM_ID.finditer(text[-4096:]))), None)
     if match is None:
         return None
     try:
