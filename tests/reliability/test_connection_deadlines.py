@@ -159,6 +159,26 @@ def test_stalled_body_gets_408_and_is_closed(servers: Servers, name: str, chunke
     assert_serves(servers.ports[name], name)
 
 
+@pytest.mark.parametrize("name", ["http", "graphpipe"])
+def test_stalled_body_after_100_continue_gets_408(servers: Servers, name: str) -> None:
+    """The server's interim "100 Continue" invites the body; it is not an answer to the request."""
+    start = stalled_body(BODY_PATH[name], chunked=False).replace(
+        b"Content-Length", b"Expect: 100-continue\r\nContent-Length"
+    )
+    with connect(servers.ports[name]) as sock:
+        sock.sendall(start)
+        answer, _ = read_until_closed(sock, BODY_TIMEOUT_S + 4)
+    assert answer.startswith(b"HTTP/1.1 100 Continue") and b"HTTP/1.1 408" in answer, answer[:300]
+
+
+def test_head_over_64_kib_gets_431(servers: Servers) -> None:
+    """uvicorn's httptools parser would buffer a head of any size; the guard stops at 64 KiB."""
+    with connect(servers.ports["http"]) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nX-Pad: " + b"a" * 70_000)
+        answer, _ = read_until_closed(sock, 4)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+
+
 def test_stalled_body_after_the_server_answered_is_closed_without_a_408(servers: Servers) -> None:
     """aiohttp answers an unknown path (404) before reading the body, then waits for the body;
     the deadline closes the connection but appends nothing to that answer."""

@@ -131,7 +131,9 @@ class _WatchedTransport(asyncio.Transport):
         self._real = real
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        self._connection.answered = True
+        # "HTTP/1.1 100 Continue" is no answer: the client sends its body after it
+        if bytes(data[:10]) != b"HTTP/1.1 1":
+            self._connection.answered = True
         self._real.write(data)
 
     def writelines(self, list_of_data: Any) -> None:
@@ -230,6 +232,8 @@ class GuardedConnection(asyncio.Protocol):
             self.answered = False
         phase = framer.phase
         if phase is Phase.HEAD_TOO_LARGE:
+            if self.transport is None or self.transport.is_closing():
+                return  # answered already
             self._answer_and_close(
                 _http_response("431 Request Header Fields Too Large", "request head over 64 KiB\n")
             )

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import enum
 
-# A head past this is answered 431 by the guard. aiohttp refuses a line over 8190 bytes and
-# h11 a head over 16 KiB; uvicorn's httptools parser has no cap of its own.
+# Following a 130-byte POST head and its 120-byte body costs ~8 us (timeit), against milliseconds
+# to serve it. A head past MAX_HEAD_BYTES is answered 431 by the guard: aiohttp refuses a line
+# over 8190 bytes and h11 a head over 16 KiB, but uvicorn's httptools parser has no cap of its own.
 MAX_HEAD_BYTES = 64 * 1024
 _MAX_CHUNK_LINE = 64  # enough for any chunk size in hex; extensions past it are skipped unread
 
