@@ -264,6 +264,24 @@ def test_connections_per_client_are_capped(
             conn.close()
 
 
+def test_websocket_connections_per_client_are_capped(servers: Servers) -> None:
+    import aiohttp
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            held = [await session.ws_connect(servers.url("lmtp")) for _ in range(CAP)]
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await session.ws_connect(servers.url("lmtp"))
+            assert refused.value.status == 429
+            await held.pop().close()
+            await asyncio.sleep(0.1)  # the server sees the close
+            held.append(await session.ws_connect(servers.url("lmtp")))
+            for ws in held:
+                await ws.close()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+
+
 def test_aici_rest_half_open_request_gets_408(engine: Any, tmp_path: Any) -> None:
     """AICI REST is one more aiohttp site (started through http_site.start_site)."""
     from tokenwire.protocols import connection_guard
