@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from tokenwire.engine import threads as engine_threads
 from tokenwire.logs import access_log
 from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
 
@@ -91,6 +92,13 @@ class EngineCollector:
             stats["prefix_cache_hits"] * self.engine.kv.block_size,
         )
         yield GaugeMetricFamily("tokenwire_sessions_open", "Engine sessions alive", stats["sessions"])
+        choice = engine_threads.current()
+        if choice is not None:  # source: flag, env, affinity or cgroup (engine/threads.py)
+            threads = GaugeMetricFamily(
+                "tokenwire_engine_threads", "CPU threads of the engine's kernels", labels=["source"]
+            )
+            threads.add_metric([choice.source], choice.threads)
+            yield threads
 
 
 _engine_collector: EngineCollector | None = None

@@ -12,6 +12,7 @@ import torch
 from tokenwire.engine.concepts import ConceptSet
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.threads import apply_threads
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.gguf import PACKED_FILE
 from tokenwire.model.llama import LlamaModel, build_model
@@ -181,8 +182,7 @@ def _log_conversion(settings: EngineSettings) -> None:
 def build_engine(settings: EngineSettings) -> Engine:
     if settings.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {settings.dtype!r}: use fp32 or bf16")
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
+    apply_threads(settings.threads)
     device = pick_device(settings.device)
     with StartupProgress(
         ["model files", "load + warm-up"], enabled=None if settings.progress else False

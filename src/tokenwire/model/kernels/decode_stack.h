@@ -6,6 +6,7 @@
 #include <omp.h>
 #include <torch/custom_class.h>
 
+#include "barrier.h"
 #include "matvec.h"
 
 namespace tw {
@@ -180,11 +181,17 @@ struct DecodeStack : torch::CustomClassHolder {
     const float* sp = sin.data_ptr<float>();
     float* k_base = k_cache.data_ptr<float>();
     float* v_base = v_cache.data_ptr<float>();
-    const int threads = at::get_num_threads();
+    const int threads = g_team.team(at::get_num_threads());
+    SpinThenSleepBarrier barrier;
+    const bool omp_barrier = g_spin_ns.load() < 0;  // A/B measurement only
+    std::atomic<int64_t> waited{0};
+    const auto started = std::chrono::steady_clock::now();
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      int64_t my_wait = 0;
+#define SYNC if (omp_barrier) { _Pragma("omp barrier") } else my_wait += barrier.wait(nt);
       std::vector<float> resid(xp, xp + M * H), h(M * H), scores, rotated(D);
       QuantizedActivations qa;  // this thread's copy of the current matvec input
       auto quantize = [&](const float* in, int64_t K, int64_t qtype) -> const QuantizedActivations* {
@@ -222,7 +229,7 @@ struct DecodeStack : torch::CustomClassHolder {
               std::memcpy((key ? kc : vc) + slot * kv_size + (s - num_heads) % num_kv_heads * D, v, D * sizeof(float));
             }
           }
-#pragma omp barrier
+SYNC
         for (int64_t task = t0; task < t1; ++task) {  // softmax(q.k / sqrt(D)) over positions 0..pos
           const int64_t m = task / num_heads, head = task % num_heads, kvh = head / rep, len = pos[m] + 1;
           const float* q = qkv.data() + m * qkv_n + head * D;
@@ -236,9 +243,9 @@ struct DecodeStack : torch::CustomClassHolder {
           for (int64_t t = 0; t < len; ++t)
             axpy(scores[t] / total, vc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D, o, D);
         }
-#pragma omp barrier
+SYNC
         matvec_rows(attn.data(), quantize(attn.data(), q_size, L.o_type), M, q_size, L.o, L.o_type, o0, o1, proj.data());
-#pragma omp barrier
+SYNC
         for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
         rms_norm_rows(resid.data(), L.post_norm.data_ptr<float>(), feps, M, H, h.data());
         const QuantizedActivations* in = quantize(h.data(), H, L.gate_up_type);
@@ -251,16 +258,19 @@ struct DecodeStack : torch::CustomClassHolder {
             swiglu_block(gu.data() + m * 2 * inter + b * kBlock, gu.data() + m * 2 * inter + inter + b * kBlock, a);
             if (int16) qa_act.quantize_block(a, m, b);
           }
-#pragma omp barrier
+SYNC
         matvec_rows(act.data(), int16 ? &qa_act : nullptr, M, inter, L.down, L.down_type, o0, o1, proj.data());
-#pragma omp barrier
+SYNC
         for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
       }
+      waited.fetch_add(my_wait, std::memory_order_relaxed);
       if (tid == 0) {
         if (final_norm.has_value()) rms_norm_rows(resid.data(), final_norm->data_ptr<float>(), feps, M, H, xp);
         else std::memcpy(xp, resid.data(), M * H * sizeof(float));
       }
     }
+    const auto wall = std::chrono::steady_clock::now() - started;
+    g_team.report(waited.load(), threads, std::chrono::duration_cast<std::chrono::nanoseconds>(wall).count());
   }
 };
 

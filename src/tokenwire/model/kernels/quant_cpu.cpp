@@ -39,7 +39,7 @@ void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::T
     QuantizedActivations acts;
     const bool int16 = kInt16Rows && int16_rows;
     if (int16) acts.quantize(xp, M, K, qtype);
-    at::parallel_for(0, N, rows_per_task(K, M), [&](int64_t a, int64_t b) {
+    at::parallel_for(0, N, g_team.solo() ? N : rows_per_task(K, M), [&](int64_t a, int64_t b) {
       matvec_rows(xp, int16 ? &acts : nullptr, M, K, w, qtype, a, b, op);
     });
   } else {
@@ -158,6 +158,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_stats(const at::Tensor& logit
 
 void set_int16_activations(bool on) { g_int16_activations = on; }
 
+void set_barrier_spin_us(double us) { g_spin_ns = static_cast<int64_t>(us * 1000); }
+
+void set_team_adaptive(bool on) { g_team.adaptive = on; }
+
+// the last multi-threaded decode step's waiting share and the single-threaded steps still due
+std::tuple<double, int64_t> team_state() { return {g_team.last_fraction.load(), g_team.solo_left()}; }
+
+// [participants, 3]: CPU seconds and wall seconds inside the barrier, rounds seen right
+at::Tensor barrier_probe_op(int64_t participants, int64_t rounds, double sleep_ms) {
+  TORCH_CHECK(participants >= 1 && participants <= 64 && rounds >= 1, "1-64 participants, at least one round");
+  const std::vector<double> r = barrier_probe(static_cast<int>(participants), static_cast<int>(rounds), sleep_ms);
+  return at::tensor(r, at::kDouble).view({participants, 3});
+}
+
 }  // namespace tw
 
 using namespace tw;
@@ -170,6 +184,10 @@ TORCH_LIBRARY(tokenwire, m) {
       .def("run", &DecodeStack::run);
   m.def("row_stats(Tensor logits, Tensor want_lse) -> (Tensor, Tensor, Tensor)");
   m.def("set_int16_activations(bool on) -> ()");
+  m.def("set_barrier_spin_us(float us) -> ()");
+  m.def("set_team_adaptive(bool on) -> ()");
+  m.def("team_state() -> (float, int)");
+  m.def("barrier_probe(int participants, int rounds, float sleep_ms) -> Tensor");
   m.def("qmatmul(Tensor x, Tensor w, int qtype, bool int16_rows=False) -> Tensor");
   m.def("dequantize(Tensor w, int qtype, int k, Tensor rows) -> Tensor");
 }
@@ -180,6 +198,11 @@ TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("row_stats", &row_stats);
 }
 
-TORCH_LIBRARY_IMPL(tokenwire, CatchAll, m) { m.impl("set_int16_activations", &set_int16_activations); }
+TORCH_LIBRARY_IMPL(tokenwire, CatchAll, m) { m.impl("set_int16_activations", &set_int16_activations);
+  m.impl("set_barrier_spin_us", &set_barrier_spin_us);
+  m.impl("barrier_probe", &barrier_probe_op);
+  m.impl("set_team_adaptive", &set_team_adaptive);
+  m.impl("team_state", &team_state);
+}
 
 TORCH_LIBRARY_IMPL(tokenwire, Meta, m) { m.impl("qmatmul", &qmatmul_meta); }

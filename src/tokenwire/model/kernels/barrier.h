@@ -1,0 +1,178 @@
+// A barrier for the threads of one parallel region that spins for a bounded time, then sleeps.
+// Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via decode_stack.h).
+//
+// Why not `#pragma omp barrier`: libgomp's waiters spin GOMP_SPINCOUNT iterations (300,000 by
+// default, cut to ~1,000 once a process has more OpenMP threads than CPUs) and then sleep on a
+// futex, with no bound in time. When another process shares a core, the partner of a waiting
+// thread is off its CPU for whole scheduler slices; measured numbers are in decode_stack.h.
+// This one spins at most `g_spin_ns` of wall-clock time (checked every 64 pauses), then sleeps on
+// a futex until the last participant arrives, so a preempted partner costs its sleeping
+// partners no CPU and a running partner a wait of microseconds.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <ctime>
+#include <thread>
+#include <vector>
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace tw {
+
+// How long a waiter spins before it sleeps (set_barrier_spin_us); see decode_stack.h for the
+// measurement behind the default.
+inline std::atomic<int64_t> g_spin_ns{100'000};
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+class SpinThenSleepBarrier {
+ public:
+  // Every participant calls wait(n) with the same n (the region's thread count); returns once
+  // all n have arrived, with every write made before any participant's arrival visible.
+  // Returns the nanoseconds this participant waited (0 for the last to arrive).
+  int64_t wait(int n) {
+    if (n <= 1) return 0;
+    const uint32_t gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_seq_cst);  // releases the waiters
+      if (sleepers_.load(std::memory_order_seq_cst) > 0) wake_all();
+      return 0;
+    }
+    const int64_t spin_ns = g_spin_ns.load(std::memory_order_relaxed);
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      for (int i = 0; i < 64; ++i) {
+        if (generation_.load(std::memory_order_acquire) != gen) return since(start);
+        cpu_relax();
+      }
+      if (since(start) >= spin_ns) break;
+    }
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (generation_.load(std::memory_order_seq_cst) == gen) sleep_while(gen);
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+    return since(start);
+  }
+
+ private:
+  static int64_t since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t).count();
+  }
+  // the futex word is the generation: a sleeper re-checks it in the kernel, so a release between
+  // its load and its sleep is never missed (the releaser bumps it before reading sleepers_)
+  void sleep_while(uint32_t gen) {
+#ifdef __linux__
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), FUTEX_WAIT_PRIVATE, gen, nullptr, nullptr, 0);
+#else
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+#endif
+  }
+  void wake_all() {
+#ifdef __linux__
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+#endif
+  }
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "the futex word must be a plain uint32");
+  alignas(64) std::atomic<uint32_t> arrived_{0};
+  alignas(64) std::atomic<uint32_t> generation_{0};
+  alignas(64) std::atomic<int> sleepers_{0};
+};
+
+// The team size of the fused decode step, from how long the last multi-threaded step's threads
+// waited for each other. When another process holds one of the cores as often as we do (a
+// process in another session: with autogroup scheduling a `nice 19` loop there weighs as much as
+// our whole server), every barrier waits for a partner that is off its core, and the step
+// ping-pongs: measured in decode_stack.h. Then `solo` steps run on the calling thread alone (no
+// barrier at all); the span doubles while 2-thread probes stay contended (8 .. 512 steps) and
+// resets after one that is not.
+class TeamGate {
+ public:
+  // waiting above this share of the team's time marks a step contended (quiet: see decode_stack.h)
+  static constexpr double kContended = 0.35;
+
+  int team(int threads) {
+    if (threads <= 1 || !adaptive.load(std::memory_order_relaxed)) return threads;
+    const int left = solo_left_.load(std::memory_order_relaxed);
+    if (left <= 0) return threads;
+    solo_left_.store(left - 1, std::memory_order_relaxed);
+    return 1;
+  }
+  void report(int64_t waited_ns, int team, int64_t wall_ns) {
+    if (team <= 1 || wall_ns <= 0) return;
+    const double fraction = static_cast<double>(waited_ns) / (static_cast<double>(team) * wall_ns);
+    last_fraction.store(fraction, std::memory_order_relaxed);
+    if (fraction <= kContended) {
+      span_ = 0;
+      return;
+    }
+    span_ = std::min(512, std::max(8, span_ * 2));
+    solo_left_.store(span_, std::memory_order_relaxed);
+  }
+  // whether single-threaded steps are due: the lm_head and other small kernels follow it
+  bool solo() const { return solo_left_.load(std::memory_order_relaxed) > 0; }
+  int solo_left() const { return solo_left_.load(std::memory_order_relaxed); }
+
+  std::atomic<bool> adaptive{true};
+  std::atomic<double> last_fraction{0.0};
+
+ private:
+  std::atomic<int> solo_left_{0};
+  int span_ = 0;
+};
+
+inline TeamGate g_team;
+
+// Test hook (the barrier_probe op): `n` threads meet `rounds` times; before each meeting
+// participant 0 sleeps `sleep_ms`. Per participant: CPU seconds and wall seconds spent inside
+// wait() (its thread CPU clock) and the number of rounds in which it saw every participant's
+// write of that round after the barrier.
+inline std::vector<double> barrier_probe(int n, int rounds, double sleep_ms) {
+  SpinThenSleepBarrier barrier;
+  std::vector<int64_t> slots(n, -1);
+  std::vector<double> out(3 * n, 0.0);
+  auto cpu_now = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+  };
+  auto body = [&](int id) {
+    for (int r = 0; r < rounds; ++r) {
+      if (id == 0) std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(sleep_ms * 1000)));
+      slots[id] = static_cast<int64_t>(r) * n + id;
+      const double c0 = cpu_now();
+      const auto w0 = std::chrono::steady_clock::now();
+      barrier.wait(n);
+      out[3 * id] += cpu_now() - c0;
+      out[3 * id + 1] += std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+      int64_t sum = 0;
+      for (int i = 0; i < n; ++i) sum += slots[i];
+      out[3 * id + 2] += sum == static_cast<int64_t>(r) * n * n + static_cast<int64_t>(n) * (n - 1) / 2;
+      barrier.wait(n);  // nobody writes the next round's slot while another still reads
+    }
+  };
+  std::vector<std::thread> team;
+  for (int id = 1; id < n; ++id) team.emplace_back(body, id);
+  body(0);
+  for (auto& t : team) t.join();
+  return out;
+}
+
+}  // namespace tw
