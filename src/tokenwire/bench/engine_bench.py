@@ -140,6 +140,7 @@ def long_prompt(engine: Engine, n: int) -> list[int]:
 
 def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     from tokenwire.bench import llamacpp_baseline
+    from tokenwire.bench.neighbours import busy_neighbours, describe
     from tokenwire.heap import freeze_startup_heap
     from tokenwire.model.quant import resident_bytes
 
@@ -149,6 +150,8 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     key = f"streams_{args.streams}"
     ours: dict[str, list[float]] = {"single_stream": [], key: [], "prefill_1k": []}
     peer: dict[str, list[float]] = {name: [] for name in ours}
+    ours_loaded: dict[str, list[float]] = {name: [] for name in ours}
+    peer_loaded: dict[str, list[float]] = {name: [] for name in ours}
     gguf = engine.source.source if engine.source.source.suffix.lower() == ".gguf" else None
     llama = None
     if args.llamacpp and gguf is not None and llamacpp_baseline.available():
@@ -162,15 +165,20 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
         ours_single(engine, prompts[0], 8)  # warm-up
         if llama is not None:
             llama.single_decode(prompts[0], 8)
-        # interleaved rounds: each measure runs ours then llama.cpp, so both see the same machine
+        # interleaved rounds: each measure runs ours then llama.cpp, so both see the same machine;
+        # with --neighbours, each round runs every measure quiet and then beside the busy loops
+        conditions = [0, args.neighbours] if args.neighbours else [0]
         for _ in range(reps):
-            ours["single_stream"].append(ours_single(engine, prompts[0], n))
-            ours[key].append(ours_streams(engine, prompts, n))
-            ours["prefill_1k"].append(ours_prefill(engine, long))
-            if llama is not None:
-                peer["single_stream"].append(llama.single_decode(prompts[0], n))
-                peer[key].append(llama.streams(prompts, n))
-                peer["prefill_1k"].append(llama.prefill(long))
+            for busy in conditions:
+                mine, theirs = (ours, peer) if busy == 0 else (ours_loaded, peer_loaded)
+                with busy_neighbours(busy, own_session=not args.neighbours_same_session):
+                    mine["single_stream"].append(ours_single(engine, prompts[0], n))
+                    mine[key].append(ours_streams(engine, prompts, n))
+                    mine["prefill_1k"].append(ours_prefill(engine, long))
+                    if llama is not None:
+                        theirs["single_stream"].append(llama.single_decode(prompts[0], n))
+                        theirs[key].append(llama.streams(prompts, n))
+                        theirs["prefill_1k"].append(llama.prefill(long))
         turn2 = (
             _median(lambda: ours_turn2(engine, args.session_tokens, True), reps),
             _median(lambda: ours_turn2(engine, args.session_tokens, False), reps),
@@ -191,9 +199,15 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
         if peer[measure]:
             row["llamacpp_tok_s"] = statistics.median(peer[measure])
             row["ratio_vs_llamacpp"] = row["tokenwire_tok_s"] / row["llamacpp_tok_s"]
+        for engine_key, loaded in (("tokenwire", ours_loaded), ("llamacpp", peer_loaded)):
+            if loaded[measure]:  # speed beside the neighbours, and kept against the quiet runs
+                row[f"{engine_key}_loaded_tok_s"] = statistics.median(loaded[measure])
+                row[f"{engine_key}_kept"] = row[f"{engine_key}_loaded_tok_s"] / row[f"{engine_key}_tok_s"]
         result[measure] = row
     result["turn2_ttft"] = {"reuse_s": turn2[0], "reprefill_s": turn2[1], "ratio": turn2[1] / turn2[0]}
     result["weights"] = engine.weights
+    if args.neighbours:
+        result["neighbours"] = describe(args.neighbours, own_session=not args.neighbours_same_session)
     result["resident_weight_mb"] = resident_mb
     if gguf is not None:
         result["gguf_file_mb"] = gguf.stat().st_size / 2**20
@@ -228,6 +242,8 @@ def _print_table(
         hf = cell(row, "hf_tok_s", "ratio")
         peer = cell(row, "llamacpp_tok_s", "ratio_vs_llamacpp")
         print(f"{label:<24}{row['tokenwire_tok_s']:>8.1f} t/s{peer}  {hf}")
+    if "neighbours" in result:
+        _print_kept(result, labels)
     t = result["turn2_ttft"]
     print(
         f"{'turn-2 TTFT reuse/re-pf':<24}{t['reuse_s'] * 1000:>9.1f} ms{t['reprefill_s'] * 1000:>9.1f} ms"
@@ -243,6 +259,23 @@ def _print_table(
         print("llama.cpp baseline not run: install the bench extra (`make bench`, or pip install '.[bench]')")
 
 
+def _print_kept(result: dict[str, Any], labels: dict[str, str]) -> None:
+    print(f"beside {result['neighbours']} (quiet and loaded measured in the same rounds):")
+    print(
+        f"{'measure':<24}{'tokenwire':>12}{'loaded':>12}{'kept':>7}{'llama.cpp':>12}{'loaded':>12}{'kept':>7}"
+    )
+
+    def cells(row: dict[str, float], key: str) -> str:
+        if f"{key}_kept" not in row:
+            return f"{'-':>12}{'-':>12}{'-':>7}"
+        quiet, loaded = row[f"{key}_tok_s"], row[f"{key}_loaded_tok_s"]
+        return f"{quiet:>8.1f} t/s{loaded:>8.1f} t/s{row[f'{key}_kept']:>6.2f}x"
+
+    for measure, label in labels.items():
+        row = result[measure]
+        print(f"{label:<24}{cells(row, 'tokenwire')}{cells(row, 'llamacpp')}")
+
+
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from tokenwire.cli_args import add_model_args, settings_from
 
@@ -254,6 +287,17 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     be.add_argument("--session-tokens", type=int, default=1000)
     be.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians reported)")
     be.add_argument("--prefill-tokens", type=int, default=1000, help="prompt length of the prefill measure")
+    be.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        help="also run every measure beside N nice-19 busy loops (bench/neighbours.py): speed kept",
+    )
+    be.add_argument(
+        "--neighbours-same-session",
+        action="store_true",
+        help="start the busy loops in this session (with autogroup scheduling: nearly idle priority to us)",
+    )
     be.add_argument(
         "--no-llamacpp", dest="llamacpp", action="store_false", help="skip the llama.cpp baseline"
     )

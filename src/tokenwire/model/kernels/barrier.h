@@ -101,8 +101,8 @@ class SpinThenSleepBarrier {
 // process in another session: with autogroup scheduling a `nice 19` loop there weighs as much as
 // our whole server), every barrier waits for a partner that is off its core, and the step
 // ping-pongs: measured in decode_stack.h. Then `solo` steps run on the calling thread alone (no
-// barrier at all); the span doubles while 2-thread probes stay contended (8 .. 512 steps) and
-// resets after one that is not.
+// barrier at all) once two team steps in a row were contended; the span doubles while 2-thread
+// probes stay contended (8 .. 512 steps) and resets after one that is not.
 class TeamGate {
  public:
   // waiting above this share of the team's time marks a step contended (quiet: see decode_stack.h)
@@ -120,9 +120,12 @@ class TeamGate {
     const double fraction = static_cast<double>(waited_ns) / (static_cast<double>(team) * wall_ns);
     last_fraction.store(fraction, std::memory_order_relaxed);
     if (fraction <= kContended) {
-      span_ = 0;
+      span_ = strikes_ = 0;
       return;
     }
+    // a lone contended step (a low-priority neighbour's slice) stays on the team; a second in a
+    // row, or a failed probe after solo steps, goes solo
+    if (span_ == 0 && ++strikes_ < 2) return;
     span_ = std::min(512, std::max(8, span_ * 2));
     solo_left_.store(span_, std::memory_order_relaxed);
   }
@@ -135,7 +138,7 @@ class TeamGate {
 
  private:
   std::atomic<int> solo_left_{0};
-  int span_ = 0;
+  int span_ = 0, strikes_ = 0;
 };
 
 inline TeamGate g_team;
