@@ -284,8 +284,13 @@ async def _fork_task(
     wait_s = SUSPEND_WAIT_S
     try:
         while finish is None:
-            constraint.outcome = None
             if handle is None:
+                # cleared before the request exists, never after: the engine thread consults the
+                # constraint as soon as the request is admitted, and an outcome it set ("wait",
+                # "fork", "suspend") cleared here would turn the request's stop into the fork's
+                # end (empty text, aici-stop; a fork's clones never started). The first request,
+                # admitted in _admit before this task ran, comes with a fresh constraint.
+                constraint.outcome = None
                 handle = engine.generate(session, append=append, options=run.options(constraint, generated))
             append = []
             async for ev in handle:
