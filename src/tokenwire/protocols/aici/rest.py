@@ -42,6 +42,7 @@ log = logging.getLogger("tokenwire.aici")
 # is ~21.3 MiB there. The old 64 MiB cap let 60 MB through to a FrameError (a 500).
 MAX_WASM_BYTES = 16 * 2**20
 RETRY_AFTER_S = 1  # what a run refused at a capacity cap is told
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went before the answer
 
 __all__ = ["AiciServer", "start_on"]
 
@@ -133,6 +134,8 @@ class AiciServer:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:  # a chunked body past the cap
             return _too_large("a Wasm upload", None, MAX_WASM_BYTES)
+        except ConnectionError:
+            return _body_lost(request)
         try:
             data = await self._side("mk_module", binary=base64.b64encode(body).decode())
         except FrameError as e:  # only if the runtime's channels were made smaller than ours
@@ -264,6 +267,18 @@ async def _access_middleware(request: web.Request, handler: Any) -> web.StreamRe
         )
 
 
+def _body_lost(request: web.Request) -> web.Response:
+    """The connection went while the body was arriving: the connection guard answered 408 to a
+    stalled body (--body-timeout) and closed it, or the client left. Nobody is there to answer
+    and it is no server error: raised out of the handler, aiohttp logged a traceback at ERROR
+    per request, a log flood for a client stalling on purpose. The guard has already logged
+    the stall (rate-limited); this response is never sent, its status goes to the access line."""
+    log.debug(
+        "%s %s from %s: connection lost while reading the body", request.method, request.path, request.remote
+    )
+    return web.Response(status=CLIENT_CLOSED_REQUEST)
+
+
 async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
     if request.content_length is not None and request.content_length > MAX_WASM_BYTES:
         return _too_large("a request body", request.content_length, MAX_WASM_BYTES)
@@ -271,6 +286,8 @@ async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
         body = await request.json()
     except web.HTTPRequestEntityTooLarge:
         return _too_large("a request body", None, MAX_WASM_BYTES)
+    except ConnectionError:
+        return _body_lost(request)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return _error(400, f"malformed JSON body: {e}")
     if not isinstance(body, dict):

@@ -40,6 +40,7 @@ FLATBUFFER = "application/octet-stream"
 # A lone request (one client connection, nothing else in flight) to a model whose recent calls
 # took under this long runs on the event loop thread: no thread hand-off there and back
 DEFAULT_INLINE_MS = 5.0
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went before the answer
 
 
 class GraphPipeServer:
@@ -170,6 +171,7 @@ class GraphPipeServer:
         self._posts_in_flight += 1
         started = time.monotonic()
         reply: Reply | None = None
+        lost = False  # the client's connection went before its body arrived
         task = asyncio.current_task()
         assert task is not None
         self._posts.add(task)
@@ -185,7 +187,18 @@ class GraphPipeServer:
                 reply = error_reply(GraphPipeError(ErrorCode.OVERLOADED, message))
                 return self._respond(reply)
             try:
-                body = await self._read_body(request)
+                try:
+                    body = await self._read_body(request)
+                except ConnectionError:
+                    # the connection went while the body was arriving (the guard's 408 to a
+                    # stalled body, --body-timeout, or the client left): no one to answer and no
+                    # server error; raised, aiohttp logged a traceback at ERROR per request, a
+                    # log flood for a client stalling on purpose (the guard logs the stall once)
+                    lost = True
+                    log.debug(
+                        "POST /%s from %s: connection lost while reading the body", name, request.remote
+                    )
+                    return web.Response(status=CLIENT_CLOSED_REQUEST)  # never sent
                 if body is None or endpoint is None:
                     reply = self._refusal(body is None, name)
                 else:
@@ -199,7 +212,9 @@ class GraphPipeServer:
         finally:
             self._posts.discard(task)
             self._posts_in_flight -= 1
-            outcome = "error" if reply is None or reply.error_code is not None else "ok"
+            outcome = (
+                "cancelled" if lost else "error" if reply is None or reply.error_code is not None else "ok"
+            )
             REQUESTS.labels("graphpipe", outcome).inc()
             access_log(
                 "graphpipe", f"POST /{name}", outcome, peer=request.remote,
