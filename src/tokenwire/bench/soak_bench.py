@@ -8,6 +8,10 @@ mixing greedy requests of random lengths, Salience forks, cancels, disconnects m
 bad requests. Each greedy output is compared with the same protocol's answer to the same
 request measured alone before the load started (the single-request reference).
 
+With --hostile N, the second half adds N abusive clients (bench/hostile.py: issue 29's
+half-open requests, stalled bodies, connection floods, graph, prompt and grammar bombs, oversized
+uploads); the report compares the normal clients' latency there with the quiet first half.
+
 Reported: requests, errors by kind (expected refusals of the bad requests apart), wrong outputs
 (must be 0), p50/p99 latency, the process's RSS and the engine's free KV blocks before, during
 (max / min) and after (must be back to the idle baseline), open file descriptors before/after.
@@ -149,9 +153,11 @@ PROTOCOLS = ["lmtp", "salience", "evergreen", "graphpipe", "aici", "openai"]
 
 
 class Soak:
-    def __init__(self, servers: Any, engine: Any, sessions: int, seconds: float, seed: int) -> None:
+    def __init__(
+        self, servers: Any, engine: Any, sessions: int, seconds: float, seed: int, hostile: int = 0
+    ) -> None:
         self.servers, self.engine = servers, engine
-        self.sessions, self.seconds = sessions, seconds
+        self.sessions, self.seconds, self.hostile = sessions, seconds, hostile
         self.rng = random.Random(seed)
         vocab = engine.vocab_size
         self.prompts = [
@@ -163,6 +169,8 @@ class Soak:
         self.refused: Counter[str] = Counter()  # the bad requests' protocol errors (expected)
         self.wrong: list[str] = []
         self.latencies: list[float] = []
+        self.phase_latencies: dict[str, list[float]] = {"quiet": [], "hostile": []}
+        self.phase = "quiet"
         self.kv_min = self.rss_max = 0.0
 
     def _kv_free(self) -> int:
@@ -299,6 +307,7 @@ class Soak:
             except Exception as exc:
                 self.errors[f"{op.__name__.strip('_')}: {type(exc).__name__}: {str(exc)[:90]}"] += 1
             self.latencies.append(time.monotonic() - started)
+            self.phase_latencies[self.phase].append(self.latencies[-1])
 
     async def _watch(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -319,11 +328,17 @@ class Soak:
                 **_engine(self.engine),
             }
             self.kv_min, self.rss_max = before["kv_free"], before["rss_mib"]
-            deadline = time.monotonic() + self.seconds
             started = time.monotonic()
-            await asyncio.gather(
-                self._watch(deadline), *(self._worker(p, k, deadline) for k in range(self.sessions))
-            )
+            # with hostile clients: a quiet half, then the same normal load beside the abusers
+            quiet_s = self.seconds / 2 if self.hostile else self.seconds
+            await self._phase(p, started + quiet_s)
+            if self.hostile:
+                from tokenwire.bench.hostile import HostileConfig, run_hostile
+
+                self.phase = "hostile"
+                phase_s = started + self.seconds - time.monotonic()
+                config = HostileConfig.of(self.servers, self.engine.name, self.hostile, phase_s)
+                abusers, _ = await asyncio.gather(run_hostile(config), self._phase(p, started + self.seconds))
             elapsed = time.monotonic() - started
         after = await _settled(self.engine, before)
         lat = sorted(self.latencies)
@@ -351,7 +366,34 @@ class Soak:
             "engine_after": {k: after[k] for k in ("sessions", "running", "waiting")},
             "engine_before": {k: before[k] for k in ("sessions", "running", "waiting")},
             "fds": {"before": before["fds"], "after": after["fds"]},
+            **(_hostile_report(abusers, self.phase_latencies) if self.hostile else {}),
         }
+
+    async def _phase(self, p: Protocols, deadline: float) -> None:
+        workers = [self._worker(p, k, deadline) for k in range(self.sessions)]
+        await asyncio.gather(self._watch(deadline), *workers)
+
+
+# normal clients' latency beside the abusers may grow at most this much over the quiet half (issue 29)
+HOSTILE_LATENCY_BOUND = 2.0
+
+
+def _hostile_report(abusers: dict[str, Any], phases: dict[str, list[float]]) -> dict[str, Any]:
+    def p(lat: list[float], q: float) -> float:
+        lat = sorted(lat)
+        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")
+
+    ratio = {q: p(phases["hostile"], q) / p(phases["quiet"], q) for q in (0.5, 0.99)}
+    return {
+        "hostile_acts": abusers["acts"],
+        "hostile_errors": abusers["errors"],
+        "normal_latency_quiet_ms": {"p50": round(1000 * p(phases["quiet"], 0.5), 1),
+                                    "p99": round(1000 * p(phases["quiet"], 0.99), 1)},
+        "normal_latency_hostile_ms": {"p50": round(1000 * p(phases["hostile"], 0.5), 1),
+                                      "p99": round(1000 * p(phases["hostile"], 0.99), 1)},
+        "hostile_latency_ratio": {"p50": round(ratio[0.5], 2), "p99": round(ratio[0.99], 2)},
+        "normal_within_2x": ratio[0.5] <= HOSTILE_LATENCY_BOUND,
+    }  # fmt: skip
 
 
 def _engine(engine: Any) -> dict[str, Any]:
@@ -397,7 +439,8 @@ def run_soak(args: argparse.Namespace) -> int:
     engine.source = source  # the AICI runtime tokenizes with the model's own files
     servers = InProcessServers(engine, "--max-sessions", str(max(4096, 4 * args.sessions)), aici=True)
     try:
-        report = asyncio.run(Soak(servers, engine, args.sessions, args.minutes * 60, args.seed).run())
+        soak = Soak(servers, engine, args.sessions, args.minutes * 60, args.seed, hostile=args.hostile)
+        report = asyncio.run(soak.run())
     finally:
         servers.stop()
         engine.shutdown()
@@ -409,6 +452,8 @@ def run_soak(args: argparse.Namespace) -> int:
     ok = (
         report["wrong_outputs"] == 0
         and report["kv_free_blocks"]["after"] >= report["kv_free_blocks"]["before"]
+        and report.get("normal_within_2x", True)
+        and not report.get("hostile_errors")
     )
     return 0 if ok else 1
 
@@ -418,6 +463,10 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument("--minutes", type=float, default=2.0)
     p.add_argument("--sessions", type=int, default=64, help="concurrent client sessions")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--hostile", type=int, default=0,
+        help="abusive clients (half-open requests, floods, graph and grammar bombs) in the second half",
+    )  # fmt: skip
     p.add_argument("--kv-cache-mb", type=float, default=64.0)
     p.add_argument("--model", help="whose tokenizer and vocabulary (default: the default model)")
     p.add_argument("--json", action="store_true")
