@@ -23,7 +23,7 @@ from tokenwire.config import apply_config_defaults
 from tokenwire.model_spec import check_model_spec
 from tokenwire.protocols.serving import Listener, PortInUseError, Stopper
 from tokenwire.scale.serve import add_scale_args, build_replicated, check_scale_args, shutdown_ray
-from tokenwire.shutdown import ShutdownSignals
+from tokenwire.shutdown import ShutdownSignals, exit_leaving_model_thread
 
 log = logging.getLogger("tokenwire.server")
 
@@ -114,19 +114,36 @@ async def _serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         await stop.wait()
         log.info("shutting down (grace %.0fs)", args.shutdown_grace)
-        deadline = signals.graceful_deadline()
-        for stopper in reversed(stoppers):
-            try:
-                await asyncio.wait_for(stopper(), max(0.1, deadline - time.monotonic()))
-            except TimeoutError:
-                log.warning("a server did not stop within --shutdown-grace; going on")
+        await _stop_servers(stoppers, signals.graceful_deadline() - engine_reserve_s(args.shutdown_grace))
     finally:
-        engine.shutdown(timeout_s=max(0.1, signals.graceful_deadline() - time.monotonic()))
+        engine_stopped = engine.shutdown(timeout_s=max(0.1, signals.graceful_deadline() - time.monotonic()))
         if args.replicas:
             shutdown_ray()
     log.info("stopped")
+    if not engine_stopped:  # the interpreter's exit would tear down C++ state under its running step
+        exit_leaving_model_thread()
     signals.restore()
     return 0
+
+
+def engine_reserve_s(grace_s: float) -> float:
+    """The part of the grace kept for the model thread to leave its step after the servers stop:
+    a stalled client can hold a server's graceful stop to its own timeout (uvicorn's 2 s), and
+    the servers stop at once, so the engine still gets its share."""
+    return min(2.0, grace_s / 4)
+
+
+async def _stop_servers(stoppers: list[Stopper], deadline: float) -> None:
+    """Every protocol server's graceful stop at once, each ending its streams with its own
+    "server shutting down" error; those still stopping at `deadline` are left."""
+    tasks = [asyncio.ensure_future(stopper()) for stopper in stoppers]
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=max(0.1, deadline - time.monotonic()))
+    if pending:
+        log.warning("%d server(s) did not stop within --shutdown-grace; going on", len(pending))
+        for task in pending:
+            task.cancel()
 
 
 def resident_mib() -> float:

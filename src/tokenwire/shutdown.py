@@ -74,3 +74,16 @@ def _exit_now(reason: str) -> None:
         except Exception:  # a broken handler must not keep the process alive
             pass
     os._exit(1)
+
+
+def exit_leaving_model_thread() -> None:
+    """End the process (status 0: the graceful stop is done) while the model thread is still in
+    a step: the interpreter's normal exit tears down torch's and the kernels' state under it and
+    the process aborts ("terminate called without an active exception", SIGABRT)."""
+    log.warning("exiting with the model thread still in its step")
+    for handler in logging.getLogger().handlers + log.handlers:
+        try:
+            handler.flush()
+        except Exception:  # a broken handler must not keep the process alive
+            pass
+    os._exit(0)

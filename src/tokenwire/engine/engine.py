@@ -490,13 +490,13 @@ class Engine:
         if self.stopping.is_set():
             raise EngineClosedError("server shutting down")
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
         """Cancel everything and wait up to `timeout_s` for the model thread to leave its step
-        (serve passes what is left of --shutdown-grace)."""
+        (serve passes what is left of --shutdown-grace); whether it did."""
         self.stopping.set()
         with self._lock:
             if self._closed:
-                return
+                return not self._thread.is_alive()
             for request in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._finish(request, Finish("cancelled", error="engine shutting down"))
             self._closed = True
@@ -508,3 +508,5 @@ class Engine:
             log.warning(
                 "the model thread was still busy %.1f s after shutdown; exiting without it", timeout_s
             )
+            return False
+        return True

@@ -454,13 +454,12 @@ class ReplicaEngine:
     def steps(self) -> int:
         return int(self.stats()["steps"])
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
         """Stop watching and streaming (the replicas cancel this process's requests); the
         replicas end with the Ray driver that owns them (server.py shuts Ray down)."""
         import ray
 
         deadline = time.monotonic() + timeout_s
-
         self._closed.set()
         for stream in self._streams:
             if stream is not None:
@@ -470,6 +469,7 @@ class ReplicaEngine:
                     pass
         for thread in [self._monitor, *self._pumps]:
             thread.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        return True  # no model thread here: the replicas' own end with Ray
 
 
 _SUMMED = (
