@@ -204,3 +204,46 @@ def test_an_oversized_lmtp_frame_is_refused_on_its_stream_wherever_the_stream_id
             conn.close()
         (record,) = json.loads(frame.partition(" ")[2])
         assert record["stream_id"] == 5 and "refused unread" in record["error"], record
+
+
+def layered(width: int, layers: int = 32) -> list[pb.NodeFragment]:
+    """`layers` layers of `width` nodes, each node naming every node of the next: the most
+    edges a depth-32 graph can have (width 56: 97,216 edges, under --evergreen-max-edges)."""
+    rows = [[f"l{depth}_{i}" for i in range(width)] for depth in range(layers)]
+    nodes = [inner(nid, *rows[depth + 1]) for depth in range(layers - 1) for nid in rows[depth]]
+    return [*nodes, *(leaf(nid, "x") for nid in rows[-1])]
+
+
+def hubs(parents: int = 9_900, count: int = 10, chain: int = 40) -> list[pb.NodeFragment]:
+    """`parents` nodes each naming the same `count` hubs, then a chain grown under the hubs one
+    edge at a time: every edge of the chain raises every parent's nesting height again."""
+    names = [f"h{j}" for j in range(count)]
+    fragments = [inner(f"p{i}", *names) for i in range(parents)]
+    fragments += [inner(name, "c1") for name in names]
+    return fragments + [inner(f"c{d}", f"c{d + 1}") for d in range(1, chain)]
+
+
+@pytest.mark.parametrize(
+    "fragments, code, words",
+    [
+        (layered(56), "OK", ""),  # accepted: 32 layers is within max_depth (31 edges deep)
+        (layered(60), "RESOURCE_EXHAUSTED", "--evergreen-max-edges"),
+        (hubs(), "RESOURCE_EXHAUSTED", "max_depth=32"),
+        ([*hubs(chain=20), inner("c20", "p0")], "INVALID_ARGUMENT", "cycle"),
+    ],
+    ids=["layered-accepted", "layered-over-edges", "hubs-too-deep", "hubs-cycle"],
+)
+def test_the_worst_graph_under_the_limits_is_answered_at_once(
+    servers: Servers, fragments: list[pb.NodeFragment], code: str, words: str
+) -> None:
+    """Each distinct edge cost a walk of the graph (cycle search, depth above, height below):
+    12,400 edges in 32 layers held the event loop 15 s, 97,000 for hours. Heights are now kept
+    as edges arrive and the child ids a session lists are capped: answered within a second."""
+    last = fragments[-1].id  # a leaf when accepted: the action answers at once
+    message = spb.SessionMessage(
+        node_fragments=fragments, actions=[action("COUNT_TOKENS", {"text": last}, {"count": "o"})]
+    )
+    got, details, seconds, _ = refuse(servers, [message])
+    assert got == code and words in details, (got, details)
+    assert seconds < 1.0, f"answered in {seconds:.2f} s"
+    answered_normally(servers)

@@ -301,3 +301,20 @@ def test_set_ttl_expires_node_and_descendants():
     assert c.expire(104.9).dropped == []
     assert sorted(c.expire(105.0).dropped) == ["a", "p"]
     assert "keep" in c.store.nodes and c.next_deadline() is None
+
+
+def test_child_ids_per_session_are_capped_before_their_edges_are_checked():
+    c = core(max_edges=5)
+    c.receive(message(inner("a", "x", "y", "x")))  # a child listed twice counts twice (its bytes do)
+    error = abort(c, inner("b", "x", "y", "z"))
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+    assert "max_edges=5" in error.message and "--evergreen-max-edges" in error.message and "'b'" in error.message
+
+
+def test_cycle_closed_under_a_graph_whose_heights_are_kept():
+    """Heights are kept as edges arrive; a cycle raises them until the depth limit, where the
+    graph is walked once to name it a cycle rather than a chain too deep."""
+    c = core(max_depth=30)
+    c.receive(message(inner("top", "a"), inner("a", "b"), inner("b", "c"), inner("side", "c")))
+    error = abort(c, inner("c", "a"))
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "cycle" in error.message, error

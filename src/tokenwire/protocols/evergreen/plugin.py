@@ -52,6 +52,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="chunks one action input may flatten to (shared nodes counted each time they are used)",
     )
     g.add_argument(
+        "--evergreen-max-edges",
+        type=int,
+        default=d.max_edges,
+        help="child ids all of a session's nodes may list (bounds the cycle and depth bookkeeping)",
+    )
+    g.add_argument(
         "--evergreen-max-tokens",
         type=int,
         default=DEFAULT_MAX_TOKENS,

@@ -114,6 +114,7 @@ def limits_from_args(args: argparse.Namespace) -> SessionLimits:
         max_bytes=getattr(args, "evergreen_max_bytes", None) or d.max_bytes,
         max_actions=getattr(args, "evergreen_max_actions", None) or d.max_actions,
         max_flattened_chunks=getattr(args, "evergreen_max_flattened_chunks", None) or d.max_flattened_chunks,
+        max_edges=getattr(args, "evergreen_max_edges", None) or d.max_edges,
     )
 
 
