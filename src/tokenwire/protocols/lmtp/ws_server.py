@@ -13,9 +13,10 @@ import ssl
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from tokenwire.protocols.http_site import start_site
+from tokenwire.protocols.lmtp.core import frame_budget
 from tokenwire.protocols.lmtp.runner import ConnectionRunner
 from tokenwire.protocols.security import aiohttp_auth
 
@@ -23,8 +24,30 @@ if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
 
 log = logging.getLogger("tokenwire.lmtp")
-MAX_MESSAGE_BYTES = 64 * 2**20  # a full-vocabulary logit_bias is a few MiB
+MAX_MESSAGE_BYTES = 64 * 2**20  # the cap whatever the model (a full-vocabulary logit_bias is a few MiB)
 HEARTBEAT_S = 30.0
+# The transport's cap is this many times the model's frame budget (core.frame_budget, in
+# characters): a character is at most 4 UTF-8 bytes, so every frame the core would read arrives;
+# frames between the budget and the cap get the core's error record on their stream; past the
+# cap the frame is refused from its header, before a byte of it is buffered (a 10^7-id prompt,
+# 30 MB, was received whole against the 64 MiB cap: RSS +53 MiB).
+BUDGET_FACTOR = 4
+
+
+def max_message_bytes(engine: Engine) -> int:
+    return min(MAX_MESSAGE_BYTES, BUDGET_FACTOR * frame_budget(engine))
+
+
+class _LmtpWebSocket(web.WebSocketResponse):
+    """aiohttp closes an over-size message with 1009 and no reason; ours names the limit (the
+    frame is unread, so its stream_id is unknown and no error record can name the stream)."""
+
+    too_big_reason = b""
+
+    async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
+        if code == WSCloseCode.MESSAGE_TOO_BIG and not message:
+            message = self.too_big_reason
+        return await super().close(code=code, message=message, drain=drain)
 
 
 class LmtpServer:
@@ -74,7 +97,13 @@ class LmtpServer:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         # heartbeat: a peer that vanished without a FIN (pulled cable, killed VM) stops answering
         # pings and is closed within ~2 heartbeats, freeing its engine requests
-        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, compress=False, heartbeat=HEARTBEAT_S)
+        limit = max_message_bytes(self.engine)
+        ws = _LmtpWebSocket(max_msg_size=limit, compress=False, heartbeat=HEARTBEAT_S)
+        # a close reason is at most 123 bytes: this one is ~90
+        ws.too_big_reason = (
+            f"message over {limit} bytes: larger than any request within "
+            f"--max-model-len {self.engine.max_model_len}"
+        ).encode()[:123]
         if not ws.can_prepare(request).ok:
             return web.Response(
                 status=426, text="LMTP endpoint: connect with a WebSocket\n", headers={"Upgrade": "websocket"}
