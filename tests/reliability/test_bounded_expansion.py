@@ -178,7 +178,7 @@ def send_lmtp_prompt(servers: Servers, ids: int) -> tuple[str, float]:
 
 def test_lmtp_prompt_of_ten_million_ids_is_refused_unread(servers: Servers) -> None:
     """Issue 29: one LMTP prompt of 10^7 token ids raised RSS ~110 MiB for good. The transport
-    caps a message at 4x the model's frame budget (8.5 MB for the test model): the 30 MB frame
+    caps a message at 4x the model's frame budget (8.65 MB for the test model): the 30 MB frame
     is refused from its header, 1009 with a reason naming --max-model-len; the whole frame was
     received (+53 MiB) against the former 64 MiB cap."""
     reply, grown = send_lmtp_prompt(servers, 10**7)
