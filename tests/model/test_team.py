@@ -20,7 +20,7 @@ def kernels():
     o = ops()
     yield o
     o.set_barrier_spin_us(100.0)  # the default (barrier.h)
-    o.set_team_adaptive(True)
+    o.set_team_mode(1)  # adaptive
 
 
 def test_waiters_sleep_while_a_partner_is_away(kernels) -> None:
@@ -46,17 +46,17 @@ def test_barrier_without_waiting_and_alone(kernels) -> None:
     assert kernels.barrier_probe(4, 50, 0.0)[:, 2].tolist() == [50] * 4
 
 
-def test_one_thread_decodes_as_the_team_does(smollm2_source) -> None:
+def test_one_thread_decodes_as_the_team_does(smollm2_source, kernels) -> None:
     """The solo fallback is the stack on one thread: same tokens, same logprobs, bit for bit."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("needs two threads for a team")
     quantised, _ = _twins(Q4_1, "smollm2")
     tok = smollm2_source.tokenizer
-    threads = torch.get_num_threads()
-    if threads < 2:
-        pytest.skip("needs two CPUs for a team")
+    kernels.set_team_mode(0)  # always the team
     team = _decode_runs(quantised, tok, fuse=True, int16=True, sequences=2)
-    torch.set_num_threads(1)
-    try:
-        solo = _decode_runs(quantised, tok, fuse=True, int16=True, sequences=2)
-    finally:
-        torch.set_num_threads(threads)
+    before = kernels.team_state()
+    kernels.set_team_mode(2)  # always one thread
+    solo = _decode_runs(quantised, tok, fuse=True, int16=True, sequences=2)
+    after = kernels.team_state()
+    assert after[2] - before[2] >= 19 and after[3] == before[3]  # every decode step ran solo
     assert solo == team

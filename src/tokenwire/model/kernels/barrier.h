@@ -96,49 +96,73 @@ class SpinThenSleepBarrier {
   alignas(64) std::atomic<int> sleepers_{0};
 };
 
-// The team size of the fused decode step, from how long the last multi-threaded step's threads
-// waited for each other. When another process holds one of the cores as often as we do (a
-// process in another session: with autogroup scheduling a `nice 19` loop there weighs as much as
-// our whole server), every barrier waits for a partner that is off its core, and the step
-// ping-pongs: measured in decode_stack.h. Then `solo` steps run on the calling thread alone (no
-// barrier at all) once two team steps in a row were contended; the span doubles while 2-thread
-// probes stay contended (8 .. 512 steps) and resets after one that is not.
+// The team size of the fused decode step, chosen by what the last steps measured. When another
+// process holds one of the cores as often as we do (a process in another session: with
+// autogroup scheduling a `nice 19` loop there weighs as much as our whole server), every barrier
+// waits for a partner that is off its core and the step ping-pongs between the two cores'
+// time slices (measured in decode_stack.h). Two team steps in a row whose threads spent more than
+// kContended of their time waiting start a span of solo steps (the calling thread alone, no
+// barrier); then one team step probes: if its time per row and layer beats the solo steps', the
+// team stays, else the next span is twice as long (8 .. 512 steps). A lone contended step (a
+// low-priority neighbour's slice) stays on the team. Large batches often keep the team even when
+// contended: their long matvecs between barriers lose less to a late partner than one thread's
+// half speed.
 class TeamGate {
  public:
   // waiting above this share of the team's time marks a step contended (quiet: see decode_stack.h)
   static constexpr double kContended = 0.35;
 
+  enum Mode { kFixed = 0, kAdaptive = 1, kSolo = 2 };  // kFixed, kSolo: measurements and tests
+
   int team(int threads) {
-    if (threads <= 1 || !adaptive.load(std::memory_order_relaxed)) return threads;
+    const int m = mode.load(std::memory_order_relaxed);
+    if (threads <= 1 || m == kFixed) return threads;
+    if (m == kSolo) return 1;
     const int left = solo_left_.load(std::memory_order_relaxed);
     if (left <= 0) return threads;
     solo_left_.store(left - 1, std::memory_order_relaxed);
     return 1;
   }
-  void report(int64_t waited_ns, int team, int64_t wall_ns) {
-    if (team <= 1 || wall_ns <= 0) return;
-    const double fraction = static_cast<double>(waited_ns) / (static_cast<double>(team) * wall_ns);
-    last_fraction.store(fraction, std::memory_order_relaxed);
-    if (fraction <= kContended) {
-      span_ = strikes_ = 0;
+  // after every step of `units` rows x layers; `team` = what team() returned, of `threads`
+  void report(int64_t waited_ns, int team, int threads, int64_t wall_ns, int64_t units) {
+    if (threads <= 1 || wall_ns <= 0 || units <= 0) return;
+    const double per_unit = static_cast<double>(wall_ns) / static_cast<double>(units);
+    (team == 1 ? solo_total : team_total).fetch_add(1, std::memory_order_relaxed);
+    if (team == 1) {  // a solo step
+      solo_ns_ += per_unit;
+      ++solo_steps_;
       return;
     }
-    // a lone contended step (a low-priority neighbour's slice) stays on the team; a second in a
-    // row, or a failed probe after solo steps, goes solo
-    if (span_ == 0 && ++strikes_ < 2) return;
+    const double fraction = static_cast<double>(waited_ns) / (static_cast<double>(team) * wall_ns);
+    last_fraction.store(fraction, std::memory_order_relaxed);
+    if (span_ > 0) {  // the probe after a solo span
+      const bool team_wins = solo_steps_ == 0 || per_unit <= solo_ns_ / solo_steps_;
+      solo_ns_ = 0;
+      solo_steps_ = 0;
+      if (team_wins) {
+        span_ = strikes_ = 0;
+        return;
+      }
+    } else if (fraction <= kContended || ++strikes_ < 2) {
+      if (fraction <= kContended) strikes_ = 0;
+      return;
+    }
     span_ = std::min(512, std::max(8, span_ * 2));
     solo_left_.store(span_, std::memory_order_relaxed);
   }
-  // whether single-threaded steps are due: the lm_head and other small kernels follow it
+  // whether single-threaded steps are due: the lm_head follows it
   bool solo() const { return solo_left_.load(std::memory_order_relaxed) > 0; }
   int solo_left() const { return solo_left_.load(std::memory_order_relaxed); }
 
-  std::atomic<bool> adaptive{true};
+  std::atomic<int> mode{kAdaptive};
   std::atomic<double> last_fraction{0.0};
+  std::atomic<int64_t> solo_total{0}, team_total{0};  // steps run each way (diagnostics)
 
  private:
   std::atomic<int> solo_left_{0};
   int span_ = 0, strikes_ = 0;
+  double solo_ns_ = 0;
+  int64_t solo_steps_ = 0;
 };
 
 inline TeamGate g_team;

@@ -181,7 +181,7 @@ struct DecodeStack : torch::CustomClassHolder {
     const float* sp = sin.data_ptr<float>();
     float* k_base = k_cache.data_ptr<float>();
     float* v_base = v_cache.data_ptr<float>();
-    const int threads = g_team.team(at::get_num_threads());
+    const int wanted = at::get_num_threads(), threads = g_team.team(wanted);
     SpinThenSleepBarrier barrier;
     const bool omp_barrier = g_spin_ns.load() < 0;  // A/B measurement only
     std::atomic<int64_t> waited{0};
@@ -270,7 +270,8 @@ SYNC
       }
     }
     const auto wall = std::chrono::steady_clock::now() - started;
-    g_team.report(waited.load(), threads, std::chrono::duration_cast<std::chrono::nanoseconds>(wall).count());
+    g_team.report(waited.load(), threads, wanted, std::chrono::duration_cast<std::chrono::nanoseconds>(wall).count(),
+                  M * (last - first));
   }
 };
 

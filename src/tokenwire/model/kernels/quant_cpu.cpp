@@ -160,10 +160,17 @@ void set_int16_activations(bool on) { g_int16_activations = on; }
 
 void set_barrier_spin_us(double us) { g_spin_ns = static_cast<int64_t>(us * 1000); }
 
-void set_team_adaptive(bool on) { g_team.adaptive = on; }
+// 0: always the team, 1: adaptive (the default), 2: always one thread
+void set_team_mode(int64_t mode) {
+  TORCH_CHECK(mode >= 0 && mode <= 2, "team mode is 0 (fixed), 1 (adaptive) or 2 (solo)");
+  g_team.mode = static_cast<int>(mode);
+}
 
-// the last multi-threaded decode step's waiting share and the single-threaded steps still due
-std::tuple<double, int64_t> team_state() { return {g_team.last_fraction.load(), g_team.solo_left()}; }
+// the last team step's waiting share, the solo steps still due, and the steps run solo and as a
+// team so far
+std::tuple<double, int64_t, int64_t, int64_t> team_state() {
+  return {g_team.last_fraction.load(), g_team.solo_left(), g_team.solo_total.load(), g_team.team_total.load()};
+}
 
 // [participants, 3]: CPU seconds and wall seconds inside the barrier, rounds seen right
 at::Tensor barrier_probe_op(int64_t participants, int64_t rounds, double sleep_ms) {
@@ -185,8 +192,8 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("row_stats(Tensor logits, Tensor want_lse) -> (Tensor, Tensor, Tensor)");
   m.def("set_int16_activations(bool on) -> ()");
   m.def("set_barrier_spin_us(float us) -> ()");
-  m.def("set_team_adaptive(bool on) -> ()");
-  m.def("team_state() -> (float, int)");
+  m.def("set_team_mode(int mode) -> ()");
+  m.def("team_state() -> (float, int, int, int)");
   m.def("barrier_probe(int participants, int rounds, float sleep_ms) -> Tensor");
   m.def("qmatmul(Tensor x, Tensor w, int qtype, bool int16_rows=False) -> Tensor");
   m.def("dequantize(Tensor w, int qtype, int k, Tensor rows) -> Tensor");
@@ -201,7 +208,7 @@ TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
 TORCH_LIBRARY_IMPL(tokenwire, CatchAll, m) { m.impl("set_int16_activations", &set_int16_activations);
   m.impl("set_barrier_spin_us", &set_barrier_spin_us);
   m.impl("barrier_probe", &barrier_probe_op);
-  m.impl("set_team_adaptive", &set_team_adaptive);
+  m.impl("set_team_mode", &set_team_mode);
   m.impl("team_state", &team_state);
 }
 
