@@ -48,7 +48,9 @@ def test_sigterm_ends_a_process_whose_event_loop_is_held_within_the_grace() -> N
     grace = 1.5
     proc = subprocess.Popen(
         [sys.executable, "-c", HELD_LOOP, str(grace)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -88,7 +90,7 @@ def _stalled_request(port: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: 100\r\n\r\n{\"model\":"
+        b'Content-Length: 100\r\n\r\n{"model":'
     )
     return sock
 

@@ -135,7 +135,7 @@ class HostileClients:
         port, path = rng.choice((("http", b"/v1/completions"), ("graphpipe", b"/"), ("aici", b"/v1/run")))
         reader, writer = await self._open(port, address)
         try:
-            writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\"" % path)
+            writer.write(b'POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"model"' % path)
             answer = await self._closed_by_server(reader, self.config.body_timeout + 5)
             if answer is None:
                 return f"{port}: still open after the body deadline"

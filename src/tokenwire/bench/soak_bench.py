@@ -424,6 +424,7 @@ def run_soak(args: argparse.Namespace) -> int:
     import logging
 
     from tokenwire.bench.inprocess import InProcessServers
+    from tokenwire.bench.neighbours import busy_neighbours, describe
     from tokenwire.bench.random_tokens import RandomTokenModel
     from tokenwire.engine.engine import Engine
     from tokenwire.model.loader import resolve_model
@@ -440,7 +441,10 @@ def run_soak(args: argparse.Namespace) -> int:
     servers = InProcessServers(engine, "--max-sessions", str(max(4096, 4 * args.sessions)), aici=True)
     try:
         soak = Soak(servers, engine, args.sessions, args.minutes * 60, args.seed, hostile=args.hostile)
-        report = asyncio.run(soak.run())
+        with busy_neighbours(args.neighbours):  # the whole soak beside N nice-19 busy loops
+            report = asyncio.run(soak.run())
+        if args.neighbours:
+            report["neighbours"] = describe(args.neighbours)
     finally:
         servers.stop()
         engine.shutdown()
@@ -461,6 +465,7 @@ def run_soak(args: argparse.Namespace) -> int:
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = bench_sub.add_parser("soak", help="every protocol at once for minutes: errors, wrong outputs, leaks")
     p.add_argument("--minutes", type=float, default=2.0)
+    p.add_argument("--neighbours", type=int, default=0, help="beside N nice-19 busy loops")
     p.add_argument("--sessions", type=int, default=64, help="concurrent client sessions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -308,7 +308,9 @@ def test_child_ids_per_session_are_capped_before_their_edges_are_checked():
     c.receive(message(inner("a", "x", "y", "x")))  # a child listed twice counts twice (its bytes do)
     error = abort(c, inner("b", "x", "y", "z"))
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED, error
-    assert "max_edges=5" in error.message and "--evergreen-max-edges" in error.message and "'b'" in error.message
+    assert (
+        "max_edges=5" in error.message and "--evergreen-max-edges" in error.message and "'b'" in error.message
+    )
 
 
 def test_cycle_closed_under_a_graph_whose_heights_are_kept():

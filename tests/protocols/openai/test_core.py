@@ -176,3 +176,26 @@ def test_auto_tools_reach_a_template_that_reads_them(tok: Any, limits: core.Mode
         assert "Tools:" not in tok.decode(none.prompts[0])
     finally:
         tok.hf.chat_template = original
+
+
+def test_request_sizes_are_counted_before_the_work(limits: core.ModelLimits, monkeypatch: Any) -> None:
+    """Issue 29: the work a request asks for is bounded before any of it is done: a logit_bias
+    longer than the vocabulary, more choices (prompts x n) than MAX_CHOICES, a stop string past
+    MAX_STOP_CHARS are each a 400 naming the field, with no prompt tokenized."""
+    from pydantic import ValidationError
+
+    from tokenwire.protocols.openai.schemas import MAX_STOP_CHARS, CompletionRequest
+
+    monkeypatch.setattr(core, "_prompts", lambda *a, **k: pytest.fail("prompts tokenized"))
+    bias = {str(i): 1.0 for i in range(limits.vocab_size + 1)}
+    with pytest.raises(OpenAIError) as info:
+        core.plan_chat(_chat(logit_bias=bias), limits, None)
+    assert info.value.status == 400 and info.value.param == "logit_bias", info.value
+    assert f"{limits.vocab_size + 1} entries" in info.value.message
+    batch = CompletionRequest(model="m", prompt=["a"] * 100, n=3)
+    with pytest.raises(OpenAIError) as info:
+        core.plan_completion(batch, limits, None)
+    assert info.value.param == "prompt" and info.value.code == "too_many_choices", info.value
+    assert "300 choices" in info.value.message and str(core.MAX_CHOICES) in info.value.message
+    with pytest.raises(ValidationError, match=f"at most {MAX_STOP_CHARS} characters"):
+        CompletionRequest(model="m", prompt="x", stop=["y" * (MAX_STOP_CHARS + 1)])

@@ -194,3 +194,15 @@ def test_engine_error_status_mapping():
 def test_manifest_without_concepts():
     m = core.manifest(None, 576)
     assert list(m.concepts) == [] and list(m.layers) == [] and m.hidden_size == 576
+
+
+def test_token_arrays_are_counted_before_they_are_read(monkeypatch):
+    """Issue 29: an append_tokens past the context is refused from its length, before the ids
+    become a list and are checked one by one (10^7 ids were read and checked first)."""
+    checked = []
+    monkeypatch.setattr(core, "check_request", lambda *a, **k: checked.append(a))
+    message = refused(grpc.StatusCode.RESOURCE_EXHAUSTED, offset=3, append_tokens=[10**6] * 100_000)
+    assert "append_tokens has 100000 ids" in message and "--max-model-len" in message, message
+    message = refused(grpc.StatusCode.INVALID_ARGUMENT, offset=3, max_tokens=1, stop_token_ids=[1] * 101)
+    assert "stop_token_ids has 101 ids" in message and "vocabulary (100)" in message, message
+    assert not checked

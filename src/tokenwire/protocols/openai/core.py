@@ -74,9 +74,23 @@ def check_model(requested: str | None, limits: ModelLimits) -> None:
         raise model_not_found(requested, limits.name)
 
 
+# Choices (prompts x n) one request may ask for: each runs to at most the context, so a request
+# is at most this many contexts of work; a batch of 10^5 one-character prompts x n=16 was
+# 1.6*10^6 choices, tokenized and planned before any limit looked at them. The default
+# --max-queued: a request with more choices could never be queued whole anyway.
+MAX_CHOICES = 256
+
+
 def _check_common(req: Sampling, limits: ModelLimits) -> None:
     check_model(req.model, limits)
-    for key in req.logit_bias or {}:
+    bias = req.logit_bias or {}
+    if len(bias) > limits.vocab_size:  # counted before each entry becomes an engine-side bias
+        raise bad_request(
+            f"logit_bias has {len(bias)} entries, more than the vocabulary ({limits.vocab_size} ids)",
+            "logit_bias",
+            "invalid_value",
+        )
+    for key in bias:
         if int(key) < 0:  # the engine's vocabulary check below names the others
             raise bad_request(f"logit_bias: token id {key} is negative", "logit_bias", "invalid_token")
 
@@ -244,6 +258,15 @@ def plan_completion(
         raise bad_request("suffix (fill-in-the-middle) is not supported by this server", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+    prompt = req.prompt
+    batch = prompt if isinstance(prompt, list) and not all(isinstance(p, int) for p in prompt) else [0]
+    if len(batch) * req.n > MAX_CHOICES:  # counted before any prompt is tokenized
+        raise bad_request(
+            f"{len(batch)} prompts x n={req.n} is {len(batch) * req.n} choices, more than "
+            f"{MAX_CHOICES} a request",
+            "prompt",
+            "too_many_choices",
+        )
     check_one_structure(("regex", req.regex), ("grammar", req.grammar))
     structure = _extension_structure(req)
     tok = limits.tokenizer

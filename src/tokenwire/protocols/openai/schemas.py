@@ -14,6 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # OpenAI fields a stock client may send that only matter to OpenAI's own service.
+# The stop matcher keeps a window of the longest stop string and scans it on every token
+# (engine/stop.py: O(chunk + longest stop) per stop): a 60 MB stop string inside the body cap
+# made each token cost a scan of 60 MB. OpenAI documents up to 4 stops and no length.
+MAX_STOP_CHARS = 1024
 IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key")
 
 
@@ -135,6 +139,8 @@ class Sampling(_Strict):
             raise ValueError("at most 4 stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences are at most {MAX_STOP_CHARS} characters")
         return stop
 
     @field_validator("logit_bias")

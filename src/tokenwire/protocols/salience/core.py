@@ -90,6 +90,24 @@ def sampling_from(req: pb.GenerateRequest) -> SamplingParams:
     return SamplingParams(temperature=float(temperature), top_k=int(req.top_k), top_p=float(top_p))
 
 
+def _check_sizes(req: pb.GenerateRequest, offset: int, engine: Limits) -> None:
+    """Token arrays counted (O(1) on a protobuf repeated field) before they become Python lists
+    and are checked id by id: a 64 MiB message holds ~3*10^7 one-byte ids (issue 29's rule)."""
+    count = len(req.append_tokens)
+    if offset + count > engine.max_model_len:  # Salience's context error, as the engine's own
+        raise _status(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{offset + count} tokens exceed the model's context ({engine.max_model_len} tokens, "
+            f"--max-model-len): append_tokens has {count} ids at offset {offset}",
+        )
+    if len(req.stop_token_ids) > engine.vocab_size:
+        raise _status(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"stop_token_ids has {len(req.stop_token_ids)} ids, more than the vocabulary "
+            f"({engine.vocab_size})",
+        )
+
+
 def plan_generate(
     req: pb.GenerateRequest,
     session_tokens: Sequence[int],
@@ -109,6 +127,7 @@ def plan_generate(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"offset {offset} does not match the session length {length}{hint}",
             )
+    _check_sizes(req, offset, limits.engine)
     kept = blocks_after_truncate(session_images, offset) if truncate_to is not None else list(session_images)
     append = list(req.append_tokens)
     prompt_len = offset + len(append)
