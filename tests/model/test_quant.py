@@ -3,6 +3,8 @@ the dequantised weight, and a quantised model (fused decode or not) matches its 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -178,7 +180,14 @@ def _decode_runs(model, tokenizer, fuse: bool, int16: bool, sequences: int) -> l
         opts = GenerateOptions(
             max_tokens=20, sampling=SamplingParams(temperature=0.0), ignore_eos=True, logprobs=True
         )
-        handles = [engine.generate(None, p, opts) for p in prompts]  # decoded as one batch
+        # decoded as one batch, every time: the model thread is held between steps until every
+        # prompt is queued (else the first may start alone, whenever the thread is quicker, and
+        # a step of one row is a different sum than a step of two: runs differed at 1e-6)
+        held, go = threading.Event(), threading.Event()
+        engine.call_on_model_thread(lambda: (held.set(), go.wait(30)))
+        held.wait(30)
+        handles = [engine.generate(None, p, opts) for p in prompts]
+        go.set()
         return [[(e.token_id, e.logprob) for e in h.result()[0]] for h in handles]
     finally:
         engine.shutdown()

@@ -145,6 +145,13 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     from tokenwire.model.quant import resident_bytes
 
     settings.progress = False
+    if args.shape:  # a random-weight file at a real model's widths (bench/shapes.py)
+        from tokenwire.bench.shapes import shape_file
+        from tokenwire.model.loader import default_cache_dir
+
+        if args.model:
+            raise SystemExit("--shape and --model: give one (--shape writes its own model file)")
+        settings.model = str(shape_file(args.shape, args.quant, settings.cache_dir or default_cache_dir()))
     engine = build_engine(settings)
     n, reps = args.decode_tokens, args.repeats
     key = f"streams_{args.streams}"
@@ -287,6 +294,12 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     be.add_argument("--session-tokens", type=int, default=1000)
     be.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians reported)")
     be.add_argument("--prefill-tokens", type=int, default=1000, help="prompt length of the prefill measure")
+    be.add_argument(
+        "--shape",
+        help="bench a random-weight GGUF at a real model's widths instead of --model: llama-1b "
+        "(Llama-3.2-1B), llama-3b (written once into the cache, bench/shapes.py)",
+    )
+    be.add_argument("--quant", default="Q4_0", help="the --shape file's weight type: Q4_0, Q4_1 or Q8_0")
     be.add_argument(
         "--neighbours",
         type=int,

@@ -35,6 +35,7 @@ from tokenwire.engine.request import FinishEvent, GenerateOptions, Request, Requ
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session, Ttl
 from tokenwire.engine.step import run_step
+from tokenwire.engine.step_team import StepTeam
 from tokenwire.engine.vision import (
     EmbeddingCache,
     ImageInput,
@@ -138,6 +139,8 @@ class Engine:
         self.logits_size = self.config.vocab_size
         # vision models: image embeddings by content hash (engine/vision.py)
         self.vision = EmbeddingCache() if vision_tokens(self.config) is not None else None
+        # threads of the steps the fused decode kernel does not run (engine/step_team.py)
+        self.step_team = StepTeam(self.model, enabled=self.kv.k.device.type == "cpu")
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_running, self._idle_sessions)
         self.limits = Limits(
@@ -384,7 +387,9 @@ class Engine:
                 continue
             capture = tuple(self.concepts.layers) if self.concepts is not None else ()
             try:
-                output = run_step(self.model, self.kv, items, capture, vision=self.vision)
+                output = run_step(
+                    self.model, self.kv, items, capture, vision=self.vision, team=self.step_team
+                )
             except Exception as exc:  # a model failure fails this step's requests, not the engine
                 log.exception("model step failed")
                 with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from tokenwire.engine.attention import AttentionGroup, PagedAttention, build_group
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.request import Request
+from tokenwire.engine.step_team import StepTeam
 from tokenwire.engine.vision import EmbeddingCache, step_inputs
 from tokenwire.model import kernels
 from tokenwire.model.llama import PagedDecode
@@ -45,6 +47,7 @@ def run_step(
     items: list[StepItem],
     capture_layers: tuple[int, ...],
     vision: EmbeddingCache | None = None,
+    team: StepTeam | None = None,
 ) -> StepOutput:
     device = kv.k.device
     dtype = kv.k.dtype
@@ -115,7 +118,10 @@ def run_step(
     extra = {}
     if vision is not None:
         extra = step_inputs(model, vision, [(i.request.session, i.start, i.count) for i in items])
-    with torch.inference_mode():
+    # the fused stack sizes its own team (kernels/barrier.h); other steps ask `team`
+    fused = isinstance(attention, PagedDecode)
+    sized = team.step(len(ids)) if team is not None and not fused else nullcontext()
+    with torch.inference_mode(), sized:
         hidden, captured = model(
             torch.tensor(ids, device=device),
             position_tensor,
@@ -129,7 +135,6 @@ def run_step(
         else:
             rows = hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]
         # a fused decode step's lm_head takes the fused layers' int16 matvec (only LlamaModel fuses)
-        fused = isinstance(attention, PagedDecode)
         logits = (model.logits(rows, fused_decode=True) if fused else model.logits(rows)).cpu()
     out_logits = {key: logits[i] for i, key in enumerate(logit_keys)}
     out_hidden: dict[tuple[int, int], torch.Tensor] = {}

@@ -103,7 +103,7 @@ class SpinThenSleepBarrier {
 // time slices (measured in decode_stack.h). Two team steps in a row whose threads spent more than
 // kContended of their time waiting start a span of solo steps (the calling thread alone, no
 // barrier); then one team step probes: if its time per row and layer beats the solo steps', the
-// team stays, else the next span is twice as long (8 .. 512 steps). A lone contended step (a
+// team stays, else the next span is twice as long (8 .. max_span steps). A lone contended step (a
 // low-priority neighbour's slice) stays on the team. Large batches often keep the team even when
 // contended: their long matvecs between barriers lose less to a late partner than one thread's
 // half speed.
@@ -111,6 +111,9 @@ class TeamGate {
  public:
   // waiting above this share of the team's time marks a step contended (quiet: see decode_stack.h)
   static constexpr double kContended = 0.35;
+
+  // the longest solo span: what a return to a quiet machine may cost before a probe sees it
+  explicit TeamGate(int max_span) : max_span_(max_span) {}
 
   enum Mode { kFixed = 0, kAdaptive = 1, kSolo = 2 };  // kFixed, kSolo: measurements and tests
 
@@ -147,11 +150,19 @@ class TeamGate {
       if (fraction <= kContended) strikes_ = 0;
       return;
     }
-    span_ = std::min(512, std::max(8, span_ * 2));
+    span_ = std::min(max_span_, std::max(8, span_ * 2));
     solo_left_.store(span_, std::memory_order_relaxed);
   }
+  // a mode change starts afresh: no span under way, nothing learnt
+  void set_mode(int m) {
+    mode.store(m, std::memory_order_relaxed);
+    solo_left_.store(0, std::memory_order_relaxed);
+    span_ = strikes_ = 0;
+    solo_ns_ = 0;
+    solo_steps_ = 0;
+  }
   // whether single-threaded steps are due: the lm_head follows it
-  bool solo() const { return solo_left_.load(std::memory_order_relaxed) > 0; }
+  bool solo() const { return mode.load(std::memory_order_relaxed) == kSolo || solo_left_.load(std::memory_order_relaxed) > 0; }
   int solo_left() const { return solo_left_.load(std::memory_order_relaxed); }
 
   std::atomic<int> mode{kAdaptive};
@@ -160,12 +171,18 @@ class TeamGate {
 
  private:
   std::atomic<int> solo_left_{0};
+  const int max_span_;
   int span_ = 0, strikes_ = 0;
   double solo_ns_ = 0;
   int64_t solo_steps_ = 0;
 };
 
-inline TeamGate g_team;
+// g_team: the fused decode stack, which measures its barrier waits itself. g_step_team: every
+// other step (prefill chunks, mixed batches: MKL's GEMM, torch's attention, qmatmul), whose
+// OpenMP waits it cannot see: the engine reports their waiting as the team's CPU time missing
+// from threads x wall (engine/step_team.py). Its steps are decoder layers of 2-50 ms (a decode
+// step is ~5 ms in all), so its spans stop at 64.
+inline TeamGate g_team{512}, g_step_team{64};
 
 // Test hook (the barrier_probe op): `n` threads meet `rounds` times; before each meeting
 // participant 0 sleeps `sleep_ms`. Per participant: CPU seconds and wall seconds spent inside

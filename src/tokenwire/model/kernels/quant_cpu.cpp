@@ -163,13 +163,26 @@ void set_barrier_spin_us(double us) { g_spin_ns = static_cast<int64_t>(us * 1000
 // 0: always the team, 1: adaptive (the default), 2: always one thread
 void set_team_mode(int64_t mode) {
   TORCH_CHECK(mode >= 0 && mode <= 2, "team mode is 0 (fixed), 1 (adaptive) or 2 (solo)");
-  g_team.mode = static_cast<int>(mode);
+  g_team.set_mode(static_cast<int>(mode));
+  g_step_team.set_mode(static_cast<int>(mode));
+}
+
+TeamGate& gate(int64_t which) {
+  TORCH_CHECK(which == 0 || which == 1, "gate 0 is the fused decode stack's, 1 the other steps'");
+  return which == 0 ? g_team : g_step_team;
 }
 
 // the last team step's waiting share, the solo steps still due, and the steps run solo and as a
 // team so far
-std::tuple<double, int64_t, int64_t, int64_t> team_state() {
-  return {g_team.last_fraction.load(), g_team.solo_left(), g_team.solo_total.load(), g_team.team_total.load()};
+std::tuple<double, int64_t, int64_t, int64_t> team_state(int64_t which) {
+  const TeamGate& g = gate(which);
+  return {g.last_fraction.load(), g.solo_left(), g.solo_total.load(), g.team_total.load()};
+}
+
+// the threads a step outside the fused stack gets (of `threads`), and what it measured after
+int64_t step_team(int64_t threads) { return g_step_team.team(static_cast<int>(threads)); }
+void step_team_report(int64_t waited_ns, int64_t team, int64_t threads, int64_t wall_ns, int64_t units) {
+  g_step_team.report(waited_ns, static_cast<int>(team), static_cast<int>(threads), wall_ns, units);
 }
 
 // [participants, 3]: CPU seconds and wall seconds inside the barrier, rounds seen right
@@ -193,7 +206,9 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("set_int16_activations(bool on) -> ()");
   m.def("set_barrier_spin_us(float us) -> ()");
   m.def("set_team_mode(int mode) -> ()");
-  m.def("team_state() -> (float, int, int, int)");
+  m.def("team_state(int gate=0) -> (float, int, int, int)");
+  m.def("step_team(int threads) -> int");
+  m.def("step_team_report(int waited_ns, int team, int threads, int wall_ns, int units) -> ()");
   m.def("barrier_probe(int participants, int rounds, float sleep_ms) -> Tensor");
   m.def("qmatmul(Tensor x, Tensor w, int qtype, bool int16_rows=False) -> Tensor");
   m.def("dequantize(Tensor w, int qtype, int k, Tensor rows) -> Tensor");
@@ -210,6 +225,8 @@ TORCH_LIBRARY_IMPL(tokenwire, CatchAll, m) { m.impl("set_int16_activations", &se
   m.impl("barrier_probe", &barrier_probe_op);
   m.impl("set_team_mode", &set_team_mode);
   m.impl("team_state", &team_state);
+  m.impl("step_team", &step_team);
+  m.impl("step_team_report", &step_team_report);
 }
 
 TORCH_LIBRARY_IMPL(tokenwire, Meta, m) { m.impl("qmatmul", &qmatmul_meta); }
