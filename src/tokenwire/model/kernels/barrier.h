@@ -4,7 +4,8 @@
 // Why not `#pragma omp barrier`: libgomp's waiters spin GOMP_SPINCOUNT iterations (300,000 by
 // default, cut to ~1,000 once a process has more OpenMP threads than CPUs) and then sleep on a
 // futex, with no bound in time. When another process shares a core, the partner of a waiting
-// thread is off its CPU for whole scheduler slices; measured numbers are in decode_stack.h.
+// thread is off its CPU for whole scheduler slices; docs/engine.md ("Sharing the machine") has
+// the measurements.
 // This one spins at most `g_spin_ns` of wall-clock time (checked every 64 pauses), then sleeps on
 // a futex until the last participant arrives, so a preempted partner costs its sleeping
 // partners no CPU and a running partner a wait of microseconds.
@@ -31,8 +32,8 @@
 
 namespace tw {
 
-// How long a waiter spins before it sleeps (set_barrier_spin_us); see decode_stack.h for the
-// measurement behind the default.
+// How long a waiter spins before it sleeps (set_barrier_spin_us): a running partner arrives
+// within microseconds (a layer's stages are 10-700 us), a preempted one after a time slice.
 inline std::atomic<int64_t> g_spin_ns{100'000};
 
 inline void cpu_relax() {
@@ -100,19 +101,23 @@ class SpinThenSleepBarrier {
 // process holds one of the cores as often as we do (a process in another session: with
 // autogroup scheduling a `nice 19` loop there weighs as much as our whole server), every barrier
 // waits for a partner that is off its core and the step ping-pongs between the two cores'
-// time slices (measured in decode_stack.h). Two team steps in a row whose threads spent more than
-// kContended of their time waiting start a span of solo steps (the calling thread alone, no
-// barrier); then one team step probes: if its time per row and layer beats the solo steps', the
-// team stays, else the next span is twice as long (8 .. max_span steps). A lone contended step (a
-// low-priority neighbour's slice) stays on the team. Large batches often keep the team even when
-// contended: their long matvecs between barriers lose less to a late partner than one thread's
-// half speed.
+// time slices (docs/engine.md, "Sharing the machine"). Two team steps in a row whose threads
+// spent more than kContended of their time waiting start a span of solo steps (the calling
+// thread alone, no barrier); then one team step probes: if its time per row and layer beats the
+// solo steps', the team stays, else the next span is twice as long (8 .. max_span steps, at
+// most 1 s). A lone contended step (a low-priority neighbour's slice) stays on the team. Large
+// batches often keep the team even when contended: their long matvecs between barriers lose
+// less to a late partner than one thread's half speed.
 class TeamGate {
  public:
-  // waiting above this share of the team's time marks a step contended (quiet: see decode_stack.h)
+  // waiting above this share of the team's time marks a step contended: quiet steps measured
+  // 0.02-0.04 (stack) and 0.00-0.03 (other steps), contended ones 0.17-0.67 (docs/engine.md)
   static constexpr double kContended = 0.35;
 
-  // the longest solo span: what a return to a quiet machine may cost before a probe sees it
+  // A solo span ends after max_span units or kMaxSpanNs, whichever comes first: what a return
+  // to a quiet machine may cost before a probe sees it. Without the time bound a 1B model's
+  // span of 512 decode steps (~50 ms each solo) kept a quiet machine on one thread for 25 s.
+  static constexpr int64_t kMaxSpanNs = 1'000'000'000;
   explicit TeamGate(int max_span) : max_span_(max_span) {}
 
   enum Mode { kFixed = 0, kAdaptive = 1, kSolo = 2 };  // kFixed, kSolo: measurements and tests
@@ -123,6 +128,10 @@ class TeamGate {
     if (m == kSolo) return 1;
     const int left = solo_left_.load(std::memory_order_relaxed);
     if (left <= 0) return threads;
+    if (now_ns() - span_start_ns_ > kMaxSpanNs) {  // probe now: the machine may be quiet again
+      solo_left_.store(0, std::memory_order_relaxed);
+      return threads;
+    }
     solo_left_.store(left - 1, std::memory_order_relaxed);
     return 1;
   }
@@ -151,6 +160,7 @@ class TeamGate {
       return;
     }
     span_ = std::min(max_span_, std::max(8, span_ * 2));
+    span_start_ns_ = now_ns();
     solo_left_.store(span_, std::memory_order_relaxed);
   }
   // a mode change starts afresh: no span under way, nothing learnt
@@ -170,8 +180,13 @@ class TeamGate {
   std::atomic<int64_t> solo_total{0}, team_total{0};  // steps run each way (diagnostics)
 
  private:
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
   std::atomic<int> solo_left_{0};
   const int max_span_;
+  int64_t span_start_ns_ = 0;
   int span_ = 0, strikes_ = 0;
   double solo_ns_ = 0;
   int64_t solo_steps_ = 0;
