@@ -54,7 +54,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per model step")
     g.add_argument("--concepts", type=Path, help="concept vectors (safetensors) for readouts")
-    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads of the engine's kernels (default: $TOKENWIRE_THREADS, else the CPUs in the "
+        "affinity mask capped by the cgroup CPU quota; logged at start, tokenwire_engine_threads)",
+    )
 
 
 def settings_from(args: argparse.Namespace, **extra: object) -> EngineSettings:

@@ -68,12 +68,17 @@ def _exit_now(reason: str) -> None:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     except (OSError, ValueError, RuntimeError):  # stderr closed or not a real file
         pass
+    _flush_logs()
+    os._exit(1)
+
+
+def _flush_logs() -> None:
+    """Every log line written so far reaches its file before os._exit skips the flush."""
     for handler in logging.getLogger().handlers + log.handlers:
         try:
             handler.flush()
         except Exception:  # a broken handler must not keep the process alive
             pass
-    os._exit(1)
 
 
 def exit_leaving_model_thread() -> None:
@@ -81,9 +86,5 @@ def exit_leaving_model_thread() -> None:
     a step: the interpreter's normal exit tears down torch's and the kernels' state under it and
     the process aborts ("terminate called without an active exception", SIGABRT)."""
     log.warning("exiting with the model thread still in its step")
-    for handler in logging.getLogger().handlers + log.handlers:
-        try:
-            handler.flush()
-        except Exception:  # a broken handler must not keep the process alive
-            pass
+    _flush_logs()
     os._exit(0)
