@@ -88,3 +88,28 @@ def test_stalled_body_ends_the_request_without_an_error_traceback(
     # the guard's one warning names the flag; nothing else above INFO comes from the request
     warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
     assert len(warnings) <= 1 and all("--body-timeout" in w for w in warnings), warnings
+
+
+def test_a_grpc_write_to_a_client_that_left_is_not_an_error(
+    servers: Servers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """grpc.aio's ERROR + traceback for a streamed response written as its client left (the
+    hostile soak's dropped Salience streams) becomes one debug line of ours; its other errors
+    stay errors. The record is the one grpc's server core logs, by its logger and message."""
+    core = logging.getLogger("grpc._cython.cygrpc")
+    caplog.set_level(logging.DEBUG, logger="tokenwire.grpc")
+    try:
+        raise RuntimeError('Failed "execute_batch"')  # grpc's ExecuteBatchError, by its message
+    except RuntimeError:
+        core.exception(
+            "ExecuteBatchError raised in core by servicer method [%s]", "/salience.v1.Salience/Generate"
+        )
+        core.exception("Unexpected [%s] raised by servicer method [%s]", "ValueError", "/x")
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["Unexpected [ValueError] raised by servicer method [/x]"], errors
+    assert any(
+        r.name == "tokenwire.grpc"
+        and "client that had left" in r.getMessage()
+        and "Generate" in r.getMessage()
+        for r in caplog.records
+    )
