@@ -13,6 +13,7 @@ from torch import nn
 from tokenwire.engine.request import GenerateOptions, SamplingParams
 from tokenwire.engine.step_team import MIN_ROWS, StepTeam
 from tokenwire.model import kernels
+from tokenwire.model.llama import DecoderLayer
 
 STEP_GATE = 1  # team_state's index of the unfused steps' gate (kernels/barrier.h)
 
@@ -28,12 +29,12 @@ def gate():
     ops.set_team_mode(1)
 
 
-class Probe(nn.Module):
+class Probe(DecoderLayer):
     """A layer that records the threads it ran with; `away` makes it wait without using a CPU,
     as a team does whose partner is off its core."""
 
     def __init__(self, seen: list[int]) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # the hooks' kind of layer, without its weights
         self.seen = seen
         self.away = False
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tokenwire.model import kernels
+from tokenwire.model.llama import DecoderLayer
 
 MIN_ROWS = 64
 
@@ -42,10 +43,11 @@ class StepTeam:
         self._rows = 0  # rows of the step under way; 0 outside step()
         self._team = 0
         self._cpu = self._wall = 0
-        if self.enabled:
-            for layer in model.layers:
-                layer.register_forward_pre_hook(self._before)
-                layer.register_forward_hook(self._after)
+        if self.enabled:  # a model without decoder layers (RandomTokenModel) has nothing to size
+            for layer in model.modules():
+                if isinstance(layer, DecoderLayer):
+                    layer.register_forward_pre_hook(self._before)
+                    layer.register_forward_hook(self._after)
 
     @contextmanager
     def step(self, rows: int) -> Iterator[None]:
