@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 log = logging.getLogger("tokenwire.bench.shapes")
@@ -71,10 +72,8 @@ def shape_file(name: str, quant: str, cache_dir: Path) -> Path:
     return path
 
 
-def _tokenizer_fields(writer: object) -> int:
+def _tokenizer_fields(writer: gguf.GGUFWriter) -> int:
     """Copies the shipped model's tokenizer into `writer`; returns the vocabulary size."""
-    import gguf
-
     from tokenwire.model.loader import resolve_model
 
     reader = gguf.GGUFReader(resolve_model(None).source)
@@ -95,8 +94,6 @@ def _tokenizer_fields(writer: object) -> int:
 
 
 def _write(path: Path, s: Shape, quant: str) -> None:
-    import gguf
-
     qtype = gguf.GGMLQuantizationType[quant]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("random weights, bench shape")
