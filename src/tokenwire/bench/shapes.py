@@ -113,7 +113,7 @@ def _write(path: Path, s: Shape, quant: str) -> None:
     rng = np.random.default_rng(0)
 
     def matrix(name: str, rows: int, cols: int, kind: gguf.GGMLQuantizationType = qtype) -> None:
-        x = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
+        x = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02)
         w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
 
     def norm(name: str) -> None:

@@ -73,7 +73,7 @@ class StepTeam:
         self._cpu, self._wall = time.process_time_ns(), time.perf_counter_ns()
 
     def _after(self, _module: Any, _args: Any, _output: Any) -> None:
-        if not self._rows or self._rows < MIN_ROWS:
+        if self._rows < MIN_ROWS:  # outside a step too (0 rows)
             return
         elapsed = time.perf_counter_ns() - self._wall
         waited = max(0, self._team * elapsed - (time.process_time_ns() - self._cpu))

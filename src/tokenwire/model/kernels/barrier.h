@@ -163,7 +163,8 @@ class TeamGate {
     span_start_ns_ = now_ns();
     solo_left_.store(span_, std::memory_order_relaxed);
   }
-  // a mode change starts afresh: no span under way, nothing learnt
+  // a mode change starts afresh: no span under way, nothing learnt (measurements and tests call
+  // it between runs, with no step under way)
   void set_mode(int m) {
     mode.store(m, std::memory_order_relaxed);
     solo_left_.store(0, std::memory_order_relaxed);
@@ -172,7 +173,9 @@ class TeamGate {
     solo_steps_ = 0;
   }
   // whether single-threaded steps are due: the lm_head follows it
-  bool solo() const { return mode.load(std::memory_order_relaxed) == kSolo || solo_left_.load(std::memory_order_relaxed) > 0; }
+  bool solo() const {
+    return mode.load(std::memory_order_relaxed) == kSolo || solo_left_.load(std::memory_order_relaxed) > 0;
+  }
   int solo_left() const { return solo_left_.load(std::memory_order_relaxed); }
 
   std::atomic<int> mode{kAdaptive};
