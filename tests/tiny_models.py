@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
 
-from tokenwire.model.config import ModelConfig
-from tokenwire.model.llama import LlamaModel, build_model
+from tokenwire.model.families import build_model, read_config
+from tokenwire.model.layers.decoder import DecoderModel
 
 VOCAB = 49152  # SmolLM2's, so the real tokenizer can drive the tiny models
 
@@ -63,7 +63,7 @@ def hf_model(name: str) -> torch.nn.Module:
     return model
 
 
-def ours_from_hf(hf: torch.nn.Module, max_positions: int | None = None) -> LlamaModel:
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+def ours_from_hf(hf: torch.nn.Module, max_positions: int | None = None) -> DecoderModel:
+    config = read_config(hf.config.to_dict())
     state = {k: v for k, v in hf.state_dict().items()}
     return build_model(config, state, max_positions=max_positions)

@@ -15,7 +15,7 @@ import torch
 from tokenwire.engine.concepts import ConceptSet, build_concept
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
-from tokenwire.model.llama import DenseCausalAttention
+from tokenwire.model.layers.attention import DenseCausalAttention
 
 
 def read_prompts(path: Path) -> list[str]:

@@ -39,7 +39,7 @@ def _greedy(engine, text: str, n: int = 32) -> list[int]:
 def test_default_engine_runs_the_gguf_blocks(smollm2_engine) -> None:
     model = smollm2_engine.model
     assert smollm2_engine.weights == "gguf" and model.can_fuse_decode
-    assert all(isinstance(layer.gate_up, QuantLinear) for layer in model.layers)
+    assert all(isinstance(layer.mlp.gate_up, QuantLinear) for layer in model.layers)
     size = smollm2_engine.source.source.stat().st_size
     assert resident_bytes(model) <= 1.3 * size
 

@@ -49,7 +49,7 @@ def test_logits_match_transformers(engine, hf) -> None:
 
 def test_full_logit_rows_match_transformers(engine, hf) -> None:
     """Raw logits compared directly through a whole-sequence tensor call on the model thread."""
-    from tokenwire.model.llama import DenseCausalAttention
+    from tokenwire.model.layers.attention import DenseCausalAttention
 
     tokens = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tests.tiny_models import TINY_CONFIGS, hf_model, ours_from_hf
-from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
-from tokenwire.model.llama import DenseCausalAttention
+from tokenwire.model.config import UnsupportedArchitectureError
+from tokenwire.model.families import read_config
+from tokenwire.model.layers.attention import DenseCausalAttention
 
 
 def dense_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -30,18 +31,18 @@ def test_logits_match_transformers(arch: str) -> None:
 
 
 def test_qwen2_has_qkv_bias_and_tied_embeddings_follow_config() -> None:
-    qwen = ModelConfig.from_hf_dict(TINY_CONFIGS["qwen2"].to_dict())
-    smol = ModelConfig.from_hf_dict(TINY_CONFIGS["smollm2"].to_dict())
+    qwen = read_config(TINY_CONFIGS["qwen2"].to_dict())
+    smol = read_config(TINY_CONFIGS["smollm2"].to_dict())
     assert qwen.attention_bias and not smol.attention_bias
     assert smol.tie_word_embeddings
 
 
 def test_llama3_rope_scaling_is_parsed() -> None:
-    cfg = ModelConfig.from_hf_dict(TINY_CONFIGS["llama3"].to_dict())
+    cfg = read_config(TINY_CONFIGS["llama3"].to_dict())
     assert cfg.rope_scaling is not None and cfg.rope_scaling["factor"] == 8.0
 
 
 def test_unsupported_architecture_is_named() -> None:
     d = TINY_CONFIGS["llama2"].to_dict() | {"architectures": ["GPTNeoXForCausalLM"]}
     with pytest.raises(UnsupportedArchitectureError, match="GPTNeoXForCausalLM"):
-        ModelConfig.from_hf_dict(d)
+        read_config(d)

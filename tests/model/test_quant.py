@@ -13,8 +13,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from tests.tiny_models import hf_model
-from tokenwire.model.config import ModelConfig
-from tokenwire.model.llama import DenseCausalAttention, build_model
+from tokenwire.model.families import build_model, read_config
+from tokenwire.model.layers.attention import DenseCausalAttention
+from tokenwire.model.layers.weights import quantize_state
 from tokenwire.model.quant import (
     DENSE_FROM_ROWS,
     Q4_0,
@@ -26,7 +27,6 @@ from tokenwire.model.quant import (
     quantize,
     resident_bytes,
 )
-from tokenwire.model.quant_model import build_quantized_model, quantize_state
 
 QTYPES = [Q4_0, Q4_1, Q8_0]
 # |quantised matmul - fp32 matmul of the dequantised weight| / max|fp32 result|: both sum the
@@ -133,9 +133,9 @@ def test_quantize_round_trips_through_gguf_reference() -> None:
 def _twins(qtype: int, arch: str = "smollm2") -> tuple[torch.nn.Module, torch.nn.Module]:
     """A quantised tiny model and the fp32 model built from its dequantised weights."""
     hf = hf_model(arch)
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
-    tensors, qtypes = quantize_state(config, dict(hf.state_dict()), qtype)
-    quantised = build_quantized_model(config, tensors, qtypes)
+    config = read_config(hf.config.to_dict())
+    tensors, qtypes = quantize_state(dict(hf.state_dict()), qtype)
+    quantised = build_model(config, tensors, qtypes)
     dense_state = {
         name: dequantize(t, qtypes[name], t.shape[1] // {Q4_0: 18, Q4_1: 20, Q8_0: 34}[qtype] * 32)
         if name in qtypes

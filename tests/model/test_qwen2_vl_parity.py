@@ -8,10 +8,10 @@ import torch
 
 from tests.vision_models import IMAGE_PAD, hf_vl_model, image_block, png, save_vl_model
 from tokenwire.engine.factory import load_model
+from tokenwire.model.families.qwen2_vl import mrope_positions
 from tokenwire.model.images import ImagePreprocessor
-from tokenwire.model.llama import DenseCausalAttention
+from tokenwire.model.layers.attention import DenseCausalAttention
 from tokenwire.model.loader import resolve_model
-from tokenwire.model.qwen2_vl import mrope_positions
 
 TOL = 1e-4
 

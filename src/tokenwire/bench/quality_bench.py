@@ -23,7 +23,7 @@ from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.request import GenerateOptions, TokenEvent
-from tokenwire.model.llama import PagedDecode
+from tokenwire.model.layers.decoder import PagedDecode
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")  # plain English prose on every Debian machine
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tokenwire.model.config import ModelConfig
-from tokenwire.model.llama import AttentionBackend
+from tokenwire.model.layers.attention import AttentionBackend
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -29,7 +29,7 @@ TABLE_ROWS = 257  # prime: consecutive (token, position) pairs spread over the t
 
 
 class RandomTokenModel(nn.Module):
-    """LlamaModel's interface (forward, logits, config, dtype, device, max_positions) without
+    """DecoderModel's interface (forward, logits, config, dtype, device, max_positions) without
     its computation: logits ~ N(0, 1). It is handed the step's paged-attention metadata like
     the real model and ignores it.
 
@@ -51,7 +51,7 @@ class RandomTokenModel(nn.Module):
     def device(self) -> torch.device:
         return self.table.device
 
-    # LlamaModel's interface. True: a decode-only step hands it the fused kernel's metadata (two
+    # DecoderModel's interface. True: a decode-only step hands it the fused kernel's metadata (two
     # small tensors) rather than the unfused one's masks, which cost ~170 us a step to build
     can_fuse_decode = True
 
@@ -70,7 +70,7 @@ class RandomTokenModel(nn.Module):
         return hidden, captured
 
     def logits(self, hidden: torch.Tensor, fused_decode: bool = False) -> torch.Tensor:
-        """`fused_decode`: LlamaModel's lm_head option on fused decode steps; nothing to fuse here."""
+        """`fused_decode`: DecoderModel's lm_head option on fused decode steps; nothing to fuse here."""
         if len(hidden) == 1:  # a single stream's decode step: a view, no copy of the row
             row = int(hidden[0])
             return self.table[row : row + 1]

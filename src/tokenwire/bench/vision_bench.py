@@ -95,14 +95,13 @@ def _timed(fn: Callable[[], Any]) -> float:
 def _pair(name: str, args: argparse.Namespace, vocab: int) -> tuple[Any, Any]:
     from transformers import Qwen2VLForConditionalGeneration
 
-    from tokenwire.model.config import ModelConfig
+    from tokenwire.model.families import build_model, read_config
     from tokenwire.model.images import ImagePreprocessor
-    from tokenwire.model.qwen2_vl import build_vl_model
 
     torch.manual_seed(0)
     cfg = _configs(name, args.vision_layers, args.text_layers, vocab)
     hf = Qwen2VLForConditionalGeneration(cfg).eval().requires_grad_(False)
-    ours = build_vl_model(ModelConfig.from_hf_dict(cfg.to_dict()), hf.state_dict())
+    ours = build_model(read_config(cfg.to_dict()), hf.state_dict())
     ours.images = ImagePreprocessor()  # transformers' defaults: 448x448 stays 448x448
     return hf, ours
 
@@ -111,8 +110,8 @@ def _bench_shapes(name: str, args: argparse.Namespace, tokenizer: Any) -> dict[s
     from tokenwire.engine.engine import Engine
     from tokenwire.engine.request import GenerateOptions, SamplingParams
     from tokenwire.engine.vision import ImageInput
-    from tokenwire.model.llama import DenseCausalAttention
-    from tokenwire.model.qwen2_vl import mrope_positions
+    from tokenwire.model.families.qwen2_vl import mrope_positions
+    from tokenwire.model.layers.attention import DenseCausalAttention
 
     vocab = len(tokenizer.hf) - len(VISION_TOKENS)
     hf, ours = _pair(name, args, vocab)

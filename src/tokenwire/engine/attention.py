@@ -3,18 +3,19 @@
 The step's tokens are split into groups that share a query length: all decode tokens form
 one group (one query each), each prefill chunk forms its own. For a group of B sequences we
 gather their blocks into [B, L, kv_heads, D] keys/values and run one SDPA call with a mask
-built once per step. Grouped-query heads are folded into the query length so keys are never
-repeated per head.
+built once per step for each window the model's layers have (a window is a property of the
+layer: `AttentionSpec.window`). Grouped-query heads are folded into the query length so keys are
+never repeated per head.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from tokenwire.engine.kv_cache import KVCache
+from tokenwire.model.layers.attention import AttentionSpec, attend
 
 
 @dataclass
@@ -23,9 +24,28 @@ class AttentionGroup:
     valid: torch.Tensor  # [B, Q] bool, False for padding
     block_table: torch.Tensor  # [B * n_blocks] flattened (padding blocks point at block 0)
     n_blocks: int
-    bias: torch.Tensor  # [B, 1, rep*Q, L] additive mask: 0 where the query may attend, -inf elsewhere
+    query_pos: torch.Tensor  # [B, Q] positions of the queries (padding: 0)
+    length: int  # keys gathered per sequence: n_blocks * block_size
+    rep: int  # query heads per KV head
+    dtype: torch.dtype
     row_start: int | None = None  # rows are row_start .. row_start+B*Q-1 in order: slice, no gather
     contiguous_start: int | None = None  # single sequence whose blocks are consecutive: a view
+    # window (None: causal) -> [B, 1, rep*Q, L] additive mask, 0 where the query may attend and
+    # -inf elsewhere; built at a layer's first call with that window, reused by the others
+    biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def bias(self, spec: AttentionSpec) -> torch.Tensor:
+        bias = self.biases.get(spec.window)
+        if bias is None:
+            b, q = self.query_pos.shape
+            allowed = spec.allowed(self.query_pos, torch.arange(self.length, device=self.query_pos.device))
+            allowed[:, :, 0] |= ~self.valid  # padding queries attend to something: no NaN
+            bias = torch.zeros(b, q, self.length, dtype=self.dtype, device=self.query_pos.device)
+            bias.masked_fill_(~allowed, float("-inf"))
+            # grouped-query heads are folded into the query axis as (rep, Q)
+            bias = bias[:, None].expand(b, self.rep, q, self.length).reshape(b, 1, self.rep * q, self.length)
+            self.biases[spec.window] = bias
+        return bias
 
 
 def build_group(
@@ -51,12 +71,6 @@ def build_group(
         valid[i, : len(r)] = True
         table[i, : len(t)] = torch.tensor(t)
         query_pos[i, : len(r)] = torch.arange(start, start + len(r))
-    key_pos = torch.arange(length)
-    allowed = key_pos[None, None, :] <= query_pos[:, :, None]
-    allowed[:, :, 0] |= ~valid  # padding queries attend to something, so softmax gives no NaN
-    bias = torch.zeros(b, q, length, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-    # grouped-query heads are folded into the query axis as (rep, Q)
-    bias = bias[:, None].expand(b, rep, q, length).reshape(b, 1, rep * q, length)
     flat_rows = [x for r in rows for x in r]
     row_start = None
     if all(len(r) == q for r in rows) and flat_rows == list(
@@ -71,7 +85,10 @@ def build_group(
         valid.to(device),
         table.view(-1).to(device),
         n_blocks,
-        bias.to(device),
+        query_pos.to(device),
+        length,
+        rep,
+        dtype,
         row_start,
         contiguous,
     )
@@ -83,7 +100,9 @@ class PagedAttention:
         self.slot_mapping = slot_mapping
         self.groups = groups
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+    ) -> torch.Tensor:
         n, heads, d = q.shape
         kv_heads = k.shape[1]
         rep = heads // kv_heads
@@ -107,9 +126,7 @@ class PagedAttention:
                 qg = q[g.token_index].view(b, qlen, kv_heads, rep, d)
             # [B, Q, KVH, rep, D] -> [B, KVH, rep*Q, D]: each kv head serves rep*Q query rows
             qg = qg.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, rep * qlen, d)
-            o = F.scaled_dot_product_attention(
-                qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.bias
-            )
+            o = attend(qg, keys.transpose(1, 2), values.transpose(1, 2), g.bias(spec), spec)
             o = o.view(b, kv_heads, rep, qlen, d).permute(0, 3, 1, 2, 4).reshape(b, qlen, heads * d)
             if single:
                 return o.view(n, heads * d)

@@ -46,7 +46,7 @@ from tokenwire.engine.vision import (
     vision_tokens,
 )
 from tokenwire.model.config import ModelConfig
-from tokenwire.model.llama import LlamaModel
+from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenwire.engine")
@@ -70,7 +70,7 @@ class Engine:
 
     def __init__(
         self,
-        model: LlamaModel | torch.nn.Module | Callable[[], torch.nn.Module],
+        model: DecoderModel | torch.nn.Module | Callable[[], torch.nn.Module],
         tokenizer: Tokenizer,
         *,
         name: str,
@@ -153,7 +153,7 @@ class Engine:
 
     @staticmethod
     def _load(
-        model: LlamaModel | torch.nn.Module | Callable[[], torch.nn.Module],
+        model: DecoderModel | torch.nn.Module | Callable[[], torch.nn.Module],
         kv_cache_mb: float,
         block_size: int,
         max_model_len: int | None,

@@ -14,8 +14,11 @@ from tokenwire.engine.engine import Engine
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.threads import apply_threads
 from tokenwire.model.config import ModelConfig
+from tokenwire.model.families import build_model
 from tokenwire.model.gguf import PACKED_FILE
-from tokenwire.model.llama import LlamaModel, build_model
+from tokenwire.model.images import ImagePreprocessor
+from tokenwire.model.layers.decoder import DecoderModel
+from tokenwire.model.layers.weights import quantize_state
 from tokenwire.model.loader import (
     ModelSource,
     cache_key,
@@ -26,7 +29,6 @@ from tokenwire.model.loader import (
     resolve_model,
 )
 from tokenwire.model.quant import Q4_1, Q8_0
-from tokenwire.model.quant_model import build_quantized_model, quantize_state
 from tokenwire.progress import StartupProgress
 
 log = logging.getLogger("tokenwire")
@@ -130,35 +132,24 @@ def _with_kernels(settings: EngineSettings, weights: str) -> str:
     return weights
 
 
-def load_model(source: ModelSource, weights: str, device: torch.device, max_len: int | None) -> LlamaModel:
+def load_model(source: ModelSource, weights: str, device: torch.device, max_len: int | None) -> DecoderModel:
     positions = min(max_len or source.config.max_position_embeddings, source.config.max_position_embeddings)
-    if source.config.vision is not None:  # Qwen2-VL family: its own model class (qwen2_vl.py)
-        return _load_vision_model(source, weights, device, positions)
-    if weights == "gguf":
-        packed = load_packed(source.model_dir)
-        assert packed is not None
-        return build_quantized_model(source.config, *packed, max_positions=positions)
-    if weights in ("int8", "int4"):
-        qtype = Q8_0 if weights == "int8" else Q4_1
-        tensors, qtypes = quantize_state(source.config, load_weights(source.model_dir), qtype)
-        return build_quantized_model(source.config, tensors, qtypes, max_positions=positions)
-    state = load_weights(source.model_dir)
-    return build_model(source.config, state, dtype=DTYPES[weights], device=device, max_positions=positions)
-
-
-def _load_vision_model(source: ModelSource, weights: str, device: torch.device, positions: int) -> LlamaModel:
-    from tokenwire.model.images import ImagePreprocessor
-    from tokenwire.model.qwen2_vl import build_vl_model
-
-    if weights not in ("fp32", "bf16"):
+    if source.config.vision is not None and weights not in ("fp32", "bf16"):
         raise ValueError(
             f"--weights {weights} is not available for {source.config.architecture}: use fp32 or bf16"
         )
+    if weights == "gguf":
+        packed = load_packed(source.model_dir)
+        assert packed is not None
+        return build_model(source.config, *packed, max_positions=positions)
+    if weights in ("int8", "int4"):
+        qtype = Q8_0 if weights == "int8" else Q4_1
+        tensors, qtypes = quantize_state(load_weights(source.model_dir), qtype)
+        return build_model(source.config, tensors, qtypes, max_positions=positions)
     state = load_weights(source.model_dir)
-    model = build_vl_model(
-        source.config, state, dtype=DTYPES[weights], device=device, max_positions=positions
-    )
-    model.images = ImagePreprocessor.from_dir(source.model_dir)
+    model = build_model(source.config, state, dtype=DTYPES[weights], device=device, max_positions=positions)
+    if source.config.vision is not None:  # Qwen2-VL: the image preprocessor of its directory
+        model.images = ImagePreprocessor.from_dir(source.model_dir)
     return model
 
 
@@ -216,7 +207,7 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
     if weights in QUANTIZED_WEIGHTS:
         weights = _with_kernels(settings, weights)
 
-    def make_model() -> LlamaModel:
+    def make_model() -> DecoderModel:
         model = load_model(source, weights, device, settings.max_model_len)
         model.fuse_decode = settings.compile
         return model

@@ -13,7 +13,7 @@ from tokenwire.engine.request import Request
 from tokenwire.engine.step_team import StepTeam
 from tokenwire.engine.vision import EmbeddingCache, step_inputs
 from tokenwire.model import kernels
-from tokenwire.model.llama import PagedDecode
+from tokenwire.model.layers.decoder import PagedDecode
 
 
 @dataclass
@@ -134,7 +134,7 @@ def run_step(
             rows = hidden
         else:
             rows = hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]
-        # a fused decode step's lm_head takes the fused layers' int16 matvec (only LlamaModel fuses)
+        # a fused decode step's lm_head takes the fused layers' int16 matvec (only DecoderModel fuses)
         logits = (model.logits(rows, fused_decode=True) if fused else model.logits(rows)).cpu()
     out_logits = {key: logits[i] for i, key in enumerate(logit_keys)}
     out_hidden: dict[tuple[int, int], torch.Tensor] = {}

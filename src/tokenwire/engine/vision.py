@@ -162,7 +162,7 @@ def step_inputs(
 ) -> dict[str, torch.Tensor]:
     """The vision model's extra inputs for a step: M-RoPE positions of every row and the image
     embeddings of the pad rows. `rows`: (session, start, count) per item, in packed order."""
-    from tokenwire.model.qwen2_vl import mrope_positions
+    from tokenwire.model.families.qwen2_vl import mrope_positions
 
     pos3: list[torch.Tensor] = []
     image_rows: list[torch.Tensor] = []

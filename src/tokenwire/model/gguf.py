@@ -25,30 +25,13 @@ from tqdm import tqdm
 
 from tokenwire.model import quant
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
+from tokenwire.model.families import GGUF_FAMILIES, read_config
+from tokenwire.model.families.base import Family, GgufNames
 
 # Bump when the output of convert_gguf changes. (Cache keys also hash this file's source and the
 # versions of the libraries the conversion uses; see converter_fingerprint.)
 CONVERTER_VERSION = 2  # 2: packed.safetensors beside the fp32 weights
 PACKED_FILE = "packed.safetensors"  # the GGUF's own quantised blocks (see model/quant.py)
-
-# general.architecture -> (HF architecture, HF model_type, q/k rows permuted by llama.cpp?)
-GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-}
-
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # llama.cpp pre-tokenizer types that split every digit off before the GPT-2 regex (llama-vocab.cpp);
 # transformers 5.23 falls back to the plain GPT-2 regex for these, which merges e.g. "a  1" differently.
@@ -92,12 +75,9 @@ def gguf_to_hf_config(reader: GGUFReader, path: Path | str = "<gguf>") -> dict[s
     """config.json contents for a GGUF file (metadata only; no tensor data is read)."""
     meta = _fields(reader)
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        supported = ", ".join(GGUF_ARCHITECTURES)
-        raise UnsupportedArchitectureError(
-            f"unsupported GGUF architecture {arch!r} in {path}: tokenwire converts {supported}"
-        )
-    hf_arch, model_type, _ = GGUF_ARCHITECTURES[arch]
+    family = gguf_family(arch, path)
+    assert family.gguf is not None
+    hf_arch, model_type = next(iter(family.architectures.items()))
     tensors = {t.name for t in reader.tensors}
 
     def get(key: str, default: Any = None) -> Any:
@@ -203,16 +183,26 @@ def _infer_llama3_scaling(factors: np.ndarray, theta: float, dim: int, old: int,
     raise UnsupportedArchitectureError(f"rope_freqs tensor in {path} does not match llama3 rope scaling")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def gguf_family(arch: Any, path: Path | str = "<gguf>") -> Family:
+    """The family converting a GGUF's `general.architecture` (its tensor names are the family's)."""
+    if arch not in GGUF_FAMILIES:
+        supported = ", ".join(GGUF_FAMILIES)
+        raise UnsupportedArchitectureError(
+            f"unsupported GGUF architecture {arch!r} in {path}: tokenwire converts {supported}"
+        )
+    return GGUF_FAMILIES[arch]
+
+
+def hf_tensor_name(gguf_name: str, names: GgufNames) -> str | None:
     """HF name for a GGUF tensor name; None for tensors HF has no parameter for (rope_freqs)."""
     stem, _, kind = gguf_name.rpartition(".")
     parts = stem.split(".")
     if stem == "rope_freqs":
         return None
-    if stem in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[stem]}.{kind}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
+    if stem in names.globals:
+        return f"{names.globals[stem]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names.layer:
+        return f"model.layers.{parts[1]}.{names.layer[parts[2]]}.{kind}"
     raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file")
 
 
@@ -231,7 +221,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Mo
     reader = open_gguf(gguf_path)
     config = gguf_to_hf_config(reader, gguf_path)
     try:
-        model_config = ModelConfig.from_hf_dict(config)
+        model_config = read_config(config)
     except UnsupportedArchitectureError as e:
         raise UnsupportedArchitectureError(f"{e} (in {gguf_path})") from e
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -247,7 +237,9 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, pr
     """Dequantised float32 tensors as model.safetensors, or as shards of at most _MAX_SHARD_BYTES
     (each written as soon as it is full, bounding memory) plus model.safetensors.index.json; and
     every tensor once more in PACKED_FILE, quantised weights in their GGUF blocks."""
-    permuted = GGUF_ARCHITECTURES[reader.fields["general.architecture"].contents()][2]
+    names = gguf_family(reader.fields["general.architecture"].contents()).gguf
+    assert names is not None
+    permuted = names.permuted_qk
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     parts: list[tuple[Path, list[str]]] = []
     shard: dict[str, torch.Tensor] = {}
@@ -268,7 +260,7 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, pr
         disable=not (progress and sys.stderr.isatty()),
     )
     for tensor in bar:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, names)
         if name is None:
             continue
         w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)

@@ -31,6 +31,7 @@ import torch
 
 from tokenwire.model import gguf as gguf_convert
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
+from tokenwire.model.families import read_config
 from tokenwire.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -188,7 +189,7 @@ def _load_config(model_dir: Path, source: Path) -> ModelConfig:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"unreadable model config {path}: {e}") from e
     try:
-        return ModelConfig.from_hf_dict(data)
+        return read_config(data)
     except UnsupportedArchitectureError as e:
         raise UnsupportedArchitectureError(f"{e} (model {source})") from e
     except (KeyError, TypeError, ValueError) as e:

@@ -52,7 +52,7 @@ class VisionConfig:
 
 
 def text_config_dict(d: dict[str, Any]) -> dict[str, Any]:
-    """The decoder's settings as a flat Qwen2-style dict (what ModelConfig.from_hf_dict reads)."""
+    """The decoder's settings as a flat Qwen2-style dict (what config.common_config reads)."""
     text = dict(d.get("text_config") or d)
     for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
         if key in d and key not in text:
@@ -60,7 +60,7 @@ def text_config_dict(d: dict[str, Any]) -> dict[str, Any]:
     if "tie_word_embeddings" in d:  # the top level decides (lm_head is outside the text model)
         text["tie_word_embeddings"] = d["tie_word_embeddings"]
     text["architectures"] = ["Qwen2ForCausalLM"]
-    # M-RoPE is the decoder's own rotary scheme (handled by qwen2_vl.py), not a length scaling
+    # M-RoPE is the decoder's own rotary scheme (handled by families/qwen2_vl.py), not a length scaling
     for key in ("rope_scaling", "rope_parameters"):
         params = text.get(key)
         if isinstance(params, dict) and "mrope_section" in params:

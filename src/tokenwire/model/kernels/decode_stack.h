@@ -60,17 +60,28 @@ inline float softmax_numerators(float* scores, int64_t len) {
   return total;
 }
 
-// out = silu(gate) * up for one block of 32
-inline void swiglu_block(const float* gate, const float* up, float* out) {
+// out = act(gate) * up for one block of 32; act 0 = SiLU, 1 = GELU (tanh form)
+inline void gated_block(const float* gate, const float* up, float* out, int64_t act) {
 #ifdef TW_AVX2
   const __m256 one = _mm256_set1_ps(1.0f);
   for (int i = 0; i < kBlock; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+    __m256 a;
+    if (act == 0) {
+      a = _mm256_div_ps(g, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    } else {  // 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3)
+      const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f),
+                                     _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+      a = _mm256_div_ps(g, _mm256_add_ps(one, exp_avx2(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u))));
+    }
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_loadu_ps(up + i)));
   }
 #else
-  for (int i = 0; i < kBlock; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  for (int i = 0; i < kBlock; ++i) {
+    const float g = gate[i];
+    const float u = 0.7978845608f * (g + 0.044715f * g * g * g);
+    out[i] = (act == 0 ? g / (1.0f + std::exp(-g)) : g / (1.0f + std::exp(-2.0f * u))) * up[i];
+  }
 #endif
 }
 
@@ -87,15 +98,18 @@ inline void swiglu_block(const float* gate, const float* up, float* out) {
 // 4.74 ms, min 5.80 -> 3.81 ms (the same matvec kernels in both).
 inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) { return {n * tid / nt, n * (tid + 1) / nt}; }
 
+// One layer as the model describes it (model/layers/fusion.py): weights by role, optional parts
+// absent from the dict. No rotary table: a layer without RoPE. window 0: attends every position.
 struct StackLayer {
-  at::Tensor input_norm, post_norm, qkv, o, gate_up, down;
-  std::optional<at::Tensor> qkv_bias;
-  int64_t qkv_type, o_type, gate_up_type, down_type;
+  at::Tensor attn_norm, mlp_norm, qkv, o, gate_up, down;
+  std::optional<at::Tensor> qkv_bias, q_norm, k_norm, rope_cos, rope_sin;
+  int64_t qkv_type, o_type, gate_up_type, down_type, window, activation;
+  float eps, scale;
 };
 
 struct DecodeStack : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim;
-  double eps;
+  double eps;  // the final norm's
   std::vector<StackLayer> layers;
 
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t dim, double rms_eps)
@@ -104,49 +118,70 @@ struct DecodeStack : torch::CustomClassHolder {
                 "heads must be a multiple of kv_heads and head_dim even");
   }
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv, int64_t qkv_type,
-                 std::optional<at::Tensor> qkv_bias, at::Tensor o, int64_t o_type, at::Tensor gate_up,
-                 int64_t gate_up_type, at::Tensor down, int64_t down_type) {
-    const int64_t H = input_norm.numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    const int64_t inter = gate_up.size(0) / 2;
-    TORCH_CHECK(input_norm.dtype() == at::kFloat && post_norm.dtype() == at::kFloat && post_norm.numel() == H &&
-                    input_norm.is_contiguous() && post_norm.is_contiguous(),
-                "norm weights must be contiguous float32 [hidden]");
-    check_weight(qkv, qkv_type, H);
-    check_weight(o, o_type, q_size);
-    check_weight(gate_up, gate_up_type, H);
-    check_weight(down, down_type, inter);
-    TORCH_CHECK(qkv.size(0) == q_size + 2 * kv_size && o.size(0) == H && down.size(0) == H,
+  static std::optional<at::Tensor> part(const c10::Dict<std::string, at::Tensor>& t, const std::string& name) {
+    return t.contains(name) ? std::optional<at::Tensor>(t.at(name)) : std::nullopt;
+  }
+
+  static void check_floats(const std::optional<at::Tensor>& t, int64_t n, const char* what) {
+    if (t.has_value())
+      TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous() && t->numel() == n, what,
+                  " must be contiguous float32 of ", n, " values");
+  }
+
+  void add_layer(c10::Dict<std::string, at::Tensor> t, c10::Dict<std::string, int64_t> n,
+                 c10::Dict<std::string, double> f) {
+    for (const char* name : {"attn_norm", "mlp_norm", "qkv", "o", "gate_up", "down"})
+      TORCH_CHECK(t.contains(name), "layer description lacks ", name);
+    for (const char* name : {"qkv_type", "o_type", "gate_up_type", "down_type", "window", "activation"})
+      TORCH_CHECK(n.contains(name), "layer description lacks ", name);
+    TORCH_CHECK(f.contains("eps") && f.contains("scale"), "layer description lacks eps or scale");
+    StackLayer L{t.at("attn_norm"), t.at("mlp_norm"), t.at("qkv"), t.at("o"), t.at("gate_up"), t.at("down"),
+                 part(t, "qkv_bias"), part(t, "q_norm"), part(t, "k_norm"), part(t, "rope_cos"), part(t, "rope_sin"),
+                 n.at("qkv_type"), n.at("o_type"), n.at("gate_up_type"), n.at("down_type"), n.at("window"),
+                 n.at("activation"), static_cast<float>(f.at("eps")), static_cast<float>(f.at("scale"))};
+    const int64_t H = L.attn_norm.numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int64_t inter = L.gate_up.size(0) / 2;
+    check_floats(L.attn_norm, H, "attn_norm");
+    check_floats(L.mlp_norm, H, "mlp_norm");
+    check_weight(L.qkv, L.qkv_type, H);
+    check_weight(L.o, L.o_type, q_size);
+    check_weight(L.gate_up, L.gate_up_type, H);
+    check_weight(L.down, L.down_type, inter);
+    TORCH_CHECK(L.qkv.size(0) == q_size + 2 * kv_size && L.o.size(0) == H && L.down.size(0) == H,
                 "projection shapes do not match the hidden size and heads");
-    if (qkv_bias.has_value())
-      TORCH_CHECK(qkv_bias->dtype() == at::kFloat && qkv_bias->is_contiguous() && qkv_bias->numel() == qkv.size(0),
-                  "qkv bias must be contiguous float32 [q + 2 kv]");
+    check_floats(L.qkv_bias, L.qkv.size(0), "qkv bias");
+    check_floats(L.q_norm, head_dim, "q_norm");
+    check_floats(L.k_norm, head_dim, "k_norm");
+    TORCH_CHECK(L.q_norm.has_value() == L.k_norm.has_value(), "q_norm and k_norm come together");
+    TORCH_CHECK(L.rope_cos.has_value() == L.rope_sin.has_value(), "rope_cos and rope_sin come together");
+    if (L.rope_cos.has_value())
+      TORCH_CHECK(L.rope_cos->dtype() == at::kFloat && L.rope_sin->dtype() == at::kFloat && L.rope_cos->is_contiguous() &&
+                      L.rope_sin->is_contiguous() && L.rope_cos->dim() == 2 && L.rope_cos->size(1) == head_dim &&
+                      L.rope_sin->sizes() == L.rope_cos->sizes(),
+                  "rotary tables must be contiguous float32 [max_positions, head_dim]");
+    TORCH_CHECK(L.window >= 0 && (L.activation == 0 || L.activation == 1), "window must be >= 0, activation 0 or 1");
     if (!layers.empty())
-      TORCH_CHECK(layers[0].input_norm.numel() == H && layers[0].gate_up.size(0) == gate_up.size(0),
+      TORCH_CHECK(layers[0].attn_norm.numel() == H && layers[0].gate_up.size(0) == L.gate_up.size(0),
                   "every layer must have the first one's shapes");
-    layers.push_back({input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, qkv_type, o_type, gate_up_type, down_type});
+    layers.push_back(std::move(L));
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
   // Layers [first, last) for one decode token per row of x [M, H] (updated in place), then the
   // final RMSNorm when `final_norm` is given. KV caches [layers, blocks, block_size, kv_heads, D];
-  // cos/sin: the rotary tables [max_positions, D], indexed here by the rows' positions [M] (the
-  // row attends to 0..position); block_tables [M, max_blocks].
-  void run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-           const at::Tensor& positions, const at::Tensor& block_tables, int64_t first, int64_t last,
+  // each layer's rotary table is indexed by the rows' positions [M] (the row attends to
+  // 0..position, or its window's end of it); block_tables [M, max_blocks].
+  void run(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& positions, const at::Tensor& block_tables, int64_t first, int64_t last,
            const std::optional<at::Tensor>& final_norm) {
     TORCH_CHECK(0 <= first && first <= last && last <= num_layers(), "layer range out of bounds");
     const int64_t M = x.size(0), H = x.size(1), D = head_dim;
-    TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous() && x.dim() == 2 && H == layers[0].input_norm.numel(),
+    TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous() && x.dim() == 2 && H == layers[0].attn_norm.numel(),
                 "x must be contiguous float32 [M, hidden]");
     TORCH_CHECK(k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat && k_cache.is_contiguous() &&
                     v_cache.is_contiguous() && k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() &&
                     k_cache.size(0) >= last && k_cache.size(3) == num_kv_heads && k_cache.size(4) == D,
                 "KV caches must be contiguous float32 [layers, blocks, block_size, kv_heads, head_dim]");
-    TORCH_CHECK(cos.dtype() == at::kFloat && sin.dtype() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-                    cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(),
-                "cos/sin must be contiguous float32 [max_positions, head_dim]");
     if (final_norm.has_value())
       TORCH_CHECK(final_norm->dtype() == at::kFloat && final_norm->is_contiguous() && final_norm->numel() == H,
                   "the final norm must be contiguous float32 [hidden]");
@@ -158,8 +193,10 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* tables = block_tables.data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m) {
-      TORCH_CHECK(pos[m] >= 0 && pos[m] / bs < max_blocks && pos[m] < cos.size(0), "position ", pos[m],
-                  " is past its block table or the rotary tables");
+      TORCH_CHECK(pos[m] >= 0 && pos[m] / bs < max_blocks, "position ", pos[m], " is past its block table");
+      for (int64_t l = first; l < last; ++l)
+        TORCH_CHECK(!layers[l].rope_cos.has_value() || pos[m] < layers[l].rope_cos->size(0), "position ", pos[m],
+                    " is past layer ", l, "'s rotary table");
       for (int64_t b = 0; b <= pos[m] / bs; ++b)
         TORCH_CHECK(tables[m * max_blocks + b] >= 0 && tables[m * max_blocks + b] < blocks,
                     "block table entry ", tables[m * max_blocks + b], " is not one of the ", blocks, " blocks");
@@ -169,7 +206,7 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t rep = num_heads / num_kv_heads, q_size = num_heads * D, kv_size = num_kv_heads * D;
     const int64_t slices = num_heads + 2 * num_kv_heads, qkv_n = slices * D, inter = layers[0].gate_up.size(0) / 2;
     const int64_t half = D / 2, layer_stride = k_cache.stride(0);
-    const float feps = static_cast<float>(eps), scale = 1.0f / std::sqrt(static_cast<float>(D));
+    const float feps = static_cast<float>(eps), default_scale = 1.0f / std::sqrt(static_cast<float>(D));
     std::vector<float> qkv(M * qkv_n), attn(M * q_size), proj(M * H), gu(M * 2 * inter), act(M * inter);
     const bool int16 = kInt16Rows && M < 4 && g_int16_activations;
     // the input of down, quantised as the SwiGLU makes it, in the slot order of its block type
@@ -177,8 +214,6 @@ struct DecodeStack : torch::CustomClassHolder {
     act_q4.reset(M, inter, kQ4_1);
     act_q8.reset(M, inter, kQ8_0);
     float* xp = x.data_ptr<float>();
-    const float* cp = cos.data_ptr<float>();
-    const float* sp = sin.data_ptr<float>();
     float* k_base = k_cache.data_ptr<float>();
     float* v_base = v_cache.data_ptr<float>();
     const int wanted = at::get_num_threads(), threads = g_team.team(wanted);
@@ -207,17 +242,24 @@ struct DecodeStack : torch::CustomClassHolder {
         const StackLayer& L = layers[l];
         float* kc = k_base + l * layer_stride;
         float* vc = v_base + l * layer_stride;
-        rms_norm_rows(resid.data(), L.input_norm.data_ptr<float>(), feps, M, H, h.data());
+        rms_norm_rows(resid.data(), L.attn_norm.data_ptr<float>(), L.eps, M, H, h.data());
         matvec_rows(h.data(), quantize(h.data(), H, L.qkv_type), M, H, L.qkv, L.qkv_type, s0 * D, s1 * D, qkv.data());
-        // this thread's head slices: bias, RoPE on q and k (x*cos + roll(x, D/2)*signed_sin),
-        // new keys and values into the cache
+        // this thread's head slices: bias, the q/k norm of each head, RoPE on q and k
+        // (x*cos + roll(x, D/2)*signed_sin), new keys and values into the cache
         const float* bias = L.qkv_bias.has_value() ? L.qkv_bias->data_ptr<float>() : nullptr;
+        const float* cp = L.rope_cos.has_value() ? L.rope_cos->data_ptr<float>() : nullptr;
+        const float* sp = L.rope_sin.has_value() ? L.rope_sin->data_ptr<float>() : nullptr;
         for (int64_t m = 0; m < M; ++m)
           for (int64_t s = s0; s < s1; ++s) {
             float* v = qkv.data() + m * qkv_n + s * D;
             if (bias != nullptr)
               for (int64_t i = 0; i < D; ++i) v[i] += bias[s * D + i];
-            if (s < num_heads + num_kv_heads) {
+            if (L.q_norm.has_value() && s < num_heads + num_kv_heads) {
+              const at::Tensor& w = s < num_heads ? *L.q_norm : *L.k_norm;
+              rms_norm_rows(v, w.data_ptr<float>(), L.eps, 1, D, rotated.data());
+              std::memcpy(v, rotated.data(), D * sizeof(float));
+            }
+            if (cp != nullptr && s < num_heads + num_kv_heads) {
               const float* c = cp + pos[m] * D;
               const float* sn = sp + pos[m] * D;
               for (int64_t i = 0; i < D; ++i) rotated[i] = v[i] * c[i] + v[(i + half) % D] * sn[i];
@@ -230,32 +272,35 @@ struct DecodeStack : torch::CustomClassHolder {
             }
           }
 SYNC
-        for (int64_t task = t0; task < t1; ++task) {  // softmax(q.k / sqrt(D)) over positions 0..pos
+        const float scale = L.scale > 0 ? L.scale : default_scale;
+        for (int64_t task = t0; task < t1; ++task) {  // softmax(q.k * scale) over the row's positions
           const int64_t m = task / num_heads, head = task % num_heads, kvh = head / rep, len = pos[m] + 1;
+          const int64_t from = L.window > 0 ? std::max<int64_t>(0, len - L.window) : 0;  // its window
           const float* q = qkv.data() + m * qkv_n + head * D;
           const int64_t* table = tables + m * max_blocks;
-          scores.resize(len);
-          for (int64_t t = 0; t < len; ++t)
-            scores[t] = dot(q, kc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D, D) * scale;
-          const float total = softmax_numerators(scores.data(), len);
+          scores.resize(len - from);
+          for (int64_t t = from; t < len; ++t)
+            scores[t - from] = dot(q, kc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D, D) * scale;
+          const float total = softmax_numerators(scores.data(), len - from);
           float* o = attn.data() + m * q_size + head * D;
           std::fill(o, o + D, 0.0f);
-          for (int64_t t = 0; t < len; ++t)
-            axpy(scores[t] / total, vc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D, o, D);
+          for (int64_t t = from; t < len; ++t)
+            axpy(scores[t - from] / total, vc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D, o, D);
         }
 SYNC
         matvec_rows(attn.data(), quantize(attn.data(), q_size, L.o_type), M, q_size, L.o, L.o_type, o0, o1, proj.data());
 SYNC
         for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
-        rms_norm_rows(resid.data(), L.post_norm.data_ptr<float>(), feps, M, H, h.data());
+        rms_norm_rows(resid.data(), L.mlp_norm.data_ptr<float>(), L.eps, M, H, h.data());
         const QuantizedActivations* in = quantize(h.data(), H, L.gate_up_type);
         matvec_rows(h.data(), in, M, H, L.gate_up, L.gate_up_type, g0 * kBlock, g1 * kBlock, gu.data());
         matvec_rows(h.data(), in, M, H, L.gate_up, L.gate_up_type, inter + g0 * kBlock, inter + g1 * kBlock, gu.data());
         QuantizedActivations& qa_act = L.down_type == kQ8_0 ? act_q8 : act_q4;
         for (int64_t m = 0; m < M; ++m)
-          for (int64_t b = g0; b < g1; ++b) {  // SwiGLU of this thread's gate/up rows
+          for (int64_t b = g0; b < g1; ++b) {  // the gated activation of this thread's gate/up rows
             float* a = act.data() + m * inter + b * kBlock;
-            swiglu_block(gu.data() + m * 2 * inter + b * kBlock, gu.data() + m * 2 * inter + inter + b * kBlock, a);
+            gated_block(gu.data() + m * 2 * inter + b * kBlock, gu.data() + m * 2 * inter + inter + b * kBlock, a,
+                        L.activation);
             if (int16) qa_act.quantize_block(a, m, b);
           }
 SYNC

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tokenwire.model.llama import DenseCausalAttention
+from tokenwire.model.layers.attention import DenseCausalAttention
 from tokenwire.protocols.graphpipe.codec import IOMetadata
 from tokenwire.protocols.graphpipe.errors import ErrorCode, GraphPipeError
 from tokenwire.protocols.graphpipe.models.base import TensorModel

@@ -1,0 +1,64 @@
+"""The model families tokenwire runs, one small file each over model/layers/.
+
+`read_config` finds a config.json's family and reads it; `build_model` assembles that family's
+stack and loads a checkpoint into it (float, or quantised blocks with `qtypes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
+from tokenwire.model.families import llama, qwen2, qwen2_vl
+from tokenwire.model.families.base import Family
+from tokenwire.model.layers.decoder import DecoderModel
+from tokenwire.model.layers.weights import Tensors, load_weights
+
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen2_vl.FAMILY)
+ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.architectures}
+MODEL_TYPES = {model_type: arch for family in FAMILIES for arch, model_type in family.architectures.items()}
+GGUF_FAMILIES = {family.gguf.architecture: family for family in FAMILIES if family.gguf is not None}
+
+
+def read_config(d: dict[str, Any]) -> ModelConfig:
+    archs = d.get("architectures") or []
+    model_type = str(d.get("model_type", "unknown"))
+    arch = archs[0] if archs else MODEL_TYPES.get(model_type, model_type)
+    if arch not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise UnsupportedArchitectureError(
+            f"unsupported model architecture {arch!r}: tokenwire implements {supported}"
+        )
+    return ARCHITECTURES[arch].read_config(d, arch)
+
+
+def family_of(config: ModelConfig) -> Family:
+    return ARCHITECTURES[config.architecture]
+
+
+def build_model(
+    config: ModelConfig,
+    tensors: Tensors,
+    qtypes: dict[str, int] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+) -> DecoderModel:
+    """`qtypes`: the block type of each quantised tensor (a GGUF's own blocks, or weights
+    quantised at load); those stay quantised, fp32 only, on the CPU."""
+    family = family_of(config)
+    with torch.device("meta"):
+        model = family.model_class(config, family.assemble(config), max_positions)
+    if family.prepare is not None:
+        tensors = family.prepare(model, tensors, dtype, torch.device(device))
+    names = family.weight_names(config)
+    tie = None
+    if config.tie_word_embeddings or "lm_head.weight" not in tensors:
+        names.pop("lm_head", None)
+        tie = ("embed", "lm_head")
+    load_weights(model, names, tensors, qtypes, dtype=dtype, device=device, tie=tie)
+    model.finish_build(device)
+    return model.eval().requires_grad_(False)

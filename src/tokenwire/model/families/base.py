@@ -1,0 +1,92 @@
+"""What a family file declares: its architectures, how its config reads, its stack, its names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenwire.model.config import ModelConfig, common_config
+from tokenwire.model.layers.attention import Attention, AttentionSpec
+from tokenwire.model.layers.decoder import DecoderLayer, DecoderModel
+from tokenwire.model.layers.mlp import GatedMLP
+from tokenwire.model.layers.rotary import RopeSpec
+from tokenwire.model.layers.weights import Tensors, WeightNames
+
+# llama.cpp's tensor names (convert_hf_to_gguf.py) -> Hugging Face's, per layer and global; a
+# family whose GGUF has more tensors extends these
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True)
+class GgufNames:
+    architecture: str  # general.architecture
+    model_type: str  # the HF model_type its config.json gets
+    permuted_qk: bool  # llama.cpp's converter interleaved q/k rows for its RoPE (undone on reading)
+    layer: dict[str, str] = field(default_factory=lambda: dict(GGUF_LAYER_NAMES))
+    globals: dict[str, str] = field(default_factory=lambda: dict(GGUF_GLOBAL_NAMES))
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: dict[str, str]  # HF architecture -> its model_type
+    assemble: Callable[[ModelConfig], list[DecoderLayer]]  # the layers of the stack
+    weight_names: Callable[[ModelConfig], WeightNames]
+    read_config: Callable[[dict[str, Any], str], ModelConfig] = common_config
+    gguf: GgufNames | None = None
+    model_class: type[DecoderModel] = DecoderModel  # a subclass holds more than the decoder (vision)
+    # called before the decoder's weights load: loads what the names do not cover (a vision
+    # tower) and returns the checkpoint's tensors under the names `weight_names` uses
+    prepare: Callable[[DecoderModel, Tensors, torch.dtype, torch.device], Tensors] | None = None
+
+
+def config_rope(config: ModelConfig) -> RopeSpec:
+    """The rotary table config.json describes (rope_theta, rope_scaling)."""
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return RopeSpec.make(kind, config.rope_theta, config.head_dim, scaling)
+
+
+def llama_layer(
+    config: ModelConfig, index: int, rope: RopeSpec | None = None, **attention: Any
+) -> DecoderLayer:
+    """The Llama block every dense family starts from; `attention`: AttentionSpec overrides."""
+    spec = AttentionSpec(
+        config.num_heads, config.num_kv_heads, config.head_dim, bias=config.attention_bias, **attention
+    )
+    return DecoderLayer(
+        index,
+        config.hidden_size,
+        Attention(index, config.hidden_size, spec, config.rms_norm_eps),
+        GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act),
+        eps=config.rms_norm_eps,
+        rope=rope or config_rope(config),
+    )
+
+
+def llama_names(config: ModelConfig) -> WeightNames:
+    """Llama's HF tensor names for the stack's modules (Qwen2, Mistral, SmolLM2 use the same)."""
+    names: WeightNames = {"embed": ("model.embed_tokens",), "norm": ("model.norm",), "lm_head": ("lm_head",)}
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        names[ours + "attn_norm"] = (hf + "input_layernorm",)
+        names[ours + "attention.qkv"] = tuple(hf + f"self_attn.{n}_proj" for n in "qkv")
+        names[ours + "attention.o_proj"] = (hf + "self_attn.o_proj",)
+        names[ours + "mlp_norm"] = (hf + "post_attention_layernorm",)
+        names[ours + "mlp.gate_up"] = (hf + "mlp.gate_proj", hf + "mlp.up_proj")
+        names[ours + "mlp.down"] = (hf + "mlp.down_proj",)
+    return names

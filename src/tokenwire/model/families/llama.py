@@ -1,0 +1,22 @@
+"""Llama 2/3 (with llama3 rope scaling), SmolLM2 and Mistral: the plain Llama block; Mistral's
+`sliding_window`, where its config sets one, windows every layer."""
+
+from __future__ import annotations
+
+from tokenwire.model.config import ModelConfig
+from tokenwire.model.families.base import Family, GgufNames, llama_layer, llama_names
+from tokenwire.model.layers.decoder import DecoderLayer
+
+
+def assemble(config: ModelConfig) -> list[DecoderLayer]:
+    window = config.hf.get("sliding_window") if config.architecture == "MistralForCausalLM" else None
+    return [llama_layer(config, i, window=window) for i in range(config.num_layers)]
+
+
+FAMILY = Family(
+    name="llama",
+    architectures={"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"},
+    assemble=assemble,
+    weight_names=llama_names,
+    gguf=GgufNames("llama", "llama", permuted_qk=True),
+)

@@ -1,0 +1,89 @@
+"""The fused decode kernel (kernels/decode_stack.h) fed from a model's layers.
+
+Each layer is handed over as a description: its weights by role, its block types, window,
+activation, norm epsilon and attention scale, and its rotary table (none for a layer without
+RoPE). The kernel knows one layer shape: pre-norm attention with optional bias and per-head
+q/k norm, 1-D RoPE, an optional sliding window, a gated dense MLP, every projection quantised.
+A model with any other layer decodes eager, and `blocker` says why (the bench prints it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenwire.model import kernels
+from tokenwire.model.layers.mlp import GatedMLP
+from tokenwire.model.layers.rotary import Rotary
+from tokenwire.model.quant import QuantLinear
+
+if TYPE_CHECKING:
+    from tokenwire.model.layers.decoder import DecoderLayer, DecoderModel
+
+ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # decode_stack.h's gated_block
+
+
+def blocker(model: DecoderModel) -> str | None:
+    """Why the model's decode steps cannot fuse; None when they can."""
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "the fused decode runs fp32 weights on the CPU"
+    first = model.layers[0].attention.spec
+    for layer in model.layers:
+        why = _layer_blocker(layer)
+        if why is None and layer.attention.spec.num_heads != first.num_heads:
+            why = "head counts differ between layers"
+        if why is not None:
+            return f"layer {layer.index}: {why}"
+    return None
+
+
+def _layer_blocker(layer: DecoderLayer) -> str | None:
+    attention, mlp = layer.attention, layer.mlp
+    if not isinstance(mlp, GatedMLP):
+        return f"{type(mlp).__name__} feed-forward (the kernel runs one dense MLP)"
+    if mlp.activation not in ACTIVATION_CODES:
+        return f"activation {mlp.activation}"
+    if not all(isinstance(m, QuantLinear) for m in (attention.qkv, attention.o_proj, mlp.gate_up, mlp.down)):
+        return "float projections (the kernel multiplies quantised blocks)"
+    if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
+        return "norms after attention and MLP"
+    if attention.spec.softcap is not None:
+        return "attention soft-capping"
+    if layer.rope.kind not in ("default", "llama3", "longrope", "none"):
+        return f"{layer.rope.kind} rotary positions"
+    return None
+
+
+def describe(
+    model: DecoderModel, layer: DecoderLayer
+) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, float]]:
+    attention, mlp, spec = layer.attention, layer.mlp, layer.attention.spec
+    assert isinstance(mlp, GatedMLP)
+    projections = {"qkv": attention.qkv, "o": attention.o_proj, "gate_up": mlp.gate_up, "down": mlp.down}
+    tensors = {name: linear.packed for name, linear in projections.items()}
+    ints = {f"{name}_type": int(linear.qtype) for name, linear in projections.items()}
+    tensors["attn_norm"], tensors["mlp_norm"] = layer.attn_norm.scale(), layer.mlp_norm.scale()
+    if attention.qkv.bias is not None:
+        tensors["qkv_bias"] = attention.qkv.bias
+    if attention.q_norm is not None and attention.k_norm is not None:
+        tensors["q_norm"], tensors["k_norm"] = attention.q_norm.scale(), attention.k_norm.scale()
+    rotary = model.rotaries[layer.rope]
+    if isinstance(rotary, Rotary):
+        tensors["rope_cos"], tensors["rope_sin"] = rotary.cos, rotary.sin
+    ints["window"] = spec.window or 0
+    ints["activation"] = ACTIVATION_CODES[mlp.activation]
+    # scale 0: the kernel's own 1/sqrt(D) in float, as before descriptions existed (bit for bit)
+    floats = {"eps": layer.attn_norm.eps, "scale": spec.scale or 0.0}
+    return {k: v.contiguous() for k, v in tensors.items()}, ints, floats
+
+
+def build_stack(model: DecoderModel) -> Any:
+    kernels.ops()  # loads the kernels, which define the class
+    spec = model.layers[0].attention.spec
+    stack = torch.classes.tokenwire.DecodeStack(
+        spec.num_heads, spec.num_kv_heads, spec.head_dim, model.norm.eps
+    )
+    for layer in model.layers:
+        stack.add_layer(*describe(model, layer))
+    return stack

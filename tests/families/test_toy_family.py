@@ -1,0 +1,94 @@
+"""Issue 30: a family defined here, over model/layers/ alone (a Llama with per-head q/k RMSNorm and
+a sliding window on every other layer), runs through the engine — paged KV, chunked prefill, a
+prefix-cache hit, a fork, the fused decode — equal to a float64 reference of the same math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenwire.engine.engine import Engine
+from tokenwire.engine.request import GenerateOptions, SamplingParams
+from tokenwire.model import kernels
+from tokenwire.model.config import ModelConfig
+from tokenwire.model.layers.attention import Attention, AttentionSpec
+from tokenwire.model.layers.decoder import DecoderLayer, DecoderModel
+from tokenwire.model.layers.mlp import GatedMLP
+from tokenwire.model.layers.rotary import RopeSpec
+from tokenwire.model.quant import Q8_0, QuantLinear
+
+CFG = ModelConfig("Toy", 49152, 64, 128, 4, 4, 2, 16, rms_norm_eps=1e-5, max_position_embeddings=256)
+WINDOW = 5
+
+
+def toy_model() -> DecoderModel:
+    def layer(i: int) -> DecoderLayer:
+        spec = AttentionSpec(4, 2, 16, qk_norm=True, window=WINDOW if i % 2 else None)
+        rope = RopeSpec.make("default", 10000.0, 16)
+        return DecoderLayer(i, 64, Attention(i, 64, spec, 1e-5), GatedMLP(64, 128), eps=1e-5, rope=rope)
+
+    torch.manual_seed(7)
+    model = DecoderModel(CFG, [layer(i) for i in range(4)])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    for block in model.layers:  # quantised projections, so decode steps take the fused kernel
+        for owner, names in ((block.attention, ("qkv", "o_proj")), (block.mlp, ("gate_up", "down"))):
+            for name in names:
+                setattr(owner, name, QuantLinear.from_float(getattr(owner, name).weight, Q8_0))
+    model.finish_build("cpu")
+    return model.eval().requires_grad_(False)
+
+
+def reference_logprobs(model: DecoderModel, ids: list[int]) -> torch.Tensor:
+    """The same math in float64, written out: [len(ids), vocab] log-softmax."""
+    f = lambda t: t.detach().double()  # noqa: E731
+    norm = lambda x, w: f(w) * x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()  # noqa: E731
+    n, pos = len(ids), torch.arange(len(ids), dtype=torch.float64)
+    angles = pos[:, None] / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+    rope = lambda x: x * cos + torch.cat([-x[..., 8:], x[..., :8]], -1) * sin  # noqa: E731
+    x = f(model.embed.weight)[ids]
+    for block in model.layers:
+        att, spec = block.attention, block.attention.spec
+        qkv = norm(x, block.attn_norm.weight) @ f(att.qkv.weight).T
+        q = rope(norm(qkv[:, :64].view(n, 4, 16), att.q_norm.weight))
+        k = rope(norm(qkv[:, 64:96].view(n, 2, 16), att.k_norm.weight)).repeat_interleave(2, 1)
+        v = qkv[:, 96:].view(n, 2, 16).repeat_interleave(2, 1)
+        keep = spec.allowed(torch.arange(n), torch.arange(n))
+        scores = torch.einsum("qhd,khd->hqk", q, k) / 4.0
+        out = torch.einsum("hqk,khd->qhd", scores.masked_fill(~keep, float("-inf")).softmax(-1), v)
+        x = x + out.reshape(n, 64) @ f(att.o_proj.weight).T
+        gate, up = (norm(x, block.mlp_norm.weight) @ f(block.mlp.gate_up.weight).T).chunk(2, -1)
+        x = x + (gate * torch.sigmoid(gate) * up) @ f(block.mlp.down.weight).T
+    return (norm(x, model.norm.weight) @ f(model.lm_head.weight).T).log_softmax(-1)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_toy_family_runs_through_the_engine_exactly(smollm2_source, fused: bool) -> None:
+    kernels.load_kernels()
+    model = toy_model()
+    assert model.fusion_blocker is None  # q/k norm and windows are layer kinds the kernel knows
+    model.fuse_decode = fused
+    kernels.ops().set_int16_activations(False)  # the kernel's fp32 matvecs: the exact path
+    engine = Engine(model, smollm2_source.tokenizer, name="toy", kv_cache_mb=8, max_batch_tokens=8)
+    greedy = SamplingParams(temperature=0.0)
+    opts = GenerateOptions(max_tokens=12, sampling=greedy, ignore_eos=True, logprobs=True)
+    try:
+        prompt = [(i * 37) % 4000 + 10 for i in range(40)]  # 8 windows long, 5 prefill chunks
+        sid = engine.create_session()
+        runs = [(prompt, engine.generate(sid, prompt, opts).result()[0])]
+        again = engine.generate(None, prompt[:36], opts).result()[0]  # two cached blocks of 16
+        assert engine.stats()["prefix_cache_hits"] >= 2
+        runs.append((prompt[:36], again))
+        fork = engine.fork_session(sid, 44)
+        runs.append(([*engine.session_tokens(fork), 99], engine.generate(fork, [99], opts).result()[0]))
+        for context, events in runs:
+            ids = context + [e.token_id for e in events]
+            ref = reference_logprobs(model, ids)[len(context) - 1 : -1]
+            for row, e in zip(ref, events, strict=True):
+                assert abs(row[e.token_id].item() - e.logprob) <= 1e-4
+                assert row.max().item() - row[e.token_id].item() <= 1e-4  # greedy: the top token
+    finally:
+        engine.shutdown()
+        kernels.ops().set_int16_activations(True)
