@@ -20,6 +20,11 @@ def test_spans_merge_clip_and_answer_windows() -> None:
     assert not Spans([(5, 5), (7, 3)]) and Spans([]).first() is None
 
 
+def test_ranges_may_come_as_lists() -> None:
+    positions = PositionOutputs(10, [[2, 4]], readout_ranges=[[3, 6], (1, 2)])  # type: ignore[list-item]
+    assert [done.position for done in positions.prompt_done(10)] == [1, 2, 3, 4, 5]
+
+
 def test_recompute_starts_before_the_first_position_that_owes_something() -> None:
     assert PositionOutputs(10).recompute_from == 9  # only the last row, to sample from
     assert PositionOutputs(10, [(3, 5)]).recompute_from == 2  # position 3's logprob: row 2's logits
