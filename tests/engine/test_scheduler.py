@@ -17,7 +17,9 @@ TINY = ModelConfig("LlamaForCausalLM", 100, 8, 16, num_layers=1, num_heads=2, nu
 
 
 def _request(rid: int, tokens: int, priority: int) -> Request:
-    session = Session(f"s{rid}", tokens=list(range(1, tokens + 1)))
+    # tokens of its own: the requests share no prefix, so the scheduler's prefix-cache lookup
+    # (up to the request's positions.recompute_from) reuses nothing and each needs its own blocks
+    session = Session(f"s{rid}", tokens=list(range(rid * 100, rid * 100 + tokens)))
     return Request(rid, session, GenerateOptions(max_tokens=8, priority=priority), tokens)
 
 

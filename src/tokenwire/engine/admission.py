@@ -15,7 +15,7 @@ import torch
 
 from tokenwire.engine.errors import ContextOverflowError, InvalidTokenError, KVBudgetError, PositionError
 from tokenwire.engine.kv_cache import KVCache
-from tokenwire.engine.request import GenerateOptions, Request, covers
+from tokenwire.engine.request import GenerateOptions, Request
 from tokenwire.engine.stop import StopStringMatcher
 from tokenwire.model.tokenizer import Tokenizer
 
@@ -82,26 +82,12 @@ def check_request(
 
 
 def prepare(request: Request, tokenizer: Tokenizer, kv: KVCache) -> None:
-    """An admitted request's working state: which prompt positions owe events (logprobs,
-    readouts) and so must be computed by it, its sampling generator, decoder, stop matcher and
-    constraint."""
+    """An admitted request's working state: the session's KV from where the request's own
+    positions must be computed (request.positions says where) forgotten, its sampling
+    generator, decoder, stop matcher and constraint."""
     opts = request.options
     session = request.session
-    prompt_len = request.prompt_len
-    lp_ranges = opts.logprob_ranges or ()
-    wanted = (
-        sorted(p for p in range(prompt_len) if covers(lp_ranges, p) or covers(opts.readout_ranges, p))
-        if (lp_ranges or opts.readout_ranges)
-        else []
-    )
-    request.pending_prompt = wanted
-    request.pending_set = set(wanted)
-    # Positions whose logits/hidden states we need must be computed by this request.
-    first = prompt_len - 1
-    for p in wanted:
-        first = min(first, p - 1 if covers(lp_ranges, p) and p > 0 else p)
-    request.recompute_from = max(first, 0)
-    session.uncompute_from(request.recompute_from, kv)
+    session.uncompute_from(request.positions.recompute_from, kv)
     if opts.sampling.seed is not None:
         request.generator = torch.Generator().manual_seed(opts.sampling.seed)
     else:

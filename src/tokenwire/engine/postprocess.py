@@ -12,21 +12,13 @@ import logging
 import time
 from collections.abc import Set
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from tokenwire.engine.concepts import ConceptSet
 from tokenwire.engine.constraints import ConstraintError
 from tokenwire.engine.kv_cache import KVCache
-from tokenwire.engine.request import (
-    BacktrackEvent,
-    Event,
-    FinishReason,
-    Request,
-    TokenEvent,
-    covers,
-)
+from tokenwire.engine.request import BacktrackEvent, Event, FinishReason, Request, TokenEvent
 from tokenwire.engine.sampler import logprobs_of, processed_logits, sample
 from tokenwire.engine.step import RowStats, StepItem, StepOutput
 from tokenwire.model.tokenizer import Tokenizer
@@ -52,7 +44,7 @@ class StepContext:
 class Finish:
     reason: FinishReason
     error: str | None = None
-    detail: Any = None  # the stop string or stop token id
+    detail: str | int | None = None  # the stop string or stop token id ("constraint": its stop)
     bad_input: bool = False  # the error is the request's own (FinishEvent.bad_input)
 
 
@@ -92,31 +84,24 @@ def _after_item(ctx: StepContext, item: StepItem, output: StepOutput, out: Outco
     rid = request.id
     end = item.start + item.count
     session.computed(end, ctx.kv)
-    lp_ranges = opts.logprob_ranges or ()
-    for q in item.logit_positions:
-        p = q + 1
-        if p < request.prompt_len and p in request.pending_set and covers(lp_ranges, p):
-            logits = output.logits[(rid, q)]
-            if opts.logprob_mode == "processed":
-                logits = processed_logits(logits, opts.sampling, None, ctx.vocab_size)
-            request.prompt_logprob[p] = logprobs_of(logits, session.tokens[p], opts.top_logprobs)
-    while request.pending_prompt and request.pending_prompt[0] < end:
-        p = request.pending_prompt.pop(0)
-        request.pending_set.discard(p)
-        logprob, top = request.prompt_logprob.pop(p, (None, None))
-        readout = None
-        if covers(opts.readout_ranges, p):
-            readout = _readout(ctx, output.hidden[(rid, p)])
+    positions = request.positions
+    for q in item.rows.prompt_logprobs:
+        logits = output.logits[(rid, q)]
+        if opts.logprob_mode == "processed":
+            logits = processed_logits(logits, opts.sampling, None, ctx.vocab_size)
+        positions.store_prompt_logprob(q + 1, logprobs_of(logits, session.tokens[q + 1], opts.top_logprobs))
+    for done in positions.prompt_done(end):
+        p = done.position
+        logprob, top = done.logprob or (None, None)
+        readout = _readout(ctx, output.hidden[(rid, p)]) if done.readout else None
         out.events.append(TokenEvent(session.tokens[p], p, True, logprob, top, readout))
-    for p in sorted(request.pending_readout):
-        if p < end:
-            event = request.pending_readout.pop(p)
-            event.readout = _readout(ctx, output.hidden[(rid, p)])
-            out.events.append(event)
+    for event in positions.generated_done(end):
+        event.readout = _readout(ctx, output.hidden[(rid, event.position)])
+        out.events.append(event)
     if end < len(session.tokens):
         return  # more of the prompt (or of forced tokens) still to compute
-    if request.finish_after_compute is not None:
-        reason, detail = request.finish_after_compute
+    if positions.finish_after_readouts is not None:
+        reason, detail = positions.finish_after_readouts
         out.finish = Finish(reason, detail=detail)
         return
     _next_token(ctx, request, output.logits[(rid, end - 1)], output.stats.get((rid, end - 1)), out)
@@ -195,8 +180,8 @@ def _append(
     request.generated += 1
     request.token_times.append(time.monotonic())
     logprob = top = None
-    wants_lp = opts.logprobs if opts.logprob_ranges is None else covers(opts.logprob_ranges, position)
-    if wants_lp:
+    positions = request.positions
+    if positions.wants_logprob(position):
         source = processed if opts.logprob_mode == "processed" else raw
         if (
             stats is not None
@@ -213,19 +198,20 @@ def _append(
             logprob, top = logprobs_of(source, token, opts.top_logprobs)
         else:
             logprob, top = 0.0, [(token, 0.0)] if opts.top_logprobs else None  # forced: certain
+    assert request.decoder is not None  # set at admission (prepare)
     text = request.decoder.feed(token)
     finish = _ends_generation(ctx, request, token, text)
     event = TokenEvent(token, position, False, logprob, top, None, text, forced)
     if finish is not None:
         event.finish_reason = finish.reason
-    if covers(opts.readout_ranges, position):
-        request.pending_readout[position] = event
+    if positions.wants_readout(position):
+        positions.defer(event)  # goes out once the next step computes its hidden state
     else:
         out.events.append(event)
     if finish is None:
         return False
-    if request.pending_readout:
-        request.finish_after_compute = (finish.reason, finish.detail)
+    if positions.waiting:
+        positions.finish_after_readouts = (finish.reason, finish.detail)
     else:
         out.finish = finish
     return True

@@ -9,13 +9,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from tokenwire.engine.constraints import Constraint
 from tokenwire.engine.errors import InvalidRequestError
+from tokenwire.engine.positions import PositionOutputs
 from tokenwire.engine.session import Session
+
+if TYPE_CHECKING:  # types only: set by admission.prepare, which imports them itself
+    from tokenwire.engine.stop import StopStringMatcher
+    from tokenwire.model.tokenizer import IncrementalDecoder
 
 Ranges = Sequence[tuple[int, int]]  # half-open [start, end) absolute positions
 
@@ -103,10 +108,6 @@ class Origin:
     protocol: str  # "salience", "lmtp", ...
     method: str  # the protocol's RPC, message or action: "Generate", "GENERATE", ...
     peer: str | None = None  # the client's address
-
-
-def covers(ranges: Ranges, position: int) -> bool:
-    return any(start <= position < end for start, end in ranges)
 
 
 @dataclass
@@ -239,22 +240,18 @@ class Request:
         self._async_scheduled = False
         self._sink: Callable[[Event], None] | None = None
         self._lock = threading.Lock()
-        # prompt positions that still owe an event (logprob / readout), ascending
-        self.pending_prompt: list[int] = []
-        self.pending_set: set[int] = set()
-        self.recompute_from = 0  # KV from here on is (re)computed by this request
+        # which positions owe logprobs / readouts, and those results until their events are due
+        self.positions = PositionOutputs(
+            prompt_len, options.logprob_ranges, options.logprobs, options.readout_ranges
+        )
         self.started = False  # prefix cache consulted since (re)admission
         # prompt positions whose KV was reused, not computed (session KV + prefix cache hits),
         # counted at first admission; None until then
         self.cached_tokens: int | None = None
-        # deferred generated-token events waiting for their position's hidden state
-        self.pending_readout: dict[int, TokenEvent] = {}
-        self.prompt_logprob: dict[int, tuple[float, list[tuple[int, float]] | None]] = {}
+        # set by admission.prepare
         self.generator: torch.Generator | None = None
-        self.decoder: Any = None
-        self.stopper: Any = None
-        # (reason, detail) of a finish that waits for the last token's readout
-        self.finish_after_compute: tuple[FinishReason, Any] | None = None
+        self.decoder: IncrementalDecoder | None = None
+        self.stopper: StopStringMatcher | None = None  # only with stop strings
 
     def bind_async(self) -> asyncio.Queue[Event]:
         loop = asyncio.get_running_loop()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tokenwire.engine.kv_cache import KVCache
-from tokenwire.engine.request import Request, covers
+from tokenwire.engine.request import Request
 from tokenwire.engine.session import Session
 from tokenwire.engine.step import StepItem
 
@@ -84,7 +84,9 @@ class Scheduler:
             if not request.started:
                 request.started = True
                 if request.options.use_prefix_cache:
-                    session.match_prefix(min(request.recompute_from, len(session.tokens) - 1), self.kv)
+                    session.match_prefix(
+                        min(request.positions.recompute_from, len(session.tokens) - 1), self.kv
+                    )
                 if request.cached_tokens is None:
                     request.cached_tokens = session.num_computed
         # most urgent first, so a request only ever preempts less urgent ones that have not
@@ -103,38 +105,13 @@ class Scheduler:
             if not self._make_room(session.blocks_needed(end, self.kv), request, scheduled):
                 continue
             session.reserve(end, self.kv)
-            items.append(self._item(request, start, count))
+            # the request's positions say which rows of the chunk the step keeps
+            items.append(
+                StepItem(request, start, count, request.positions.rows(start, end, len(session.tokens)))
+            )
             scheduled.add(request.id)
             budget -= count
         return items
-
-    def _item(self, request: Request, start: int, count: int) -> StepItem:
-        opts = request.options
-        session = request.session
-        end = start + count
-        lp_ranges = opts.logprob_ranges or ()
-        logit_positions = (
-            [
-                q
-                for q in range(start, end)
-                if q + 1 < request.prompt_len and q + 1 in request.pending_set and covers(lp_ranges, q + 1)
-            ]
-            if request.pending_prompt
-            else []
-        )
-        if end == len(session.tokens) and (not logit_positions or logit_positions[-1] != end - 1):
-            logit_positions.append(end - 1)
-        capture = (
-            [
-                q
-                for q in range(start, end)
-                if covers(opts.readout_ranges, q)
-                and (q in request.pending_set or q in request.pending_readout)
-            ]
-            if opts.readout_ranges
-            else []
-        )
-        return StepItem(request, start, count, logit_positions, capture)
 
     def _make_room(self, needed: int, request: Request, scheduled: set[int]) -> bool:
         alloc = self.kv.allocator

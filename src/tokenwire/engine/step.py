@@ -9,6 +9,7 @@ import torch
 
 from tokenwire.engine.attention import AttentionGroup, PagedAttention, build_group
 from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.positions import ChunkRows
 from tokenwire.engine.request import Request
 from tokenwire.engine.step_team import StepTeam
 from tokenwire.engine.vision import EmbeddingCache, step_inputs
@@ -21,8 +22,7 @@ class StepItem:
     request: Request
     start: int  # first position computed in this step
     count: int  # positions [start, start+count)
-    logit_positions: list[int] = field(default_factory=list)  # positions whose logits we need
-    capture_positions: list[int] = field(default_factory=list)  # positions needing hidden states
+    rows: ChunkRows  # whose logits / hidden states the step returns: request.positions.rows()
 
 
 @dataclass
@@ -91,14 +91,13 @@ def run_step(
                 )
             )
         rid = item.request.id
-        last = item.start + item.count - 1
         opts = item.request.options
-        for p in item.logit_positions:
-            if p == last and (opts.sampling.temperature == 0 or opts.logprobs):
+        for p in item.rows.logits:
+            if p == item.rows.sample and (opts.sampling.temperature == 0 or opts.logprobs):
                 stat_rows.append((len(logit_rows), opts.logprobs))
             logit_rows.append(base + p - item.start)
             logit_keys.append((rid, p))
-        for p in item.capture_positions:
+        for p in item.rows.capture:
             capture_rows.append(base + p - item.start)
             capture_keys.append((rid, p))
     attention: PagedAttention | PagedDecode
