@@ -48,7 +48,8 @@ def inv_freq(spec: RopeSpec, max_positions: int) -> tuple[torch.Tensor, float]:
         original = int(spec.param("original_max_position_embeddings"))
         factors = spec.param("long_factor" if max_positions > original else "short_factor")
         freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * spec.theta**exponents)
-        factor = spec.param("factor") or max_positions / original
+        # the factor the model was trained to (config.json's max_position_embeddings / original)
+        factor = spec.param("factor") or spec.param("max_position_embeddings", max_positions) / original
         attention = spec.param("attention_factor")
         if attention is None:
             attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
