@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenwire.bench.engine_bench import decode_path
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.request import GenerateOptions, SamplingParams
 from tokenwire.model import kernels
@@ -92,3 +93,11 @@ def test_toy_family_runs_through_the_engine_exactly(smollm2_source, fused: bool)
     finally:
         engine.shutdown()
         kernels.ops().set_int16_activations(True)
+
+
+def test_a_layer_the_kernel_does_not_know_decodes_eager_and_says_why() -> None:
+    model = toy_model()
+    model.layers[2].mlp_out_norm = model.layers[2].mlp_norm  # Gemma's norm after the MLP
+    model.__dict__.pop("fusion_blocker", None)
+    assert model.fusion_blocker == "layer 2: norms after attention and MLP" and not model.can_fuse_decode
+    assert decode_path(model) == "eager: layer 2: norms after attention and MLP"

@@ -31,6 +31,7 @@ import torch
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent
+from tokenwire.model.layers.decoder import DecoderModel
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -213,6 +214,7 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
         result[measure] = row
     result["turn2_ttft"] = {"reuse_s": turn2[0], "reprefill_s": turn2[1], "ratio": turn2[1] / turn2[0]}
     result["weights"] = engine.weights
+    result["decode"] = decode_path(engine.model)
     if args.neighbours:
         result["neighbours"] = describe(args.neighbours, own_session=not args.neighbours_same_session)
     result["resident_weight_mb"] = resident_mb
@@ -225,6 +227,16 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     return 0
 
 
+def decode_path(model: torch.nn.Module) -> str:
+    """Which path decode steps take: the fused kernel, or eager and why (a layer kind the kernel
+    does not know, or fusion turned off)."""
+    if not isinstance(model, DecoderModel):
+        return f"eager ({type(model).__name__})"
+    if model.can_fuse_decode:
+        return "fused (kernels/decode_stack.h)"
+    return f"eager: {model.fusion_blocker or 'fusion turned off (--no-compile)'}"
+
+
 def _print_table(
     result: dict[str, Any], name: str, args: argparse.Namespace, reps: int, llama_missing: bool
 ) -> None:
@@ -232,6 +244,7 @@ def _print_table(
     print(
         f"tokenwire bench engine — {name}, weights {result['weights']}, {threads} threads, median of {reps}"
     )
+    print(f"decode steps: {result['decode']}")
     print(f"{'measure':<24}{'tokenwire':>12}{'llama.cpp':>12}{'ratio':>8}{'transformers':>14}{'ratio':>8}")
 
     def cell(row: dict[str, float], value: str, ratio: str) -> str:
