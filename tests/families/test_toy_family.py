@@ -22,11 +22,14 @@ CFG = ModelConfig("Toy", 49152, 64, 128, 4, 4, 2, 16, rms_norm_eps=1e-5, max_pos
 WINDOW = 5
 
 
-def toy_model() -> DecoderModel:
+def toy_model(gemma_like: bool = False) -> DecoderModel:
+    """`gemma_like`: GELU-tanh MLPs and no RoPE in the last layer (SmolLM3's NoPE layers)."""
+
     def layer(i: int) -> DecoderLayer:
         spec = AttentionSpec(4, 2, 16, qk_norm=True, window=WINDOW if i % 2 else None)
-        rope = RopeSpec.make("default", 10000.0, 16)
-        return DecoderLayer(i, 64, Attention(i, 64, spec, 1e-5), GatedMLP(64, 128), eps=1e-5, rope=rope)
+        rope = RopeSpec.make("none" if gemma_like and i == 3 else "default", 10000.0, 16)
+        mlp = GatedMLP(64, 128, "gelu_pytorch_tanh" if gemma_like else "silu")
+        return DecoderLayer(i, 64, Attention(i, 64, spec, 1e-5), mlp, eps=1e-5, rope=rope)
 
     torch.manual_seed(7)
     model = DecoderModel(CFG, [layer(i) for i in range(4)])
@@ -53,22 +56,27 @@ def reference_logprobs(model: DecoderModel, ids: list[int]) -> torch.Tensor:
     for block in model.layers:
         att, spec = block.attention, block.attention.spec
         qkv = norm(x, block.attn_norm.weight) @ f(att.qkv.weight).T
-        q = rope(norm(qkv[:, :64].view(n, 4, 16), att.q_norm.weight))
-        k = rope(norm(qkv[:, 64:96].view(n, 2, 16), att.k_norm.weight)).repeat_interleave(2, 1)
+        turn = rope if block.rope.kind == "default" else lambda x: x
+        q = turn(norm(qkv[:, :64].view(n, 4, 16), att.q_norm.weight))
+        k = turn(norm(qkv[:, 64:96].view(n, 2, 16), att.k_norm.weight)).repeat_interleave(2, 1)
         v = qkv[:, 96:].view(n, 2, 16).repeat_interleave(2, 1)
         keep = spec.allowed(torch.arange(n), torch.arange(n))
         scores = torch.einsum("qhd,khd->hqk", q, k) / 4.0
         out = torch.einsum("hqk,khd->qhd", scores.masked_fill(~keep, float("-inf")).softmax(-1), v)
         x = x + out.reshape(n, 64) @ f(att.o_proj.weight).T
         gate, up = (norm(x, block.mlp_norm.weight) @ f(block.mlp.gate_up.weight).T).chunk(2, -1)
-        x = x + (gate * torch.sigmoid(gate) * up) @ f(block.mlp.down.weight).T
+        if block.mlp.activation == "silu":
+            act = gate * torch.sigmoid(gate)
+        else:
+            act = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)))
+        x = x + (act * up) @ f(block.mlp.down.weight).T
     return (norm(x, model.norm.weight) @ f(model.lm_head.weight).T).log_softmax(-1)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_toy_family_runs_through_the_engine_exactly(smollm2_source, fused: bool) -> None:
+@pytest.mark.parametrize(("fused", "gemma_like"), [(True, False), (False, False), (True, True)])
+def test_toy_family_runs_through_the_engine_exactly(smollm2_source, fused: bool, gemma_like: bool) -> None:
     kernels.load_kernels()
-    model = toy_model()
+    model = toy_model(gemma_like)
     assert model.fusion_blocker is None  # q/k norm and windows are layer kinds the kernel knows
     model.fuse_decode = fused
     kernels.ops().set_int16_activations(False)  # the kernel's fp32 matvecs: the exact path
