@@ -129,7 +129,8 @@ inline __m256 halves8(const uint8_t* part, int64_t j) {
 // its own: int16 per block of values (scale = max|x| / 32767, round to nearest) stored in the
 // slot order its dot reads (so the weights stay as the file has them), with each block's scale
 // and exact fp32 sum. A format is a struct F with kName, kBlock, stride(K) (int16 slots per row
-// of K values) and slot(j, i) (where value i of block j goes); ActFormat is its row.
+// of K values), base(j) (block j's first slot) and slot(i) (where value i of a block goes from
+// there, a constant once the loop is unrolled); ActFormat is its row.
 struct ActFormat {
   const char* name;
   int64_t block;                  // values per scale
@@ -146,7 +147,8 @@ void quantize_block_i16(const float* xb, int16_t* row, int64_t j, float* scale, 
     total += xb[i];
   }
   const float inv = mx > 0 ? 32767.0f / mx : 0.0f;
-  for (int i = 0; i < F::kBlock; ++i) row[F::slot(j, i)] = static_cast<int16_t>(std::nearbyint(xb[i] * inv));
+  int16_t* dst = row + F::base(j);
+  for (int i = 0; i < F::kBlock; ++i) dst[F::slot(i)] = static_cast<int16_t>(std::nearbyint(xb[i] * inv));
   *scale = mx / 32767.0f;
   *sum = total;
 }

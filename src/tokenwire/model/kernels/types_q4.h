@@ -16,7 +16,7 @@ namespace tw {
 // 2v+17. Activations of a pair take 64 int16 slots [k][word]; a trailing single block takes the
 // first 8 words of each k. Measured on one core, SmolLM2's shapes (us, vpmovzxbw -> this):
 // gate/up 3072x576 160 -> 133, down 576x1536 73 -> 51, qkv 960x576 57 -> 49.
-inline int64_t q4_slot(int64_t i) {  // i: index within a block pair (0..63)
+constexpr int64_t q4_slot(int64_t i) {  // i: index within a block pair (0..63)
   const int64_t block = i / 32, b = i % 32;
   const int64_t byte = b % 16, high = b / 16;         // nibble of quant byte `byte`
   const int64_t word = block * 8 + byte / 2;           // 16-bit word within the pair
@@ -28,7 +28,10 @@ struct ActI16Q4Pairs {
   static constexpr const char* kName = "i16_q4_pairs";
   static constexpr int kBlock = 32;
   static int64_t stride(int64_t K) { return (K / kBlock + 1) / 2 * 64; }
-  static int64_t slot(int64_t j, int64_t i) { return j / 2 * 64 + q4_slot((j % 2) * kBlock + i); }
+  // block j's first slot (a pair's second block is 8 words on from its first) and value i's
+  // slot from there: q4_slot(32 + i) = q4_slot(i) + 8
+  static int64_t base(int64_t j) { return j / 2 * 64 + (j % 2) * 8; }
+  static constexpr int64_t slot(int64_t i) { return q4_slot(i); }
 };
 
 #ifdef TW_AVX2

@@ -9,13 +9,14 @@ namespace tw {
 // Activations for a Q8_0 integer dot: a block's 32 bytes are read as 16 words whose even and
 // odd bytes are sign-extended by shifts (no shuffle), so the activations of a block are stored
 // even values then odd ones (see types_q4.h for the measurements of this choice).
-inline int64_t q8_slot(int64_t b) { return (b % 2) * 16 + b / 2; }
+constexpr int64_t q8_slot(int64_t b) { return (b % 2) * 16 + b / 2; }
 
 struct ActI16Q8EvenOdd {
   static constexpr const char* kName = "i16_q8_even_odd";
   static constexpr int kBlock = 32;
   static int64_t stride(int64_t K) { return K; }
-  static int64_t slot(int64_t j, int64_t i) { return j * kBlock + q8_slot(i); }
+  static int64_t base(int64_t j) { return j * kBlock; }
+  static constexpr int64_t slot(int64_t i) { return q8_slot(i); }
 };
 
 #ifdef TW_AVX2
