@@ -9,8 +9,10 @@
 //     sum is the bytes per block), the scalar and AVX2 dequantisation of a block, and the
 //     activation format its integer dot takes (Act: a struct as in blocks.h) with that dot. A
 //     type of the 32-weight block family (an fp16 scale per block) gets its inner loops from
-//     type_kernels.h's templates; another shape (K-quants) writes its own for its row.
-//   * The row here (make_row<Traits>() in kTypes) and the mirrored row in weight_types.py.
+//     type_kernels.h's templates; another shape (K-quants: 256-weight super-blocks) writes its
+//     own and fills its TypeRow with them instead of make_row's.
+//   * The row here (its #include, make_row<Traits>() in kTypes) and the mirrored row in
+//     weight_types.py.
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via matvec.h).
 #pragma once
 
@@ -48,8 +50,8 @@ TypeRow make_row() {
   const ActFormat* act = nullptr;
   decltype(TypeRow::matmul_small_i16) i16 = nullptr;
 #endif
-  return {T::kId,         T::kName,           T::kBlock,         T::kBlockBytes, T::kPartBytes,
-          T::kNumParts,   act,                &dequant_row_t<T>, &matmul_small_t<T>, i16};
+  return {T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
+          act, &dequant_row_t<T>, &matmul_small_t<T>, i16};
 }
 
 inline const TypeRow kTypes[] = {
