@@ -23,7 +23,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from tokenwire.model import quant
+from tokenwire.model import quant, weight_types
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
 from tokenwire.model.families import GGUF_FAMILIES, read_config
 from tokenwire.model.families.base import Family, GgufNames
@@ -269,7 +269,7 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, pr
         w = unpermute_rope_rows(w, heads[kind]) if rope_rows else np.array(w, order="C")
         packed[name], qtype = _packed_tensor(tensor, w, heads[kind] if rope_rows else None)
         if qtype is not None:
-            qtypes[name] = quant.QTYPE_NAMES[qtype]
+            qtypes[name] = weight_types.weight_type(qtype).name
         if shard and size + w.nbytes > _MAX_SHARD_BYTES:
             flush()
             shard, size = {}, 0
@@ -289,19 +289,25 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, pr
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+# what the kernels do not run is re-quantised to, from its exact dequantised values
+REQUANTIZE_TO = weight_types.Q8_0
+
+
 def _packed_tensor(tensor: Any, dense: np.ndarray, rope_heads: int | None) -> tuple[torch.Tensor, int | None]:
-    """The tensor as the quantised path keeps it: Q4_0/Q4_1/Q8_0 blocks as they are in the file
-    (rows un-permuted like `dense`), other quantised matrices re-quantised to Q8_0 once here,
-    float tensors (norms, f16/f32 weights) as float32."""
+    """The tensor as the quantised path keeps it: blocks of a type the kernels run (a row of
+    weight_types) as they are in the file (rows un-permuted like `dense`), other quantised
+    matrices re-quantised to REQUANTIZE_TO once here, float tensors (norms, f16/f32 weights) as
+    float32."""
     qtype = int(tensor.tensor_type)
-    if qtype in quant.BLOCK_BYTES and tensor.data.ndim == 2:
+    if qtype in weight_types.BY_ID and tensor.data.ndim == 2:
         rows = np.ascontiguousarray(tensor.data).view(np.uint8)
         if rope_heads is not None:
             rows = unpermute_rope_rows(rows, rope_heads)
         return torch.from_numpy(np.array(rows, order="C")), qtype
     is_float = tensor.tensor_type.name in ("F32", "F16", "BF16", "F64")
-    if not is_float and dense.ndim == 2 and dense.shape[1] % quant.BLOCK == 0:
-        return quant.quantize(torch.from_numpy(dense), quant.Q8_0), quant.Q8_0
+    if not is_float and dense.ndim == 2 and dense.shape[1] % REQUANTIZE_TO.block == 0:
+        target = REQUANTIZE_TO.gguf_id
+        return quant.quantize(torch.from_numpy(dense), target), target
     return torch.from_numpy(np.array(dense, dtype=np.float32, order="C")), None
 
 

@@ -1,12 +1,12 @@
-"""Weights kept in GGUF's block quantisation (Q4_0, Q4_1, Q8_0), run by our CPU kernels.
+"""Weights kept in GGUF's block quantisation (the types of weight_types.py), run by our CPU kernels.
 
 A quantised weight is the GGUF's own bytes: a contiguous uint8 tensor [out_features,
-in_features / 32 * block_bytes], one row of blocks per output feature, exactly as in the file
+in_features / block * block_bytes], one row of blocks per output feature, exactly as in the file
 (q/k rows un-permuted like the fp32 path); that is what `quantize`, `dequantize` and the
 conversion cache hold. In memory, QuantLinear and QuantEmbedding keep each row split
 (`split_rows`: the row's scales, then its minimums, then its quants; the same bytes), the form
 our kernels read: the decode matvec converts and applies eight blocks' scales at once.
-Nothing is re-quantised for these three types: the
+Nothing is re-quantised for these types: the
 kernels dequantise bit-exactly as gguf's reference dequantiser does. Other GGUF types (K-quants,
 IQ-quants) are converted once, at GGUF conversion, to Q8_0 from their dequantised values; a
 Hugging Face directory is quantised at load with `--weights int8` (Q8_0) or `int4` (Q4_1).
@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids
-QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
-QTYPES = {name: qtype for qtype, name in QTYPE_NAMES.items()}
-BLOCK = 32
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+from tokenwire.model import weight_types
+from tokenwire.model.weight_types import weight_type
+
+# GGML type ids and names, from the weight-type table
+Q4_0, Q4_1, Q8_0 = weight_types.Q4_0.gguf_id, weight_types.Q4_1.gguf_id, weight_types.Q8_0.gguf_id
+QTYPE_NAMES = {t.gguf_id: t.name for t in weight_types.WEIGHT_TYPES}
+QTYPES = {t.name: t.gguf_id for t in weight_types.WEIGHT_TYPES}
 
 # From this many rows on, a matmul dequantises the whole weight into fp32 and runs one GEMM:
 # the dequantisation is paid once for many rows and MKL's GEMM catches up with our register
@@ -39,9 +41,7 @@ def _ops():
 
 
 def packed_shape(out_features: int, in_features: int, qtype: int) -> tuple[int, int]:
-    if in_features % BLOCK:
-        raise ValueError(f"{in_features} input features are not a multiple of the {BLOCK}-weight block")
-    return out_features, in_features // BLOCK * BLOCK_BYTES[qtype]
+    return weight_type(qtype).packed_shape(out_features, in_features)
 
 
 def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -56,13 +56,8 @@ def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def split_rows(packed: torch.Tensor, qtype: int) -> torch.Tensor:
-    """GGUF blocks [N, nb * block_bytes] -> the kernels' row form: per row the nb fp16 scales,
-    then (Q4_1) the nb fp16 minimums, then the nb blocks' quant bytes."""
-    n, row_bytes = packed.shape
-    blocks = packed.reshape(n, row_bytes // BLOCK_BYTES[qtype], BLOCK_BYTES[qtype])
-    header = 4 if qtype == Q4_1 else 2
-    parts = [blocks[:, :, 0:2], *([blocks[:, :, 2:4]] if qtype == Q4_1 else []), blocks[:, :, header:]]
-    return torch.cat([p.reshape(n, -1) for p in parts], dim=1)
+    """GGUF blocks [N, nb * block_bytes] -> the kernels' row form (the type's split layout)."""
+    return weight_type(qtype).split_rows(packed)
 
 
 def _dequantize_split(
@@ -77,8 +72,8 @@ def dequantize(
 ) -> torch.Tensor:
     """Packed blocks -> fp32 [rows, in_features], bit-exact with gguf's dequantiser."""
     packed = torch.as_tensor(packed)
-    packed_shape(packed.shape[0], in_features, qtype)  # names a bad feature count first
-    if packed.dim() != 2 or packed.shape[1] != in_features // BLOCK * BLOCK_BYTES[qtype]:
+    expected = packed_shape(packed.shape[0], in_features, qtype)  # names a bad feature count first
+    if packed.dim() != 2 or packed.shape[1] != expected[1]:
         raise ValueError(f"packed weight {tuple(packed.shape)} does not hold {in_features} features")
     return _dequantize_split(split_rows(packed, qtype), qtype, in_features, rows)
 
@@ -98,8 +93,6 @@ class QuantLinear(nn.Module):
         """`packed`: GGUF blocks, or with `split` rows already in split_rows' form (a tied
         table's buffer, shared)."""
         super().__init__()
-        if qtype not in BLOCK_BYTES:
-            raise ValueError(f"unsupported quantisation type {qtype}")
         expected = packed_shape(packed.shape[0], in_features, qtype)
         if tuple(packed.shape) != expected or packed.dtype != torch.uint8:
             raise ValueError(f"packed weight {tuple(packed.shape)} {packed.dtype} is not uint8 {expected}")
@@ -139,7 +132,7 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {QTYPE_NAMES[self.qtype]}"
+        return f"in={self.in_features}, out={self.out_features}, {weight_type(self.qtype).name}"
 
 
 class QuantEmbedding(nn.Module):

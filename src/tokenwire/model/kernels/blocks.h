@@ -1,5 +1,6 @@
-// GGUF block formats (Q4_0, Q4_1, Q8_0) in tokenwire's split-row layout: dequantisation and
-// the small vector helpers every kernel shares.
+// What every weight type and kernel shares: the split-row layout, fp16 conversion, small vector
+// helpers, and activation formats (int16 rows for a type's integer dot). Nothing here names a
+// weight type: those are types_*.h, gathered in type_table.h.
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp.
 #pragma once
 
@@ -18,47 +19,33 @@
 
 namespace tw {
 
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 // The fused decode stack's matvecs take int16 activations (set_int16_activations(false): the
 // fp32 path). qmatmul, which prefill chunks and unfused steps use, is always fp32: a prompt's
 // KV then comes out the same (up to summation order) whether part of it came from the prefix
 // cache (a few rows) or not (one chunk), as on the fp32 path; int16 rows there changed greedy
 // continuations after a cache hit.
 inline bool g_int16_activations = true;
-constexpr int kBlock = 32;
 
-// In memory a weight row is split, not GGUF's array of blocks: [nb fp16 scales d][nb fp16
-// minimums m (Q4_1 only)][nb x 16 or 32 quant bytes] (quant.py's split_rows; the same bytes per
-// row). The decode matvec then converts 8 blocks' scales with one vcvtph2ps and applies them as
-// one vector, instead of two scalar half conversions and a broadcast per block: measured 1.4-1.5x
-// faster per core on Q4_1 3072x576, 576x1536 and 49152x576 (Zen 3), with the same results.
-struct Block {
-  const uint8_t* d;  // fp16 scale
-  const uint8_t* m;  // fp16 minimum (Q4_1)
-  const uint8_t* q;  // 16 bytes of nibbles (Q4_0, Q4_1) or 32 int8 (Q8_0)
-};
-
-inline int64_t quant_bytes(int64_t qtype) { return qtype == kQ8_0 ? 32 : 16; }
-
-inline const uint8_t* row_minimums(const uint8_t* row, int64_t nb) { return row + 2 * nb; }
-
-inline const uint8_t* row_quants(const uint8_t* row, int64_t qtype, int64_t nb) {
-  return row + (qtype == kQ4_1 ? 4 : 2) * nb;
-}
-
-inline Block block_at(const uint8_t* row, int64_t qtype, int64_t nb, int64_t j) {
-  return {row + 2 * j, qtype == kQ4_1 ? row_minimums(row, nb) + 2 * j : nullptr,
-          row_quants(row, qtype, nb) + j * quant_bytes(qtype)};
-}
-
-int64_t block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-    case kQ8_0: return 34;
+// A weight type's row in memory is split, not GGUF's array of blocks: each part of a block (its
+// fp16 scale, its minimum, its quant bytes...) is stored for all nb blocks of the row before the
+// next part (quant.py's split_rows; the same bytes per row). The decode matvec then converts 8
+// blocks' scales with one vcvtph2ps and applies them as one vector, instead of two scalar half
+// conversions and a broadcast per block: measured 1.4-1.5x faster per core on Q4_1 3072x576,
+// 576x1536 and 49152x576 (Zen 3), with the same results. `Parts...`: bytes per block of each
+// part, in the order of GGUF's block (which is also the row's order of parts).
+template <int... Parts>
+struct SplitLayout {
+  static constexpr int kNumParts = sizeof...(Parts);
+  static constexpr int kPartBytes[kNumParts] = {Parts...};
+  static constexpr int kBlockBytes = (Parts + ...);
+  static constexpr int64_t part_offset(int p) {
+    int64_t offset = 0;
+    for (int i = 0; i < p; ++i) offset += kPartBytes[i];
+    return offset;
   }
-  TORCH_CHECK(false, "unsupported quantisation type ", qtype);
-}
+  // part p of a row of nb blocks
+  static const uint8_t* part(const uint8_t* row, int64_t nb, int p) { return row + nb * part_offset(p); }
+};
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -88,60 +75,7 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// One block of 32 weights as exact fp32 values (scalar reference; also the portable path).
-inline void dequant_block_scalar(const Block& b, int64_t qtype, float* out) {
-  const float d = half_to_float(b.d);
-  if (qtype == kQ8_0) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(b.q);
-    for (int i = 0; i < kBlock; ++i) out[i] = d * static_cast<float>(q[i]);
-  } else if (qtype == kQ4_0) {
-    const uint8_t* q = b.q;
-    for (int i = 0; i < 16; ++i) {
-      out[i] = d * static_cast<float>((q[i] & 0x0f) - 8);
-      out[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
-    }
-  } else {
-    const float m = half_to_float(b.m);
-    const uint8_t* q = b.q;
-    for (int i = 0; i < 16; ++i) {
-      out[i] = d * static_cast<float>(q[i] & 0x0f) + m;
-      out[i + 16] = d * static_cast<float>(q[i] >> 4) + m;
-    }
-  }
-}
-
 #ifdef TW_AVX2
-// One block as four vectors of 8 exact fp32 weights (w[0] = weights 0..7, ...).
-inline void dequant_block_avx2(const Block& b, int64_t qtype, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_to_float(b.d));
-  if (qtype == kQ8_0) {
-    const uint8_t* q = b.q;
-    for (int i = 0; i < 4; ++i) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i));
-      w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-    }
-    return;
-  }
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.q));
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(packed, mask);                     // weights 0..15
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // weights 16..31
-  __m256i ints[4] = {
-      _mm256_cvtepu8_epi32(lo),
-      _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
-      _mm256_cvtepu8_epi32(hi),
-      _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)),
-  };
-  if (qtype == kQ4_1) {
-    const __m256 m = _mm256_set1_ps(half_to_float(b.m));
-    // d*q is exact in fp32 (11-bit by 4-bit mantissas): the fused form rounds once, like d*q+m
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(ints[i]), m);
-  } else {
-    const __m256i eight = _mm256_set1_epi32(8);
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ints[i], eight)));
-  }
-}
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -176,23 +110,83 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-void dequant_row(const uint8_t* row, int64_t qtype, int64_t nb, float* out) {
-  for (int64_t j = 0; j < nb; ++j) {
 #ifdef TW_AVX2
-    __m256 w[4];
-    dequant_block_avx2(block_at(row, qtype, nb, j), qtype, w);
-    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + j * kBlock + 8 * i, w[i]);
-#else
-    dequant_block_scalar(block_at(row, qtype, nb, j), qtype, out + j * kBlock);
-#endif
-  }
+// eight blocks' lane vectors -> one vector of their eight sums (block t in lane t)
+inline __m256i sum_lanes8(const __m256i v[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
-  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(), "packed weight must be contiguous uint8 [N, bytes]");
-  TORCH_CHECK(K % kBlock == 0, "input features ", K, " are not a multiple of ", kBlock);
-  TORCH_CHECK(w.size(1) == K / kBlock * block_bytes(qtype), "packed weight has ", w.size(1),
-              " bytes per row; ", K, " features of this type need ", K / kBlock * block_bytes(qtype));
+// eight consecutive fp16 values as fp32 (a split row's scales or minimums of blocks j..j+7)
+inline __m256 halves8(const uint8_t* part, int64_t j) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(part + 2 * j)));
 }
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Activation formats. A weight type's integer dot takes its activations quantised in a format of
+// its own: int16 per block of values (scale = max|x| / 32767, round to nearest) stored in the
+// slot order its dot reads (so the weights stay as the file has them), with each block's scale
+// and exact fp32 sum. A format is a struct F with kName, kBlock, stride(K) (int16 slots per row
+// of K values), base(j) (block j's first slot) and slot(i) (where value i of a block goes from
+// there, a constant once the loop is unrolled); ActFormat is its row.
+struct ActFormat {
+  const char* name;
+  int64_t block;                  // values per scale
+  int64_t (*stride)(int64_t K);   // int16 slots per row of K values
+  // block j of a row from its `block` fp32 values: int16 values into the row, its scale and sum
+  void (*quantize_block)(const float* xb, int16_t* row, int64_t j, float* scale, float* sum);
+};
+
+template <class F>
+void quantize_block_i16(const float* xb, int16_t* row, int64_t j, float* scale, float* sum) {
+  float mx = 0, total = 0;
+  for (int i = 0; i < F::kBlock; ++i) {
+    mx = std::max(mx, std::fabs(xb[i]));
+    total += xb[i];
+  }
+  const float inv = mx > 0 ? 32767.0f / mx : 0.0f;
+  int16_t* dst = row + F::base(j);
+  for (int i = 0; i < F::kBlock; ++i) dst[F::slot(i)] = static_cast<int16_t>(std::nearbyint(xb[i] * inv));
+  *scale = mx / 32767.0f;
+  *sum = total;
+}
+
+// the one ActFormat row of format F (its address identifies the format)
+template <class F>
+const ActFormat& act_format() {
+  static const ActFormat row{F::kName, F::kBlock, &F::stride, &quantize_block_i16<F>};
+  return row;
+}
+
+// A matvec input [M, K] in one activation format (buffers kept between calls).
+struct QuantizedActivations {
+  std::vector<int16_t> q;    // [M, stride], in the format's slot order
+  std::vector<float> scale;  // [M, nb]
+  std::vector<float> sum;    // [M, nb], fp32 sums of the original values
+  int64_t stride = 0, nb = 0;
+  const ActFormat* format = nullptr;
+
+  void reset(int64_t M, int64_t K, const ActFormat& f) {
+    format = &f;
+    nb = K / f.block;
+    stride = f.stride(K);
+    q.resize(M * stride);
+    scale.resize(M * nb + 8);  // + 8: a row's last group of blocks loads 8 lanes
+    sum.resize(M * nb + 8);
+  }
+
+  // block j of row m from its fp32 values
+  void quantize_block(const float* xb, int64_t m, int64_t j) {
+    format->quantize_block(xb, q.data() + m * stride, j, &scale[m * nb + j], &sum[m * nb + j]);
+  }
+
+  // all of x [M, K] (contiguous)
+  void quantize(const float* x, int64_t M, int64_t K, const ActFormat& f) {
+    reset(M, K, f);
+    for (int64_t r = 0; r < M * nb; ++r) quantize_block(x + r * f.block, r / nb, r % nb);
+  }
+};
 
 }  // namespace tw

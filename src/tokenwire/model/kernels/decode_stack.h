@@ -6,6 +6,8 @@
 #include <omp.h>
 #include <torch/custom_class.h>
 
+#include <memory>
+
 #include "barrier.h"
 #include "matvec.h"
 
@@ -60,11 +62,11 @@ inline float softmax_numerators(float* scores, int64_t len) {
   return total;
 }
 
-// out = act(gate) * up for one block of 32; act 0 = SiLU, 1 = GELU (tanh form)
-inline void gated_block(const float* gate, const float* up, float* out, int64_t act) {
+// out = act(gate) * up for n values (a multiple of 8); act 0 = SiLU, 1 = GELU (tanh form)
+inline void gated(const float* gate, const float* up, float* out, int64_t n, int64_t act) {
 #ifdef TW_AVX2
   const __m256 one = _mm256_set1_ps(1.0f);
-  for (int i = 0; i < kBlock; i += 8) {
+  for (int64_t i = 0; i < n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
     __m256 a;
     if (act == 0) {
@@ -77,7 +79,7 @@ inline void gated_block(const float* gate, const float* up, float* out, int64_t 
     _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_loadu_ps(up + i)));
   }
 #else
-  for (int i = 0; i < kBlock; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
     const float u = 0.7978845608f * (g + 0.044715f * g * g * g);
     out[i] = (act == 0 ? g / (1.0f + std::exp(-g)) : g / (1.0f + std::exp(-2.0f * u))) * up[i];
@@ -209,10 +211,25 @@ struct DecodeStack : torch::CustomClassHolder {
     const float feps = static_cast<float>(eps), default_scale = 1.0f / std::sqrt(static_cast<float>(D));
     std::vector<float> qkv(M * qkv_n), attn(M * q_size), proj(M * H), gu(M * 2 * inter), act(M * inter);
     const bool int16 = kInt16Rows && M < 4 && g_int16_activations;
-    // the input of down, quantised as the SwiGLU makes it, in the slot order of its block type
-    QuantizedActivations act_q4, act_q8;
-    act_q4.reset(M, inter, kQ4_1);
-    act_q8.reset(M, inter, kQ8_0);
+    // the input of down, quantised as the SwiGLU makes it: one buffer per activation format the
+    // layers' down projections take (their type rows'); a layer's SwiGLU is shared out in
+    // blocks of its format (any 8 values where the type has none)
+    std::vector<std::unique_ptr<QuantizedActivations>> act_buffers;
+    std::vector<QuantizedActivations*> down_in(last - first, nullptr);
+    std::vector<int64_t> swiglu_blocks(last - first, 8);
+    for (int64_t l = first; l < last; ++l) {
+      const ActFormat* format = type_row(layers[l].down_type).act;
+      if (format == nullptr) continue;
+      swiglu_blocks[l - first] = format->block;
+      auto same = [format](const auto& b) { return b->format == format; };
+      auto it = std::find_if(act_buffers.begin(), act_buffers.end(), same);
+      if (it == act_buffers.end()) {
+        act_buffers.push_back(std::make_unique<QuantizedActivations>());
+        act_buffers.back()->reset(M, inter, *format);
+        it = act_buffers.end() - 1;
+      }
+      down_in[l - first] = it->get();
+    }
     float* xp = x.data_ptr<float>();
     float* k_base = k_cache.data_ptr<float>();
     float* v_base = v_cache.data_ptr<float>();
@@ -230,12 +247,12 @@ struct DecodeStack : torch::CustomClassHolder {
       std::vector<float> resid(xp, xp + M * H), h(M * H), scores, rotated(D);
       QuantizedActivations qa;  // this thread's copy of the current matvec input
       auto quantize = [&](const float* in, int64_t K, int64_t qtype) -> const QuantizedActivations* {
-        if (!int16) return nullptr;
-        qa.quantize(in, M, K, qtype);
+        const ActFormat* format = type_row(qtype).act;
+        if (!int16 || format == nullptr) return nullptr;
+        qa.quantize(in, M, K, *format);
         return &qa;
       };
       const auto [s0, s1] = share(slices, tid, nt);                          // q/k/v head slices
-      const auto [g0, g1] = share(inter / kBlock, tid, nt);                  // gate/up blocks of 32
       const auto [t0, t1] = share(M * num_heads, tid, nt);                   // attention (row, head)
       const auto [o0, o1] = share(H, tid, nt);                               // o and down rows
       for (int64_t l = first; l < last; ++l) {
@@ -293,18 +310,19 @@ SYNC
         for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
         rms_norm_rows(resid.data(), L.mlp_norm.data_ptr<float>(), L.eps, M, H, h.data());
         const QuantizedActivations* in = quantize(h.data(), H, L.gate_up_type);
-        matvec_rows(h.data(), in, M, H, L.gate_up, L.gate_up_type, g0 * kBlock, g1 * kBlock, gu.data());
-        matvec_rows(h.data(), in, M, H, L.gate_up, L.gate_up_type, inter + g0 * kBlock, inter + g1 * kBlock, gu.data());
-        QuantizedActivations& qa_act = L.down_type == kQ8_0 ? act_q8 : act_q4;
+        const int64_t ab = swiglu_blocks[l - first];
+        const auto [g0, g1] = share(inter / ab, tid, nt);  // gate/up rows in blocks of down's format
+        matvec_rows(h.data(), in, M, H, L.gate_up, L.gate_up_type, g0 * ab, g1 * ab, gu.data());
+        matvec_rows(h.data(), in, M, H, L.gate_up, L.gate_up_type, inter + g0 * ab, inter + g1 * ab, gu.data());
+        QuantizedActivations* down_q = int16 ? down_in[l - first] : nullptr;
         for (int64_t m = 0; m < M; ++m)
           for (int64_t b = g0; b < g1; ++b) {  // the gated activation of this thread's gate/up rows
-            float* a = act.data() + m * inter + b * kBlock;
-            gated_block(gu.data() + m * 2 * inter + b * kBlock, gu.data() + m * 2 * inter + inter + b * kBlock, a,
-                        L.activation);
-            if (int16) qa_act.quantize_block(a, m, b);
+            float* a = act.data() + m * inter + b * ab;
+            gated(gu.data() + m * 2 * inter + b * ab, gu.data() + m * 2 * inter + inter + b * ab, a, ab, L.activation);
+            if (down_q != nullptr) down_q->quantize_block(a, m, b);
           }
 SYNC
-        matvec_rows(act.data(), int16 ? &qa_act : nullptr, M, inter, L.down, L.down_type, o0, o1, proj.data());
+        matvec_rows(act.data(), down_q, M, inter, L.down, L.down_type, o0, o1, proj.data());
 SYNC
         for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
       }

@@ -1,6 +1,7 @@
-// CPU kernels for GGUF block-quantised weights (Q4_0, Q4_1, Q8_0), kept in the file's own
-// blocks, and the fused decode step of a Llama decoder stack: the torch ops and class. The
-// kernels live in headers this file alone includes (blocks.h -> matvec.h -> decode_stack.h).
+// CPU kernels for GGUF block-quantised weights (the types of type_table.h), kept in the file's
+// own blocks, and the fused decode step of a Llama decoder stack: the torch ops and class. The
+// kernels live in headers this file alone includes (blocks.h -> types_*.h -> type_table.h ->
+// matvec.h -> decode_stack.h).
 //
 // Why our own kernels (measured on the 2-core AVX2 machine, SmolLM2-135M, all matmuls of one
 // decode step): torch's int4 weight-only kernel takes 134 ms with fp32 activations and 10.8 ms
@@ -37,8 +38,9 @@ void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::T
   float* op = out.data_ptr<float>();
   if (M < 4) {
     QuantizedActivations acts;
-    const bool int16 = kInt16Rows && int16_rows;
-    if (int16) acts.quantize(xp, M, K, qtype);
+    const ActFormat* format = type_row(qtype).act;
+    const bool int16 = kInt16Rows && int16_rows && format != nullptr;
+    if (int16) acts.quantize(xp, M, K, *format);
     at::parallel_for(0, N, g_team.solo() ? N : rows_per_task(K, M), [&](int64_t a, int64_t b) {
       matvec_rows(xp, int16 ? &acts : nullptr, M, K, w, qtype, a, b, op);
     });
@@ -81,11 +83,12 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, const at::T
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = w.size(1), N = w.size(0);
+  const TypeRow& type = type_row(qtype);
   at::parallel_for(0, R, 64, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
       const int64_t src = ip ? ip[r] : r;
       TORCH_CHECK(src >= 0 && src < N, "row ", src, " out of range for ", N, " rows");
-      dequant_row(wp + src * row_bytes, qtype, K / kBlock, op + r * K);
+      type.dequant_row(wp + src * row_bytes, K / type.block, op + r * K);
     }
   });
   return out;
@@ -156,6 +159,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_stats(const at::Tensor& logit
   return {maxima, argmax, lse};
 }
 
+// The C++ table's rows, for the test that model/weight_types.py mirrors them: every type id, and
+// a type's (name, activation format or "", [block, bytes per block, bytes of each split part...])
+std::vector<int64_t> weight_type_ids() {
+  std::vector<int64_t> ids;
+  for (const TypeRow& row : kTypes) ids.push_back(row.id);
+  return ids;
+}
+
+std::tuple<std::string, std::string, std::vector<int64_t>> weight_type_info(int64_t id) {
+  const TypeRow& row = type_row(id);
+  std::vector<int64_t> sizes{row.block, row.block_bytes};
+  sizes.insert(sizes.end(), row.part_bytes, row.part_bytes + row.num_parts);
+  return {row.name, row.act != nullptr ? row.act->name : "", sizes};
+}
+
 void set_int16_activations(bool on) { g_int16_activations = on; }
 
 void set_barrier_spin_us(double us) { g_spin_ns = static_cast<int64_t>(us * 1000); }
@@ -212,6 +230,8 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("barrier_probe(int participants, int rounds, float sleep_ms) -> Tensor");
   m.def("qmatmul(Tensor x, Tensor w, int qtype, bool int16_rows=False) -> Tensor");
   m.def("dequantize(Tensor w, int qtype, int k, Tensor rows) -> Tensor");
+  m.def("weight_type_ids() -> int[]");
+  m.def("weight_type_info(int id) -> (str, str, int[])");
 }
 
 TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
@@ -227,6 +247,8 @@ TORCH_LIBRARY_IMPL(tokenwire, CatchAll, m) { m.impl("set_int16_activations", &se
   m.impl("team_state", &team_state);
   m.impl("step_team", &step_team);
   m.impl("step_team_report", &step_team_report);
+  m.impl("weight_type_ids", &weight_type_ids);
+  m.impl("weight_type_info", &weight_type_info);
 }
 
 TORCH_LIBRARY_IMPL(tokenwire, Meta, m) { m.impl("qmatmul", &qmatmul_meta); }

@@ -1,0 +1,78 @@
+// The weight-type table: one row per GGUF type the kernels run. qmatmul, dequantize, matvec_rows
+// and the fused decode stack call a type's functions through its row and never name a type
+// (after ggml's type_traits_cpu). model/weight_types.py mirrors it; tests/model check the two
+// agree through the weight_type_info op.
+//
+// Adding a type: a header and a row.
+//   * The header (types_<family>.h) defines a traits struct with: kId (the GGUF type id), kName,
+//     kBlock (weights per block), its split-row layout (SplitLayout<bytes of each part...>, whose
+//     sum is the bytes per block), the scalar and AVX2 dequantisation of a block, and the
+//     activation format its integer dot takes (Act: a struct as in blocks.h) with that dot. A
+//     type of the 32-weight block family (an fp16 scale per block) gets its inner loops from
+//     type_kernels.h's templates; another shape (K-quants: 256-weight super-blocks) writes its
+//     own and fills its TypeRow with them instead of make_row's.
+//   * The row here (its #include, make_row<Traits>() in kTypes) and the mirrored row in
+//     weight_types.py.
+// Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via matvec.h).
+#pragma once
+
+#include "blocks.h"
+#include "type_kernels.h"
+#include "types_q4.h"
+#include "types_q8.h"
+
+namespace tw {
+
+struct TypeRow {
+  int64_t id;           // GGUF (GGML) type id
+  const char* name;
+  int64_t block;        // weights per block
+  int64_t block_bytes;  // bytes per block
+  const int* part_bytes;  // the split-row layout: bytes per block of each part, in row order
+  int num_parts;
+  const ActFormat* act;  // the activations its integer dot takes (nullptr: fp32 activations only)
+  // dequantise a (split) row of nb blocks into nb * block floats
+  void (*dequant_row)(const uint8_t* row, int64_t nb, float* out);
+  // out[m, n] = x[m] . W[n] for n in [n0, n1), M < 4, fp32 activations x [M, K]
+  void (*matmul_small)(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                       float* out, int64_t N);
+  // the same from activations quantised in `act`'s format (nullptr where act is)
+  void (*matmul_small_i16)(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0,
+                           int64_t n1, float* out, int64_t N);
+};
+
+template <class T>
+TypeRow make_row() {
+#ifdef TW_AVX2
+  const ActFormat* act = &act_format<typename T::Act>();
+  auto i16 = &matmul_small_i16_t<T>;
+#else  // the integer dots need AVX2; without it every matvec takes fp32 activations
+  const ActFormat* act = nullptr;
+  decltype(TypeRow::matmul_small_i16) i16 = nullptr;
+#endif
+  return {T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
+          act, &dequant_row_t<T>, &matmul_small_t<T>, i16};
+}
+
+inline const TypeRow kTypes[] = {
+    make_row<Q4_0>(),
+    make_row<Q4_1>(),
+    make_row<Q8_0>(),
+};
+
+// The one dispatch point from a type id to its row.
+inline const TypeRow& type_row(int64_t id) {
+  for (const TypeRow& row : kTypes)
+    if (row.id == id) return row;
+  TORCH_CHECK(false, "unsupported quantisation type ", id);
+}
+
+inline void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
+  const TypeRow& type = type_row(qtype);
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(), "packed weight must be contiguous uint8 [N, bytes]");
+  TORCH_CHECK(K % type.block == 0, "input features ", K, " are not a multiple of ", type.block);
+  TORCH_CHECK(w.size(1) == K / type.block * type.block_bytes, "packed weight has ", w.size(1), " bytes per row; ", K,
+              " features of ", type.name, " need ", K / type.block * type.block_bytes);
+}
+
+}  // namespace tw

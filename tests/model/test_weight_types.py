@@ -1,0 +1,79 @@
+"""The weight-type table: the Python rows (model/weight_types.py) mirror the C++ ones
+(kernels/type_table.h), and each row's reference dequantiser and split layout are right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from tokenwire.model import weight_types
+from tokenwire.model.kernels import compiler_flags, ops
+from tokenwire.model.quant import dequantize
+from tokenwire.model.weight_types import WEIGHT_TYPES, WeightType, weight_type
+
+
+def _blocks(rows: int, cols: int, wt: WeightType, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2, (rows, 1))).astype(np.float32)
+    w[0, : wt.block] = 0  # an all-zero block
+    packed = gguf_quantize(w, GGMLQuantizationType(wt.gguf_id))
+    return np.ascontiguousarray(packed).view(np.uint8).reshape(rows, -1)
+
+
+def test_python_and_cpp_tables_agree() -> None:
+    """Same types, and per type the same name, block size, bytes per block, split-row parts and
+    activation format (none in a build without AVX2, where no integer dot exists)."""
+    assert sorted(ops().weight_type_ids()) == sorted(t.gguf_id for t in WEIGHT_TYPES)
+    avx2 = "-mavx2" in compiler_flags()
+    for wt in WEIGHT_TYPES:
+        name, activation, sizes = ops().weight_type_info(wt.gguf_id)
+        expected = [wt.block, wt.block_bytes, *(size for _, size in wt.parts)]
+        assert (name, activation, sizes) == (wt.name, wt.activation if avx2 else "", expected)
+        assert wt.name == GGMLQuantizationType(wt.gguf_id).name
+    with pytest.raises(RuntimeError, match="unsupported quantisation type 12"):
+        ops().weight_type_info(12)
+
+
+@pytest.mark.parametrize("wt", WEIGHT_TYPES, ids=lambda t: t.name)
+def test_row_sizes_match_gguf(wt: WeightType) -> None:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    assert GGML_QUANT_SIZES[GGMLQuantizationType(wt.gguf_id)] == (wt.block, wt.block_bytes)
+
+
+@pytest.mark.parametrize("wt", WEIGHT_TYPES, ids=lambda t: t.name)
+def test_reference_dequantiser_is_bit_exact_with_gguf_and_the_kernels(wt: WeightType) -> None:
+    packed = _blocks(19, 5 * wt.block, wt)
+    ours = wt.dequantize_reference(packed)
+    assert ours.dtype == np.float32 and ours.shape == (19, 5 * wt.block)
+    reference = np.asarray(gguf_dequantize(packed, GGMLQuantizationType(wt.gguf_id)), dtype=np.float32)
+    np.testing.assert_array_equal(ours, reference)
+    kernels = dequantize(torch.from_numpy(packed), wt.gguf_id, 5 * wt.block).numpy()
+    np.testing.assert_array_equal(kernels, ours)
+
+
+@pytest.mark.parametrize("wt", WEIGHT_TYPES, ids=lambda t: t.name)
+def test_split_rows_puts_each_part_of_every_block_together(wt: WeightType) -> None:
+    """Part p of block j of a row lands at nb * (bytes of the parts before p) + j * (its bytes)."""
+    nb, rows = 3, 2
+    packed = torch.arange(rows * nb * wt.block_bytes, dtype=torch.int64).view(rows, -1)
+    split = wt.split_rows(packed)
+    assert split.shape == packed.shape
+    for r in range(rows):
+        start = 0
+        for _, size in wt.parts:
+            for j in range(nb):
+                block = packed[r, j * wt.block_bytes : (j + 1) * wt.block_bytes]
+                got = split[r, nb * start + j * size : nb * start + (j + 1) * size]
+                assert torch.equal(got, block[start : start + size])
+            start += size
+
+
+def test_unknown_types_are_named() -> None:
+    with pytest.raises(ValueError, match="unsupported quantisation type 14"):
+        weight_type(14)  # Q6_K: converted to Q8_0, never run as itself
+    assert weight_type(8) is weight_types.Q8_0
