@@ -77,7 +77,8 @@ def gguf_to_hf_config(reader: GGUFReader, path: Path | str = "<gguf>") -> dict[s
     arch = meta.get("general.architecture")
     family = gguf_family(arch, path)
     assert family.gguf is not None
-    hf_arch, model_type = next(iter(family.architectures.items()))
+    model_type = family.gguf.model_type
+    hf_arch = next(a for a, t in family.architectures.items() if t == model_type)
     tensors = {t.name for t in reader.tensors}
 
     def get(key: str, default: Any = None) -> Any:

@@ -34,7 +34,7 @@ GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.n
 @dataclass(frozen=True)
 class GgufNames:
     architecture: str  # general.architecture
-    model_type: str  # the HF model_type its config.json gets
+    model_type: str  # the HF model_type its config.json gets (one of the family's architectures')
     permuted_qk: bool  # llama.cpp's converter interleaved q/k rows for its RoPE (undone on reading)
     layer: dict[str, str] = field(default_factory=lambda: dict(GGUF_LAYER_NAMES))
     globals: dict[str, str] = field(default_factory=lambda: dict(GGUF_GLOBAL_NAMES))
