@@ -30,7 +30,7 @@ import torch
 
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
-from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent
+from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -99,11 +99,13 @@ def ours_turn2(engine: Engine, session_tokens: int, reuse: bool) -> float:
         sid = None
         start = time.perf_counter()
         handle = engine.generate(None, turn1 + turn2, _greedy(1, use_prefix_cache=False))
-    for event in handle:
+    events = iter_events(handle)
+    for event in events:
         if isinstance(event, TokenEvent):
             elapsed = time.perf_counter() - start
             break
-    handle.result()  # drain the rest (the finish event)
+    for _ in events:  # drain the rest (the finish event)
+        pass
     if sid is not None:
         engine.close_session(sid)
     return elapsed

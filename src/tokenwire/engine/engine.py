@@ -31,7 +31,7 @@ from tokenwire.engine.errors import (
 )
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.postprocess import Finish, Outcome, StepContext, postprocess
-from tokenwire.engine.request import FinishEvent, GenerateOptions, Request, RequestHandle
+from tokenwire.engine.request import EngineHandle, FinishEvent, GenerateOptions, Request
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session, Ttl
 from tokenwire.engine.step import run_step
@@ -306,7 +306,7 @@ class Engine:
         append: Sequence[int] = (),
         options: GenerateOptions | None = None,
         images: Sequence[ImageInput] = (),
-    ) -> RequestHandle:
+    ) -> EngineHandle:
         """Append tokens to a session (a fresh one when None) and generate after them. `images`
         attaches images to blocks of the post-append tokens (vision models, engine/vision.py)."""
         options = options or GenerateOptions()
@@ -339,7 +339,7 @@ class Engine:
             self._running[session.id] = request
             self.scheduler.add(request)
             self._wake.notify()
-        return RequestHandle(request, self.cancel, self._queue_position)
+        return EngineHandle(request, self.cancel, self._queue_position)
 
     def cancel(self, request: Request) -> None:
         with self._lock:

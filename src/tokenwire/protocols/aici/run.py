@@ -30,6 +30,7 @@ from tokenwire.engine.request import (
     RequestHandle,
     SamplingParams,
     TokenEvent,
+    stream_events,
 )
 from tokenwire.protocols.aici.client import AiciClient, AiciError
 from tokenwire.protocols.aici.codec import FrameError
@@ -293,7 +294,7 @@ async def _fork_task(
                 constraint.outcome = None
                 handle = engine.generate(session, append=append, options=run.options(constraint, generated))
             append = []
-            async for ev in handle:
+            async for ev in stream_events(handle):
                 text = ""
                 if isinstance(ev, TokenEvent) and not ev.is_prefill:
                     generated += 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.errors import SessionNotFoundError
-from tokenwire.engine.request import FinishEvent, GenerateOptions, RequestHandle
+from tokenwire.engine.request import FinishEvent, GenerateOptions, RequestHandle, stream_events
 from tokenwire.engine.vision import ImageInput
 
 
@@ -53,7 +53,7 @@ class Lease:
             GenerateOptions(max_tokens=0, priority=priority, use_prefix_cache=self.use_prefix_cache),
         )
         self.tokens.extend(append)
-        async for event in handle:
+        async for event in stream_events(handle):
             if isinstance(event, FinishEvent) and event.reason == "error":
                 raise RuntimeError(event.error or "prefill failed")
 

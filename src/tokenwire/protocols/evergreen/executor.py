@@ -31,6 +31,7 @@ from tokenwire.engine.request import (
     Origin,
     SamplingParams,
     TokenEvent,
+    stream_events,
 )
 from tokenwire.logs import access_log
 from tokenwire.protocols.evergreen.actions import ActionSpec
@@ -209,7 +210,7 @@ async def _stream_generation(host: ActionHost, action: ActionState, handle, opti
     pending_ids: list[int] = []
     logprobs: list[dict] = []
     outputs = [n for n in TEXT_OUTPUTS if n in action.outputs]
-    async for event in handle:
+    async for event in stream_events(handle):
         if isinstance(event, TokenEvent):
             if event.is_prefill:
                 continue
@@ -270,7 +271,7 @@ async def _score(host: ActionHost, action: ActionState) -> None:
     )
     handle = host.engine.generate(None, tokens, options, images=images)
     scored: list[dict] = []
-    async for event in handle:
+    async for event in stream_events(handle):
         if isinstance(event, TokenEvent) and event.is_prefill and event.logprob is not None:
             text = host.engine.tokenizer.decode([event.token_id])
             scored.append({"id": event.token_id, "text": text, "logprob": event.logprob})

@@ -20,7 +20,7 @@ import grpc
 
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.errors import EngineError, InvalidRequestError
-from tokenwire.engine.request import FinishEvent, Origin, RequestHandle, TokenEvent
+from tokenwire.engine.request import FinishEvent, Origin, RequestHandle, TokenEvent, stream_events
 from tokenwire.engine.session import Ttl
 from tokenwire.engine.vision import ImageInput
 from tokenwire.logs import access_log
@@ -226,7 +226,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
                 yield core.done_message(plan.prompt_len, 0, pb.GenerateDone.FINISH_REASON_LENGTH)
                 return
             self._handles[sid] = handle
-            async for event in handle:
+            async for event in stream_events(handle):
                 if isinstance(event, TokenEvent):
                     yield core.token_message(event)
                 elif isinstance(event, FinishEvent):
