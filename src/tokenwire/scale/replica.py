@@ -8,15 +8,14 @@ every request of an engine step in one Ray object. (One streaming generator per 
 first design, cost 32 objects per step at 32 streams: 0.72x the in-process tokens/s, measured.)
 
 Code that must run on the model thread (GraphPipe's whole-tensor forward) is named, not pickled:
-`model_call("tokenwire.module:function", ...)` imports that function of tokenwire's own code
-here and runs it as function(engine, ...) on this replica's model thread.
+`model_call("tokenwire.module:function", ...)` runs that function of tokenwire's own code as
+function(engine, ...) on this replica's model thread (EngineAPI.model_call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import logging
 import os
 import time
@@ -37,17 +36,6 @@ from tokenwire.scale.aici import ReplicaAici, RuntimeConfig
 log = logging.getLogger("tokenwire.replica")
 REPLICA_PREFIX = "tokenwire-replica-"
 HISTORY = 10_000  # sessions whose served-request counts the replica remembers (for stats/tests)
-
-
-def model_function(name: str) -> Callable[..., Any]:
-    """The function a model call names: "tokenwire.<module>:<function>" (tokenwire's code only)."""
-    module, _, function = name.partition(":")
-    if not (module.startswith("tokenwire.") and function.isidentifier()):
-        raise AttributeError(f"model call {name!r} must name tokenwire.<module>:<function>")
-    fn = getattr(importlib.import_module(module), function, None)
-    if not callable(fn):
-        raise AttributeError(f"no model call named {name!r}")
-    return fn
 
 
 @dataclass
@@ -152,9 +140,10 @@ class EngineReplica:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The Engine's other quick session methods, by name (a fixed list: nothing else)."""
-        if method not in _PASSTHROUGH:
+        fn = _PASSTHROUGH.get(method)
+        if fn is None:
             raise AttributeError(f"replica has no engine method {method!r}")
-        return getattr(self.engine, method)(*args, **kwargs)
+        return fn(self.engine, *args, **kwargs)
 
     def sessions(self) -> tuple[str, list[str]]:
         """This incarnation and the sessions made here that are still open (a restarted session
@@ -241,9 +230,7 @@ class EngineReplica:
         return True
 
     async def model_call(self, name: str, *args: Any) -> Any:
-        fn = model_function(name)
-        engine = self.engine
-        return await asyncio.wrap_future(engine.call_on_model_thread(lambda: fn(engine, *args)))
+        return await asyncio.wrap_future(self.engine.model_call(name, *args))
 
     # ------------------------------------------------------------------ AICI (scale/aici.py)
     async def aici_side(self, config: RuntimeConfig, op: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -282,15 +269,16 @@ def _tagged(box: Outbox, key: str, event: Event) -> None:
     box.push((key, event))
 
 
-_PASSTHROUGH = frozenset(
-    {
-        "truncate_session",
-        "session_tokens",
-        "session_busy",
-        "touch_session",
-        "has_session",
-        "check",
-        "session_images",
-        "image_tokens",
-    }
-)
+_PASSTHROUGH: dict[str, Callable[..., Any]] = {
+    fn.__name__: fn
+    for fn in (
+        Engine.truncate_session,
+        Engine.session_tokens,
+        Engine.session_busy,
+        Engine.touch_session,
+        Engine.has_session,
+        Engine.check,
+        Engine.session_images,
+        Engine.image_tokens,
+    )
+}

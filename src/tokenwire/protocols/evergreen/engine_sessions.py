@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenwire.engine.engine import Engine
+from tokenwire.engine.api import EngineAPI
 from tokenwire.engine.errors import SessionNotFoundError
 from tokenwire.engine.request import FinishEvent, GenerateOptions, RequestHandle, stream_events
 from tokenwire.engine.vision import ImageInput
@@ -29,7 +29,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class Lease:
     """One engine session an action works on; `tokens` mirrors the engine session's tokens."""
 
-    engine: Engine
+    engine: EngineAPI
     sid: str
     tokens: list[int]
     use_prefix_cache: bool = True
@@ -73,7 +73,7 @@ class Lease:
 
 
 class EngineSessions:
-    def __init__(self, engine: Engine, max_kept: int = 8, *, reuse: bool = True) -> None:
+    def __init__(self, engine: EngineAPI, max_kept: int = 8, *, reuse: bool = True) -> None:
         """reuse=False (benchmarks): every action starts a fresh engine session, prefix cache off."""
         self.engine = engine
         self.reuse = reuse

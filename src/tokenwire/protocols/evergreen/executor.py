@@ -15,7 +15,7 @@ from typing import Protocol
 
 import grpc
 
-from tokenwire.engine.engine import Engine
+from tokenwire.engine.api import EngineAPI
 from tokenwire.engine.errors import (
     ContextOverflowError,
     EngineClosedError,
@@ -51,7 +51,7 @@ class ActionHost(Protocol):
     """What the session runner gives the executor."""
 
     core: SessionCore
-    engine: Engine
+    engine: EngineAPI
     pool: EngineSessions
     builder: PromptBuilder
     version: int
@@ -79,7 +79,7 @@ def engine_abort(label: str, exc: EngineError) -> SessionAbort:
 
 
 def generate_options(
-    spec: ActionSpec, engine: Engine, default_max_tokens: int = DEFAULT_MAX_TOKENS
+    spec: ActionSpec, engine: EngineAPI, default_max_tokens: int = DEFAULT_MAX_TOKENS
 ) -> GenerateOptions:
     config = spec.config(twpb.GenerateConfig) or twpb.GenerateConfig()
     assert isinstance(config, twpb.GenerateConfig)

@@ -22,7 +22,7 @@ from tokenwire.protocols.lmtp.core import LmtpConnection
 from tokenwire.protocols.lmtp.streams import Stream
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 log = logging.getLogger("tokenwire.lmtp")
 Send = Callable[[str], Awaitable[None]]
@@ -31,7 +31,7 @@ Send = Callable[[str], Awaitable[None]]
 class ConnectionRunner:
     def __init__(
         self,
-        engine: Engine | None,
+        engine: EngineAPI | None,
         send: Send,
         *,
         aliases: Iterable[str] = (),
@@ -56,7 +56,7 @@ class ConnectionRunner:
         self.core.feed(text)
         self._kick()
 
-    def set_engine(self, engine: Engine) -> None:
+    def set_engine(self, engine: EngineAPI) -> None:
         self.core.set_engine(engine)
         self._kick()
 

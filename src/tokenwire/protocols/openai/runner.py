@@ -18,7 +18,7 @@ from tokenwire.protocols.openai.core import Plan
 from tokenwire.protocols.openai.errors import OpenAIError, bad_request, from_engine
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 
 class EventMux:
@@ -45,7 +45,7 @@ def _tagged(channel: EventChannel[tuple[int, Event]], index: int, event: Event) 
 class Execution:
     """A submitted plan: its handles, and the forks made for choices 2..n on a session."""
 
-    def __init__(self, engine: Engine, plan: Plan) -> None:
+    def __init__(self, engine: EngineAPI, plan: Plan) -> None:
         self.engine = engine
         self.plan = plan
         self.handles: list[RequestHandle] = []
