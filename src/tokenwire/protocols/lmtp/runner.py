@@ -1,8 +1,8 @@
 """Running one LmtpConnection on an asyncio loop (shared by the WebSocket and stdio transports).
 
 Engine events arrive on the model thread through RequestHandle.subscribe; they go into an
-EventChannel, which wakes the loop once per batch, so everything one engine step produced (for all of
-the connection's streams) is handled together and leaves as one TOKEN frame. A writer task
+EventChannel, which wakes the loop once per batch, so everything one engine step produced (for
+all of the connection's streams) is handled together and leaves as one TOKEN frame. A writer task
 sends frames in order; while a send waits on a slow client, new records pile up into the next,
 larger frame instead of queueing frame by frame.
 """

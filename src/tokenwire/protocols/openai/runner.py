@@ -1,8 +1,9 @@
 """Running a Plan on the engine from an asyncio loop: submit its choices, merge their events.
 
 Engine events arrive on the model thread through RequestHandle.subscribe; they go into one
-EventChannel per HTTP request, which wakes the loop once per batch, so everything one engine step
-produced for a request's choices is handled together (for a stream: one write to the socket).
+EventChannel per HTTP request, which wakes the loop once per batch, so everything one engine
+step produced for a request's choices is handled together (for a stream: one write to the
+socket).
 """
 
 from __future__ import annotations
