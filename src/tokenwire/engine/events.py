@@ -77,10 +77,6 @@ class EventChannel(Generic[T]):
         self._closed = False
         self._ready = asyncio.Event()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def push(self, item: T) -> None:
         """Any thread: queue the item; the first push of a batch schedules the loop's wake-up."""
         self.push_all((item,))
