@@ -72,7 +72,7 @@ def _greedy(n: int, use_prefix_cache: bool = True) -> GenerateOptions:
 
 def ours_single(engine: Engine, prompt: list[int], n: int) -> float:
     stamps = []
-    for event in engine.generate(None, prompt, _greedy(n, use_prefix_cache=False)):
+    for event in iter_events(engine.generate(None, prompt, _greedy(n, use_prefix_cache=False))):
         if isinstance(event, TokenEvent):
             stamps.append(time.perf_counter())
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
