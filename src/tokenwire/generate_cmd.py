@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.errors import InvalidRequestError
 from tokenwire.engine.factory import EngineSettings, build_engine
-from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, TokenEvent
+from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, TokenEvent, iter_events
 from tokenwire.engine.vision import ImageInput
 
 
@@ -104,7 +104,7 @@ def run_generate(args: argparse.Namespace, settings: EngineSettings) -> int:
         else:
             tokens = prompt_tokens(engine, args.prompt, args.raw)
         handle = engine.generate(None, tokens, options_from(args, engine), images=attached)
-        for event in handle:
+        for event in iter_events(handle):
             if isinstance(event, TokenEvent):
                 if args.json:
                     print(

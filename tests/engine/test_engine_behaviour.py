@@ -18,7 +18,7 @@ from tokenwire.engine.errors import (
     SessionBusyError,
     SessionNotFoundError,
 )
-from tokenwire.engine.request import BacktrackEvent, GenerateOptions, SamplingParams
+from tokenwire.engine.request import BacktrackEvent, GenerateOptions, SamplingParams, iter_events
 
 
 @pytest.fixture(scope="module")
@@ -302,9 +302,10 @@ def test_priority_orders_admission(tokenizer) -> None:
 def test_cancel_frees_blocks_by_the_end_of_the_step(engine) -> None:
     available = engine.kv.allocator.num_available
     handle = engine.generate(None, rand_tokens(100, 60), GenerateOptions(max_tokens=200, ignore_eos=True))
-    next(iter(handle))
+    stream = iter_events(handle)
+    next(stream)
     handle.cancel()
-    events = list(handle)
+    events = list(stream)
     assert events[-1].reason == "cancelled"
     # blocks the step under way still reads are freed as that step ends (never under its feet):
     # a model call runs on the model thread after it, so by its answer they must be back

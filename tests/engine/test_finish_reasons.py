@@ -6,7 +6,7 @@ import pytest
 
 from tests.engine.test_engine_parity import GREEDY, make_engine, rand_tokens
 from tokenwire.engine.constraints import Constraint, ConstraintStep
-from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, TokenEvent
+from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, TokenEvent, iter_events
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +102,10 @@ def test_constraint_stop_and_constraint_error(engine) -> None:
 
 def test_cancelled(engine) -> None:
     handle = engine.generate(None, rand_tokens(6, 7), GenerateOptions(max_tokens=40, ignore_eos=True))
-    first = next(iter(handle))
+    events = iter_events(handle)
+    first = next(events)
     handle.cancel()
-    rest = list(handle)
+    rest = list(events)
     finish = rest[-1]
     assert isinstance(finish, FinishEvent) and finish.reason == "cancelled" and finish.error is None
     assert finish.prompt_tokens == 6 and finish.completion_tokens == 1 + len(rest) - 1

@@ -8,7 +8,7 @@ import torch
 
 from tests.engine.test_engine_parity import GREEDY, make_engine, rand_tokens
 from tokenwire.engine.kv_cache import KVCache
-from tokenwire.engine.request import GenerateOptions, Request, TokenEvent
+from tokenwire.engine.request import GenerateOptions, Request, TokenEvent, iter_events
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session
 from tokenwire.model.config import ModelConfig
@@ -85,7 +85,7 @@ def test_preempted_request_finishes_after_the_urgent_one_with_the_same_tokens(to
         alone = [e.token_id for e in engine.generate(None, batch_prompt, batch_opts).result()[0]]
         done: list[str] = []
         batch = engine.generate(None, batch_prompt, batch_opts)
-        events = iter(batch)
+        events = iter_events(batch)
         first = next(events)  # decoding now, holding 3 blocks; the urgent prompt needs 6
         rest: list[int] = []
 

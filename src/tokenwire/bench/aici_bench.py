@@ -262,7 +262,7 @@ def bench_overlap(tokens: int, seq_counts: list[int]) -> dict[str, Any]:
 def _overlap_runs(engine: Any, client: Any, coord: Any, tokens: int, seqs: int) -> dict[str, Any]:
     import asyncio
 
-    from tokenwire.engine.request import GenerateOptions, SamplingParams
+    from tokenwire.engine.request import GenerateOptions, SamplingParams, stream_events
     from tokenwire.protocols.aici.run import RunRequest, run_events
 
     # `seqs` forks, each generating lowercase words under a regex (a mask every step)
@@ -289,7 +289,7 @@ def _overlap_runs(engine: Any, client: Any, coord: Any, tokens: int, seqs: int) 
         opts = GenerateOptions(max_tokens=tokens, sampling=SamplingParams(temperature=0.0), ignore_eos=True)
 
         async def drain(session: str) -> None:
-            async for _ in engine.generate(session, options=opts):
+            async for _ in stream_events(engine.generate(session, options=opts)):
                 pass
 
         try:

@@ -30,7 +30,7 @@ import torch
 
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
-from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent
+from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
 from tokenwire.model.layers.decoder import DecoderModel
 
 QUESTIONS = [
@@ -73,7 +73,7 @@ def _greedy(n: int, use_prefix_cache: bool = True) -> GenerateOptions:
 
 def ours_single(engine: Engine, prompt: list[int], n: int) -> float:
     stamps = []
-    for event in engine.generate(None, prompt, _greedy(n, use_prefix_cache=False)):
+    for event in iter_events(engine.generate(None, prompt, _greedy(n, use_prefix_cache=False))):
         if isinstance(event, TokenEvent):
             stamps.append(time.perf_counter())
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
@@ -100,11 +100,13 @@ def ours_turn2(engine: Engine, session_tokens: int, reuse: bool) -> float:
         sid = None
         start = time.perf_counter()
         handle = engine.generate(None, turn1 + turn2, _greedy(1, use_prefix_cache=False))
-    for event in handle:
+    events = iter_events(handle)
+    for event in events:
         if isinstance(event, TokenEvent):
             elapsed = time.perf_counter() - start
             break
-    handle.result()  # drain the rest (the finish event)
+    for _ in events:  # drain the rest (the finish event)
+        pass
     if sid is not None:
         engine.close_session(sid)
     return elapsed

@@ -37,7 +37,7 @@ from starlette.routing import Route
 from tokenwire.bench.random_tokens import run_with_random_twin
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings
-from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams
+from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, stream_events
 from tokenwire.protocols.openai.transport import EmbeddedServer, OpenAIServer
 
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm."
@@ -83,7 +83,7 @@ async def _engine_run(engine: Engine, prompt: list[int], streams: int, tokens: i
     async def one() -> int:
         opts = GenerateOptions(max_tokens=tokens, sampling=SamplingParams(temperature=0), ignore_eos=True)
         count = 0
-        async for event in engine.generate(None, prompt, opts):
+        async for event in stream_events(engine.generate(None, prompt, opts)):
             count += not isinstance(event, FinishEvent)
         return count
 
@@ -175,7 +175,7 @@ async def _overhead(random_engine: Engine, http: aiohttp.ClientSession, args: ar
     async def direct() -> float:
         opts = GenerateOptions(max_tokens=n, sampling=SamplingParams(temperature=0), ignore_eos=True)
         start = time.perf_counter()
-        async for _ in random_engine.generate(None, prompt, opts):
+        async for _ in stream_events(random_engine.generate(None, prompt, opts)):
             pass
         return time.perf_counter() - start
 

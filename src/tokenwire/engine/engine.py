@@ -16,11 +16,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from tokenwire.engine.admission import Limits, check_request, check_tokens, prepare
+from tokenwire.engine.api import EngineAPI, model_function
 from tokenwire.engine.concepts import ConceptSet
 from tokenwire.engine.errors import (
     CapacityError,
@@ -31,13 +32,14 @@ from tokenwire.engine.errors import (
 )
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.postprocess import Finish, Outcome, StepContext, postprocess
-from tokenwire.engine.request import FinishEvent, GenerateOptions, Request, RequestHandle
+from tokenwire.engine.request import EngineHandle, FinishEvent, GenerateOptions, Request
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session, Ttl
 from tokenwire.engine.step import run_step
 from tokenwire.engine.step_team import StepTeam
 from tokenwire.engine.vision import (
     EmbeddingCache,
+    ImageBlock,
     ImageInput,
     SessionImage,
     check_cut,
@@ -48,6 +50,9 @@ from tokenwire.engine.vision import (
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # only a type here: the loader is the factory's
+    from tokenwire.model.loader import ModelSource
 
 log = logging.getLogger("tokenwire.engine")
 T = TypeVar("T")
@@ -64,7 +69,7 @@ class _Loaded:
     kv_cache_mb: float  # what the blocks take (the budget rounded down to whole blocks)
 
 
-class Engine:
+class Engine(EngineAPI):
     # Sessions die with this process; a ReplicaEngine on detached replicas says True (scale/)
     sessions_outlive_server = False
 
@@ -81,15 +86,23 @@ class Engine:
         max_model_len: int | None = None,
         session_ttl_s: float | None = 1800.0,
         concepts: ConceptSet | None = None,
+        max_sessions: int | None = None,
+        max_queued: int | None = None,
+        source: ModelSource | None = None,
+        weights: str | None = None,
     ) -> None:
-        """`model` may be a factory: it then runs on the model thread (see _load)."""
+        """`model` may be a factory: it then runs on the model thread (see _load). `source` and
+        `weights`: where the model came from and the weight format it runs (factory.py), None
+        for a model built in memory."""
         self.tokenizer = tokenizer
         self.name = name
         self.session_ttl_s = session_ttl_s
-        # --max-sessions / --max-queued (docs/limits.md): None = no cap; set by the factory
-        self.max_sessions: int | None = None
-        self.max_queued: int | None = None
+        # --max-sessions / --max-queued (docs/limits.md): None = no cap
+        self.max_sessions = max_sessions
+        self.max_queued = max_queued
         self.concepts = concepts
+        self.source = source
+        self.weights = weights
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._sessions: dict[str, Session] = {}
@@ -106,9 +119,8 @@ class Engine:
         # set first thing in shutdown(): long model-thread calls (GraphPipe's dense forward of a
         # whole batch) poll it between layers and give up, so the thread is free within a layer
         self.stopping = threading.Event()
-        self.steps = 0
+        self._steps = 0
         self.computed_tokens = 0  # positions run through the model (prefill + decode), all steps
-        self.source: Any = None  # the ModelSource when built by factory.build_engine
         # called (model thread, lock held) with each request as it finishes: metrics, access log
         self.on_finish: Callable[[Request, FinishEvent], None] | None = None
         loaded: Future[_Loaded] = Future()
@@ -133,6 +145,8 @@ class Engine:
         self.model = built.model
         self.config: ModelConfig = built.model.config
         self.kv = built.kv
+        self.kv_block_size = self.kv.block_size
+        self.device_type = self.model.device.type
         self.max_model_len = built.max_model_len
         self.kv_cache_mb = built.kv_cache_mb
         self.vocab_size = max(self.tokenizer.vocab_size, 1)
@@ -264,6 +278,10 @@ class Engine:
         (prepared,) = decode_images(self.model, [ImageInput(0, 0, data, mime)])
         return prepared.num_tokens
 
+    def image_block(self) -> ImageBlock | None:
+        ids = vision_tokens(self.config)
+        return None if ids is None else ImageBlock(*ids, count=self.image_tokens)
+
     def session_busy(self, session_id: str) -> bool:
         with self._lock:
             self._session(session_id)
@@ -306,7 +324,7 @@ class Engine:
         append: Sequence[int] = (),
         options: GenerateOptions | None = None,
         images: Sequence[ImageInput] = (),
-    ) -> RequestHandle:
+    ) -> EngineHandle:
         """Append tokens to a session (a fresh one when None) and generate after them. `images`
         attaches images to blocks of the post-append tokens (vision models, engine/vision.py)."""
         options = options or GenerateOptions()
@@ -339,7 +357,7 @@ class Engine:
             self._running[session.id] = request
             self.scheduler.add(request)
             self._wake.notify()
-        return RequestHandle(request, self.cancel, self._queue_position)
+        return EngineHandle(request, self.cancel, self._queue_position)
 
     def cancel(self, request: Request) -> None:
         with self._lock:
@@ -361,6 +379,17 @@ class Engine:
             self._model_calls.append((fn, fut))
             self._wake.notify()
         return fut
+
+    def model_call(self, name: str, *args: Any) -> Future[Any]:
+        fn = model_function(name)
+        return self.call_on_model_thread(lambda: fn(self, *args))
+
+    def remote_aici(self, runtime_args: list[str], busy_wait_ms: float | None) -> None:
+        return None  # `serve --aici` starts its runtime beside this engine (protocols/aici)
+
+    @property
+    def steps(self) -> int:
+        return self._steps
 
     def _loop(self) -> None:
         next_reap = time.monotonic() + REAP_INTERVAL_S
@@ -398,7 +427,7 @@ class Engine:
                     self._step_over()
                 continue
             with self._lock:
-                self.steps += 1
+                self._steps += 1
                 self.computed_tokens += sum(item.count for item in items)
                 for outcome in postprocess(items, output, self._step_context):
                     self._deliver(outcome)
@@ -485,7 +514,7 @@ class Engine:
                 "kv_blocks_available": alloc.num_available,
                 "prefix_cache_blocks": alloc.num_cached,
                 "prefix_cache_hits": alloc.hits,
-                "steps": self.steps,
+                "steps": self._steps,
                 "computed_tokens": self.computed_tokens,
                 **({"vision_tower_runs": self.vision.tower_runs} if self.vision is not None else {}),
             }

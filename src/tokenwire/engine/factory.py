@@ -223,10 +223,11 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
             max_model_len=settings.max_model_len,
             session_ttl_s=settings.session_ttl_s,
             concepts=concepts,
+            max_sessions=settings.max_sessions,
+            max_queued=settings.max_queued,
+            source=source,
+            weights=weights,
         )
-    engine.source = source
-    engine.max_sessions, engine.max_queued = settings.max_sessions, settings.max_queued
-    engine.weights = weights
     log.info(
         "model %s (%s) loaded in %.1fs: weights %s, device %s, KV cache %.0f MiB = %d tokens "
         "(%d blocks), context %d",

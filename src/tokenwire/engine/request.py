@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import queue
-import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -15,6 +14,7 @@ import torch
 
 from tokenwire.engine.constraints import Constraint
 from tokenwire.engine.errors import InvalidRequestError
+from tokenwire.engine.events import EventChannel, EventFeed
 from tokenwire.engine.positions import PositionOutputs
 from tokenwire.engine.session import Session
 
@@ -157,8 +157,62 @@ class FinishEvent:
 Event = TokenEvent | BacktrackEvent | FinishEvent
 
 
-class RequestHandle:
-    """The caller's end of a request: iterate (sync or async) for events, or cancel it."""
+class RequestHandle(ABC):
+    """The caller's end of a request, on this process's engine or on a replica (scale/handle.py):
+    its events, by `subscribe` (the one way to read them), and `cancel`."""
+
+    def __init__(self, feed: EventFeed[Event]) -> None:
+        self._feed = feed
+
+    @property
+    @abstractmethod
+    def session_id(self) -> str:
+        raise NotImplementedError
+
+    @property
+    @abstractmethod
+    def cached_tokens(self) -> int:
+        """Prompt positions whose KV was reused (the session's own or the prefix cache's)."""
+        raise NotImplementedError
+
+    @property
+    @abstractmethod
+    def finished(self) -> bool:
+        """Whether the request ended (its FinishEvent is emitted or on its way)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+    @abstractmethod
+    def queue_position(self) -> int | None:
+        """How many requests are admitted before this one (0 = next), or None once it runs or
+        ended (or where it is not known)."""
+        raise NotImplementedError
+
+    def subscribe(self, sink: Callable[[Event], None]) -> None:
+        """Deliver events by calling sink(event) on the thread that emits them (the model thread
+        with the engine lock held, or a replica's pump thread), in order, ending with the
+        FinishEvent; events emitted before this call are passed on first, on the calling thread.
+        The sink must be quick and must not raise. Once per request. Asyncio code subscribes an
+        EventChannel (engine/events.py) or reads `stream_events(handle)`; a thread
+        reads `iter_events(handle)`."""
+        self._feed.subscribe(sink)
+
+    def result(self) -> tuple[list[TokenEvent], FinishEvent]:
+        """Block until the request ends: its events before the FinishEvent, and that (scripts,
+        tests and benchmarks; it subscribes, so nothing else may)."""
+        tokens: list[TokenEvent] = []
+        for event in iter_events(self):
+            if isinstance(event, FinishEvent):
+                return tokens, event
+            tokens.append(event)  # type: ignore[arg-type]  # a backtrack rides along, as it came
+        raise AssertionError("unreachable: iter_events ends with the FinishEvent")
+
+
+class EngineHandle(RequestHandle):
+    """A request on this process's Engine."""
 
     def __init__(
         self,
@@ -166,6 +220,7 @@ class RequestHandle:
         cancel: Callable[[Request], None],
         queue_position: Callable[[Request], int | None],
     ) -> None:
+        super().__init__(request.feed)
         self._request = request
         self._cancel = cancel
         self._queue_position = queue_position
@@ -176,49 +231,48 @@ class RequestHandle:
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt positions whose KV was reused (the session's own or the prefix cache's)."""
         return self._request.cached_tokens or 0
+
+    @property
+    def finished(self) -> bool:
+        return self._request.finished
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated so far (a replica's load report reads it)."""
+        return self._request.generated
 
     def cancel(self) -> None:
         self._cancel(self._request)
 
     def queue_position(self) -> int | None:
-        """How many requests are admitted before this one (0 = next), or None once it runs or ended."""
         return self._queue_position(self._request)
 
-    def subscribe(self, sink: Callable[[Event], None]) -> None:
-        """Deliver events by calling sink(event) on the thread that emits them (usually the model
-        thread, with the engine lock held), in order; events emitted before this call are passed
-        on first, on the calling thread. The sink must be quick and must not raise. Use instead of
-        iterating; cancelling is then up to the caller."""
-        self._request.bind_sink(sink)
 
-    def __iter__(self) -> Iterator[Event]:
-        while True:
-            event = self._request.sync_queue.get()
-            yield event
-            if isinstance(event, FinishEvent):
-                return
+def iter_events(handle: RequestHandle) -> Iterator[Event]:
+    """A request's events, blocking for each, ending with its FinishEvent (a thread's reader:
+    the CLI, benchmarks, tests). It subscribes at the first `next`."""
+    events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    handle.subscribe(events.put)
+    while not isinstance(event := events.get(), FinishEvent):
+        yield event
+    yield event
 
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        q = self._request.bind_async()
-        try:
-            while True:
-                event = await q.get()
+
+async def stream_events(handle: RequestHandle) -> AsyncIterator[Event]:
+    """A request's events on the running loop, ending with its FinishEvent. Leaving early (the
+    client disconnected) cancels the request."""
+    channel: EventChannel[Event] = EventChannel()
+    handle.subscribe(channel.push)
+    try:
+        async for batch in channel:
+            for event in batch:
                 yield event
                 if isinstance(event, FinishEvent):
                     return
-        finally:
-            if not self._request.finished:
-                self.cancel()  # the consumer went away (client disconnect)
-
-    def result(self) -> tuple[list[TokenEvent], FinishEvent]:
-        tokens: list[TokenEvent] = []
-        for event in self:
-            if isinstance(event, FinishEvent):
-                return tokens, event
-            tokens.append(event)
-        raise AssertionError("unreachable")
+    finally:
+        if not handle.finished:
+            handle.cancel()
 
 
 class Request:
@@ -234,12 +288,7 @@ class Request:
         self.arrived = time.monotonic()
         self.token_times: list[float] = []  # when each generated token was sampled or forced
         self.finished = False
-        self.sync_queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
-        self._async_pending: list[Event] = []
-        self._async_scheduled = False
-        self._sink: Callable[[Event], None] | None = None
-        self._lock = threading.Lock()
+        self.feed: EventFeed[Event] = EventFeed()  # to the handle's subscriber
         # which positions owe logprobs / readouts, and those results until their events are due
         self.positions = PositionOutputs(
             prompt_len, options.logprob_ranges, options.logprobs, options.readout_ranges
@@ -253,53 +302,5 @@ class Request:
         self.decoder: IncrementalDecoder | None = None
         self.stopper: StopStringMatcher | None = None  # only with stop strings
 
-    def bind_async(self) -> asyncio.Queue[Event]:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[Event] = asyncio.Queue()
-        with self._lock:
-            # events emitted before the consumer attached were parked in the sync queue
-            while True:
-                try:
-                    q.put_nowait(self.sync_queue.get_nowait())
-                except queue.Empty:
-                    break
-            self._async = (loop, q)
-        return q
-
-    def bind_sink(self, sink: Callable[[Event], None]) -> None:
-        with self._lock:
-            while True:
-                try:
-                    sink(self.sync_queue.get_nowait())
-                except queue.Empty:
-                    break
-            self._sink = sink
-
     def emit(self, event: Event) -> None:
-        with self._lock:
-            if self._sink is not None:
-                self._sink(event)
-                return
-            if self._async is None:
-                self.sync_queue.put(event)
-                return
-            loop, _ = self._async
-            # One wake-up of the consumer's loop per batch: the events of one engine step (a
-            # prefill burst of many logprob positions) cross threads together.
-            self._async_pending.append(event)
-            if self._async_scheduled:
-                return
-            self._async_scheduled = True
-        try:
-            loop.call_soon_threadsafe(self._deliver_async)
-        except RuntimeError:
-            pass  # the consumer's loop is closed; nobody is listening
-
-    def _deliver_async(self) -> None:
-        with self._lock:
-            batch, self._async_pending = self._async_pending, []
-            self._async_scheduled = False
-        assert self._async is not None
-        q = self._async[1]
-        for event in batch:
-            q.put_nowait(event)
+        self.feed.push(event)

@@ -14,7 +14,7 @@ so two images with the same pad run never share blocks.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -86,6 +86,25 @@ class EmbeddingCache:
             _, old = self._entries.popitem(last=False)
             self._bytes -= old.numel() * old.element_size()
         return embeds
+
+
+ImageCounter = Callable[[bytes, str | None], int]  # image bytes, mime (None: sniffed) -> pad count
+
+
+@dataclass(frozen=True)
+class ImageBlock:
+    """How a vision model's prompt holds an image: `start` + N x `pad` + `end` token ids, N being
+    what `count` says the encoder makes of the image (InvalidRequestError for bytes that are not
+    a usable image). What every protocol builds its image blocks from (EngineAPI.image_block)."""
+
+    start: int
+    pad: int
+    end: int
+    count: ImageCounter
+
+    def tokens(self, pads: int) -> list[int]:
+        """The block of an image that takes `pads` pad tokens."""
+        return [self.start, *[self.pad] * pads, self.end]
 
 
 def vision_tokens(config: Any) -> tuple[int, int, int] | None:

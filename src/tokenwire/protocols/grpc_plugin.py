@@ -12,7 +12,7 @@ from tokenwire.protocols.evergreen import plugin as evergreen
 from tokenwire.protocols.serving import Stopper
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
     from tokenwire.protocols.grpc_server import GrpcServer
 
 DEFAULT_PORT = 50051
@@ -31,7 +31,7 @@ class _GrpcListener:
     def __init__(self, server: GrpcServer) -> None:
         self.server = server
 
-    async def start(self, engine: Engine) -> Stopper:
+    async def start(self, engine: EngineAPI) -> Stopper:
         await self.server.start(engine)
         return self.server.stop
 

@@ -36,7 +36,7 @@ from tokenwire.protocols.security import (
 from tokenwire.protocols.serving import PortInUseError, bind_tcp
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 log = logging.getLogger("tokenwire.grpc")
 
@@ -74,7 +74,7 @@ class GrpcRegistration:
     shutdown: Callable[[str], Awaitable[None]] | None = None
 
 
-AddService = Callable[[grpc.aio.Server, "Engine", argparse.Namespace], GrpcRegistration]
+AddService = Callable[[grpc.aio.Server, "EngineAPI", argparse.Namespace], GrpcRegistration]
 
 
 def default_services() -> list[AddService]:
@@ -90,7 +90,7 @@ class GrpcServer:
 
     def __init__(
         self,
-        engine: Engine | None,
+        engine: EngineAPI | None,
         args: argparse.Namespace,
         host: str,
         port: int,
@@ -145,7 +145,7 @@ class GrpcServer:
             ("grpc.max_connection_idle_ms", int(idle_timeout(self.args) * 1000)),
         ]
 
-    async def start(self, engine: Engine | None = None) -> GrpcServer:
+    async def start(self, engine: EngineAPI | None = None) -> GrpcServer:
         if self.server is None:
             await self.bind()
         assert self.server is not None

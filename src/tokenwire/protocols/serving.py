@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 Stopper = Callable[[], Awaitable[None]]
 SHUTDOWN_MESSAGE = "server shutting down"
@@ -27,7 +27,7 @@ class PortInUseError(OSError):
 
 
 class Listener(Protocol):
-    async def start(self, engine: Engine) -> Stopper: ...
+    async def start(self, engine: EngineAPI) -> Stopper: ...
 
     def close(self) -> None:
         """Start-up was abandoned (another server failed, the model did not load): release."""
@@ -53,7 +53,7 @@ def bind_tcp(host: str, port: int, flag: str) -> socket.socket:
 class SocketListener:
     """A Listener over one bound socket; `serve(engine, sock)` starts the server on it."""
 
-    def __init__(self, sock: socket.socket, serve: Callable[[Engine, socket.socket], Awaitable[Stopper]]):
+    def __init__(self, sock: socket.socket, serve: Callable[[EngineAPI, socket.socket], Awaitable[Stopper]]):
         self.sock = sock
         self._serve = serve
 
@@ -61,7 +61,7 @@ class SocketListener:
     def port(self) -> int:
         return int(self.sock.getsockname()[1])
 
-    async def start(self, engine: Engine) -> Stopper:
+    async def start(self, engine: EngineAPI) -> Stopper:
         return await self._serve(engine, self.sock)
 
     def close(self) -> None:

@@ -141,7 +141,7 @@ class RemoteAici:
         from tokenwire.protocols.aici.run import failed_run
 
         try:
-            replica = self.engine._place(())
+            replica = self.engine.place(())
         except ReplicaLostError as exc:
             yield failed_run(str(exc))
             return

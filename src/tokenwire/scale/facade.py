@@ -1,4 +1,4 @@
-"""ReplicaEngine: the Engine interface the protocols use, over N engine replicas on Ray.
+"""ReplicaEngine: the EngineAPI (engine/api.py) over N engine replicas on Ray.
 
 Every session call goes to the replica that holds the session (the session map: the named
 directory actor, cached here because a session never moves); a new session, or a request without
@@ -20,24 +20,30 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from tokenwire.engine.admission import check_request
+from tokenwire.engine.api import EngineAPI
 from tokenwire.engine.errors import EngineError, InvalidRequestError, ReplicaLostError, SessionNotFoundError
 from tokenwire.engine.request import FinishEvent, GenerateOptions
 from tokenwire.engine.session import Ttl
+from tokenwire.engine.vision import ImageBlock, ImageInput, SessionImage
 from tokenwire.model.tokenizer import Tokenizer
 from tokenwire.scale.handle import RemoteHandle, _lost_errors
 from tokenwire.scale.replica import GrammarRecipe, ReplicaInfo
 from tokenwire.scale.router import Router, prefix_keys
+
+if TYPE_CHECKING:
+    from tokenwire.model.loader import ModelSource
+    from tokenwire.scale.aici import RemoteAici
 
 log = logging.getLogger("tokenwire.scale")
 CACHE_ENTRIES = 100_000  # session -> replica lookups kept per ingress process
 ENDED_EVERY_S = 5.0  # how often replicas are asked which sessions ended (expired) on their own
 
 
-class ReplicaEngine:
+class ReplicaEngine(EngineAPI):
     def __init__(
         self,
         actors: list[Any],
@@ -49,6 +55,7 @@ class ReplicaEngine:
         detached: bool = False,
         poll_s: float = 0.25,
         call_timeout_s: float = 60.0,
+        source: ModelSource | None = None,
     ) -> None:
         info = infos[0]
         self.replicas = actors
@@ -63,8 +70,9 @@ class ReplicaEngine:
         self.config = info.config
         self.concepts = info.concepts
         self.kv_cache_mb = info.kv_cache_mb
-        self.kv = SimpleNamespace(block_size=info.kv_block_size)  # what metrics read of the KV cache
-        self.source: Any = None
+        self.kv_block_size = info.kv_block_size
+        self.device_type = info.device.partition(":")[0]  # "cuda:0" -> "cuda"
+        self.source = source  # the model's files, here for the tokenizer (the weights are the replicas')
         # detached replicas (a joined cluster) keep their sessions when this ingress stops
         self.sessions_outlive_server = detached
         # (handle, FinishEvent) of every finished request: the metrics' per-replica series
@@ -168,7 +176,8 @@ class ReplicaEngine:
         with self._lock:
             self.router.opened(replica)
 
-    def _place(self, tokens: Sequence[int]) -> int:
+    def place(self, tokens: Sequence[int]) -> int:
+        """The replica a new session or a session-less request on `tokens` goes to."""
         with self._lock:
             try:
                 return self.router.place(prefix_keys(tokens)).replica
@@ -177,7 +186,7 @@ class ReplicaEngine:
 
     # ------------------------------------------------------------------ sessions (Engine API)
     def create_session(self, tokens: Sequence[int] = (), ttl_s: float | Ttl | None = Ttl.DEFAULT) -> str:
-        replica = self._place(tokens)
+        replica = self.place(tokens)
         sid = self._get(replica, self.replicas[replica].create_session.remote(list(tokens), ttl_s))
         self._assign(sid, replica)
         return sid
@@ -215,12 +224,18 @@ class ReplicaEngine:
     def touch_session(self, session_id: str) -> None:
         self._session_call(session_id, lambda a: a.call.remote("touch_session", session_id))
 
-    def session_images(self, session_id: str) -> list[Any]:
+    def session_images(self, session_id: str) -> list[SessionImage]:
         return self._session_call(session_id, lambda a: a.call.remote("session_images", session_id))
+
+    def image_block(self) -> ImageBlock | None:
+        # Images are not taken under --replicas: the protocols never offered them here (the
+        # image block was only built for an in-process engine), and that stays so until a test
+        # covers images crossing to a replica.
+        return None
 
     def image_tokens(self, data: bytes, mime: str | None = None) -> int:
         """An image's token count (the vision model's; every replica has the same)."""
-        replica = self._place(())
+        replica = self.place(())
         return self._get(replica, self.replicas[replica].call.remote("image_tokens", data, mime))
 
     def has_session(self, session_id: str) -> bool:
@@ -256,13 +271,13 @@ class ReplicaEngine:
         session_id: str | None = None,
         append: Sequence[int] = (),
         options: GenerateOptions | None = None,
-        images: Sequence[Any] = (),
+        images: Sequence[ImageInput] = (),
     ) -> RemoteHandle:
         options = options or GenerateOptions()
         if options.constraint is not None:
             options = dataclasses.replace(options, constraint=self._portable(options.constraint))
         if session_id is None:
-            replica, incarnation = self._place(append), ""
+            replica, incarnation = self.place(append), ""
         else:
             replica, incarnation = self._locate(session_id)
         actor = self.replicas[replica]
@@ -344,18 +359,12 @@ class ReplicaEngine:
                 log.warning("events of replica %d: %s; reopening", replica, exc)
                 self._closed.wait(0.2)
 
-    def call_on_model_thread(self, fn: Callable[[], Any]) -> Any:
-        raise InvalidRequestError(
-            "whole-model calls run on a replica by name with --replicas (ReplicaEngine.model_call)"
-        )
-
-    def model_call(self, name: str, *args: Any) -> Any:
-        """Run the model-thread function `name` ("tokenwire.<module>:<function>", called as
-        function(engine, *args)) on the least-loaded replica; a concurrent Future of its result."""
-        replica = self._place(())
+    def model_call(self, name: str, *args: Any) -> Future[Any]:
+        """On the least-loaded replica (see EngineAPI.model_call)."""
+        replica = self.place(())
         return self.replicas[replica].model_call.remote(name, *args).future()
 
-    def aici_runtimes(self, runtime_args: list[str], busy_wait_ms: float | None) -> Any:
+    def remote_aici(self, runtime_args: list[str], busy_wait_ms: float | None) -> RemoteAici:
         """`serve --aici` under --replicas: runs go whole to a replica, whose own runtime steers
         them (scale/aici.py)."""
         from tokenwire.scale.aici import RemoteAici, RuntimeConfig

@@ -33,7 +33,7 @@ class ReplicaCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.replica_stats()
-        block = self.engine.kv.block_size
+        block = self.engine.kv_block_size
         up = GaugeMetricFamily(
             "tokenwire_replica_up", "1 while the engine replica serves", labels=["replica"]
         )

@@ -8,18 +8,16 @@ every request of an engine step in one Ray object. (One streaming generator per 
 first design, cost 32 objects per step at 32 streams: 0.72x the in-process tokens/s, measured.)
 
 Code that must run on the model thread (GraphPipe's whole-tensor forward) is named, not pickled:
-`model_call("tokenwire.module:function", ...)` imports that function of tokenwire's own code
-here and runs it as function(engine, ...) on this replica's model thread.
+`model_call("tokenwire.module:function", ...)` runs that function of tokenwire's own code as
+function(engine, ...) on this replica's model thread (EngineAPI.model_call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import logging
 import os
-import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -28,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenwire.engine.engine import Engine
+from tokenwire.engine.events import EventChannel
 from tokenwire.engine.factory import EngineSettings, build_engine
-from tokenwire.engine.request import Event, FinishEvent, GenerateOptions, RequestHandle
+from tokenwire.engine.request import EngineHandle, Event, FinishEvent, GenerateOptions
 from tokenwire.engine.session import Ttl
 from tokenwire.heap import freeze_startup_heap
 from tokenwire.scale.aici import ReplicaAici, RuntimeConfig
@@ -37,17 +36,6 @@ from tokenwire.scale.aici import ReplicaAici, RuntimeConfig
 log = logging.getLogger("tokenwire.replica")
 REPLICA_PREFIX = "tokenwire-replica-"
 HISTORY = 10_000  # sessions whose served-request counts the replica remembers (for stats/tests)
-
-
-def model_function(name: str) -> Callable[..., Any]:
-    """The function a model call names: "tokenwire.<module>:<function>" (tokenwire's code only)."""
-    module, _, function = name.partition(":")
-    if not (module.startswith("tokenwire.") and function.isidentifier()):
-        raise AttributeError(f"model call {name!r} must name tokenwire.<module>:<function>")
-    fn = getattr(importlib.import_module(module), function, None)
-    if not callable(fn):
-        raise AttributeError(f"no model call named {name!r}")
-    return fn
 
 
 @dataclass
@@ -89,37 +77,16 @@ class GrammarRecipe:
 
 @dataclass
 class _Active:
-    handle: RequestHandle
+    handle: EngineHandle
     load: float  # tokens still to compute or generate (the router's load measure)
     ingress: str  # the front-end process whose `events` stream gets its events
     max_tokens: int
     started: float = field(default_factory=time.monotonic)
 
 
-class _Outbox:
-    """Events of one ingress process's requests, waiting for its `events` stream."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.lock = threading.Lock()
-        self.pending: dict[str, list[Event]] = {}
-        self.wake = asyncio.Event()
-        self.signalled = False
-
-    def put(self, key: str, event: Event) -> None:
-        """The engine's sink (model thread, engine lock held): append, wake the stream once."""
-        with self.lock:
-            self.pending.setdefault(key, []).append(event)
-            if self.signalled:
-                return
-            self.signalled = True
-        self.loop.call_soon_threadsafe(self.wake.set)
-
-    def take(self) -> dict[str, list[Event]]:
-        with self.lock:
-            batch, self.pending = self.pending, {}
-            self.signalled = False
-        return batch
+# One ingress process's outbox: (request key, event) from the engine's model thread to its
+# `events` stream, one wake-up of the actor's loop per batch
+Outbox = EventChannel[tuple[str, Event]]
 
 
 class EngineReplica:
@@ -131,7 +98,7 @@ class EngineReplica:
         self.incarnation = uuid.uuid4().hex[:12]
         self.engine: Engine = build_engine(settings)
         self._active: dict[str, _Active] = {}
-        self._outboxes: dict[str, _Outbox] = {}
+        self._outboxes: dict[str, Outbox] = {}
         self._known: set[str] = set()  # sessions made here and not yet seen ended
         self._served: OrderedDict[str, int] = OrderedDict()  # session -> generate requests served
         self._forks: OrderedDict[str, str] = OrderedDict()  # child -> parent
@@ -173,9 +140,10 @@ class EngineReplica:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The Engine's other quick session methods, by name (a fixed list: nothing else)."""
-        if method not in _PASSTHROUGH:
+        fn = _PASSTHROUGH.get(method)
+        if fn is None:
             raise AttributeError(f"replica has no engine method {method!r}")
-        return getattr(self.engine, method)(*args, **kwargs)
+        return fn(self.engine, *args, **kwargs)
 
     def sessions(self) -> tuple[str, list[str]]:
         """This incarnation and the sessions made here that are still open (a restarted session
@@ -189,10 +157,10 @@ class EngineReplica:
         return gone
 
     # ------------------------------------------------------------------ generation
-    def _outbox(self, ingress: str) -> _Outbox:
+    def _outbox(self, ingress: str) -> Outbox:
         box = self._outboxes.get(ingress)
         if box is None:
-            box = self._outboxes[ingress] = _Outbox(asyncio.get_running_loop())
+            box = self._outboxes[ingress] = Outbox()
         return box
 
     async def start(
@@ -223,7 +191,7 @@ class EngineReplica:
         self._active[key] = _Active(
             handle, float(len(append) + options.max_tokens), ingress, options.max_tokens
         )
-        handle.subscribe(functools.partial(self._outbox(ingress).put, key))
+        handle.subscribe(functools.partial(_tagged, self._outbox(ingress), key))
         return sid, handle.cached_tokens
 
     async def events(self, ingress: str) -> AsyncIterator[dict[str, tuple[int, list[Event]]]]:
@@ -233,14 +201,15 @@ class EngineReplica:
         box = self._outbox(ingress)
         try:
             while True:
-                await box.wake.wait()
-                box.wake.clear()
+                by_key: dict[str, list[Event]] = {}
+                for key, event in await box.get():
+                    by_key.setdefault(key, []).append(event)
                 out: dict[str, tuple[int, list[Event]]] = {}
-                for key, events in box.take().items():
+                for key, events in by_key.items():
                     active = self._active.get(key)
                     if active is None:  # cancelled by the stream's end: nobody waits for these
                         continue
-                    active.load = max(0.0, active.max_tokens - active.handle._request.generated)
+                    active.load = max(0.0, active.max_tokens - active.handle.generated)
                     if isinstance(events[-1], FinishEvent):
                         del self._active[key]
                     out[key] = (active.handle.cached_tokens, events)
@@ -261,9 +230,7 @@ class EngineReplica:
         return True
 
     async def model_call(self, name: str, *args: Any) -> Any:
-        fn = model_function(name)
-        engine = self.engine
-        return await asyncio.wrap_future(engine.call_on_model_thread(lambda: fn(engine, *args)))
+        return await asyncio.wrap_future(self.engine.model_call(name, *args))
 
     # ------------------------------------------------------------------ AICI (scale/aici.py)
     async def aici_side(self, config: RuntimeConfig, op: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -297,15 +264,21 @@ class EngineReplica:
         self.engine.shutdown()
 
 
-_PASSTHROUGH = frozenset(
-    {
-        "truncate_session",
-        "session_tokens",
-        "session_busy",
-        "touch_session",
-        "has_session",
-        "check",
-        "session_images",
-        "image_tokens",
-    }
-)
+def _tagged(box: Outbox, key: str, event: Event) -> None:
+    """The engine's sink of one request (model thread, engine lock held)."""
+    box.push((key, event))
+
+
+_PASSTHROUGH: dict[str, Callable[..., Any]] = {
+    fn.__name__: fn
+    for fn in (
+        Engine.truncate_session,
+        Engine.session_tokens,
+        Engine.session_busy,
+        Engine.touch_session,
+        Engine.has_session,
+        Engine.check,
+        Engine.session_images,
+        Engine.image_tokens,
+    )
+}

@@ -77,9 +77,8 @@ def build_replicated(settings: EngineSettings, args: argparse.Namespace) -> Repl
     actors, directory, infos = start_replicas(spec, settings)
     engine = ReplicaEngine(
         actors, directory, infos, source.tokenizer, prefix_aware=args.prefix_placement,
-        detached=spec.detached,
+        detached=spec.detached, source=source,
     )  # fmt: skip
-    engine.source = source
     return engine
 
 

@@ -38,7 +38,7 @@ from tokenwire.metrics import AICI_ROUND
 from tokenwire.protocols.aici.client import AiciClient
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 __all__ = ["AiciConstraint", "Coordinator", "RoundStats", "SeqOutcome", "SeqState"]
 
@@ -108,7 +108,7 @@ class Coordinator:
         self.stats = RoundStats()
 
     @classmethod
-    def for_engine(cls, client: AiciClient, engine: Engine) -> Coordinator:
+    def for_engine(cls, client: AiciClient, engine: EngineAPI) -> Coordinator:
         """The coordinator of `client`'s runtime for `engine` (its logits width, its step count)."""
         return cls(client, engine.vocab_size, step_count=lambda: engine.steps)
 

@@ -16,7 +16,7 @@ from tokenwire.cli_args import HelpFormatter
 from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -126,7 +126,7 @@ async def bind(args: argparse.Namespace) -> SocketListener | None:
     return SocketListener(sock, lambda e, s: _serve(e, s, args))
 
 
-async def _serve(engine: Engine, sock: socket.socket, args: argparse.Namespace) -> Stopper:
+async def _serve(engine: EngineAPI, sock: socket.socket, args: argparse.Namespace) -> Stopper:
     from tokenwire.protocols.aici.rest import start_on
 
     return await start_on(engine, args, sock)

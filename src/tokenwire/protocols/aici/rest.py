@@ -34,7 +34,7 @@ from tokenwire.protocols.security import aiohttp_auth, auth_token, ssl_context
 from tokenwire.protocols.serving import SHUTDOWN_MESSAGE, Stopper
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 log = logging.getLogger("tokenwire.aici")
 # The REST body cap (an upload's Wasm, a run). An upload goes to the runtime base64-encoded
@@ -72,7 +72,7 @@ def _refusal(exc: EngineError | FrameError) -> web.Response:
 class AiciServer:
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineAPI,
         client: AiciClient | None,
         host: str = "127.0.0.1",
         port: int = 4242,
@@ -303,26 +303,24 @@ def runtime_args_from(args: argparse.Namespace) -> list[str]:
     return extra
 
 
-def tokenizer_spec(engine: Engine) -> str:
+def tokenizer_spec(engine: EngineAPI) -> str:
     """The runtime must tokenize exactly as the engine: point it at the loaded model's files."""
-    source = getattr(engine, "source", None)
-    return str(source.model_dir) if source is not None else "default"
+    return str(engine.source.model_dir) if engine.source is not None else "default"
 
 
-def runtime_spin_ms(requested: float | None, engine: Engine) -> float:
+def runtime_spin_ms(requested: float | None, engine: EngineAPI) -> float:
     """--aici-busy-wait-ms, or by default 200 ms when the model runs on a GPU and 0 on the CPU
     (a spinning runtime takes a core the forward needs)."""
     if requested is not None:
         return requested
-    return 200.0 if engine.model.device.type == "cuda" else 0.0
+    return 200.0 if engine.device_type == "cuda" else 0.0
 
 
-async def start_on(engine: Engine, args: argparse.Namespace, sock: socket.socket) -> Stopper:
+async def start_on(engine: EngineAPI, args: argparse.Namespace, sock: socket.socket) -> Stopper:
     """`tokenwire serve --aici`: start the runtime, then serve the REST API on `sock`."""
     requested_spin = getattr(args, "aici_busy_wait_ms", None)
-    remote_runtimes = getattr(engine, "aici_runtimes", None)
-    if remote_runtimes is not None:  # --replicas: every replica starts its own runtime on first use
-        remote = remote_runtimes(runtime_args_from(args), requested_spin)
+    remote = engine.remote_aici(runtime_args_from(args), requested_spin)
+    if remote is not None:  # --replicas: every replica starts its own runtime on first use
         server = await AiciServer(
             engine, None, args.host, args.aici_port, sock, auth_token(args), ssl_context(args), None, remote
         ).start()

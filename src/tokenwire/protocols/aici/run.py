@@ -30,13 +30,14 @@ from tokenwire.engine.request import (
     RequestHandle,
     SamplingParams,
     TokenEvent,
+    stream_events,
 )
 from tokenwire.protocols.aici.client import AiciClient, AiciError
 from tokenwire.protocols.aici.codec import FrameError
 from tokenwire.protocols.aici.engine_bridge import AiciConstraint, Coordinator, SeqOutcome, SeqState
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 BACKTRACK_MARK = "↩"
 SUSPEND_WAIT_S = 0.002
@@ -93,7 +94,7 @@ class _Usage:
 
 @dataclass
 class _Run:
-    engine: Engine
+    engine: EngineAPI
     coord: Coordinator
     req: RunRequest
     usage: _Usage = field(default_factory=_Usage)
@@ -148,7 +149,7 @@ def failed_run(message: str) -> dict[str, Any]:
 
 
 async def run_events(
-    engine: Engine, client: AiciClient, coord: Coordinator, req: RunRequest, *, raise_refusal: bool = False
+    engine: EngineAPI, client: AiciClient, coord: Coordinator, req: RunRequest, *, raise_refusal: bool = False
 ) -> AsyncIterator[dict]:
     """The run's objects. With `raise_refusal` a run the engine does not admit (CapacityError,
     KVBudgetError, ... any EngineError) or whose request does not fit the runtime's channel
@@ -293,7 +294,7 @@ async def _fork_task(
                 constraint.outcome = None
                 handle = engine.generate(session, append=append, options=run.options(constraint, generated))
             append = []
-            async for ev in handle:
+            async for ev in stream_events(handle):
                 text = ""
                 if isinstance(ev, TokenEvent) and not ev.is_prefill:
                     generated += 1

@@ -23,10 +23,10 @@ from __future__ import annotations
 import codecs
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from tokenwire.engine.api import EngineAPI
 from tokenwire.engine.errors import InvalidRequestError
-from tokenwire.engine.vision import ImageInput
+from tokenwire.engine.vision import ImageBlock, ImageInput
 from tokenwire.model.images import IMAGE_MIMES
 from tokenwire.model.tokenizer import Tokenizer
 from tokenwire.protocols.evergreen.errors import invalid
@@ -109,14 +109,13 @@ class Prompt:
 
 TextReader = Callable[[str], str]  # file:// ref -> its text (through the sandbox)
 MediaMeter = Callable[[str], int]  # file:// ref -> its size in bytes (streamed)
-ImageCounter = Callable[[bytes, str], int]  # image bytes, mimetype -> its pad-token count
 
 
 class VisionBlock:
-    """A vision model's image block tokens and pad counts (None on a text-only model)."""
+    """Image leaves as a vision model's image blocks (engine/vision.py's ImageBlock)."""
 
-    def __init__(self, start: int, pad: int, end: int, count: ImageCounter) -> None:
-        self.start, self.pad, self.end, self.count = start, pad, end, count
+    def __init__(self, block: ImageBlock) -> None:
+        self.block = block
 
     def tokens(self, leaf: LeafView) -> tuple[list[int], bytes, str]:
         base = base_mimetype(leaf.mimetype)
@@ -127,18 +126,16 @@ class VisionBlock:
         if any(isinstance(p, Ref) for p in leaf.parts):
             raise invalid(f"node {leaf.id!r}: image refs are not read; send the image as data")
         try:
-            n = self.count(leaf.data, base)
+            n = self.block.count(leaf.data, base)
         except InvalidRequestError as exc:
             raise invalid(f"node {leaf.id!r}: {exc}") from None
-        return [self.start, *[self.pad] * n, self.end], leaf.data, base
+        return self.block.tokens(n), leaf.data, base
 
 
-def vision_block(engine: Any) -> VisionBlock | None:
-    """The engine's image block tokens when its model has a vision encoder, else None."""
-    v = getattr(engine.config, "vision", None)
-    if v is None or getattr(engine, "vision", None) is None:
-        return None
-    return VisionBlock(v.vision_start_token_id, v.image_token_id, v.vision_end_token_id, engine.image_tokens)
+def vision_block(engine: EngineAPI) -> VisionBlock | None:
+    """The engine's image blocks when it takes images, else None."""
+    block = engine.image_block()
+    return None if block is None else VisionBlock(block)
 
 
 class PromptBuilder:

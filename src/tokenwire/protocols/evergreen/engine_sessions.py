@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenwire.engine.engine import Engine
+from tokenwire.engine.api import EngineAPI
 from tokenwire.engine.errors import SessionNotFoundError
-from tokenwire.engine.request import FinishEvent, GenerateOptions, RequestHandle
+from tokenwire.engine.request import FinishEvent, GenerateOptions, RequestHandle, stream_events
 from tokenwire.engine.vision import ImageInput
 
 
@@ -29,7 +29,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class Lease:
     """One engine session an action works on; `tokens` mirrors the engine session's tokens."""
 
-    engine: Engine
+    engine: EngineAPI
     sid: str
     tokens: list[int]
     use_prefix_cache: bool = True
@@ -53,7 +53,7 @@ class Lease:
             GenerateOptions(max_tokens=0, priority=priority, use_prefix_cache=self.use_prefix_cache),
         )
         self.tokens.extend(append)
-        async for event in handle:
+        async for event in stream_events(handle):
             if isinstance(event, FinishEvent) and event.reason == "error":
                 raise RuntimeError(event.error or "prefill failed")
 
@@ -73,7 +73,7 @@ class Lease:
 
 
 class EngineSessions:
-    def __init__(self, engine: Engine, max_kept: int = 8, *, reuse: bool = True) -> None:
+    def __init__(self, engine: EngineAPI, max_kept: int = 8, *, reuse: bool = True) -> None:
         """reuse=False (benchmarks): every action starts a fresh engine session, prefix cache off."""
         self.engine = engine
         self.reuse = reuse

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import grpc
 
-from tokenwire.engine.engine import Engine
+from tokenwire.engine.api import EngineAPI
 from tokenwire.engine.errors import (
     ContextOverflowError,
     EngineClosedError,
@@ -31,6 +31,7 @@ from tokenwire.engine.request import (
     Origin,
     SamplingParams,
     TokenEvent,
+    stream_events,
 )
 from tokenwire.logs import access_log
 from tokenwire.protocols.evergreen.actions import ActionSpec
@@ -50,7 +51,7 @@ class ActionHost(Protocol):
     """What the session runner gives the executor."""
 
     core: SessionCore
-    engine: Engine
+    engine: EngineAPI
     pool: EngineSessions
     builder: PromptBuilder
     version: int
@@ -78,7 +79,7 @@ def engine_abort(label: str, exc: EngineError) -> SessionAbort:
 
 
 def generate_options(
-    spec: ActionSpec, engine: Engine, default_max_tokens: int = DEFAULT_MAX_TOKENS
+    spec: ActionSpec, engine: EngineAPI, default_max_tokens: int = DEFAULT_MAX_TOKENS
 ) -> GenerateOptions:
     config = spec.config(twpb.GenerateConfig) or twpb.GenerateConfig()
     assert isinstance(config, twpb.GenerateConfig)
@@ -209,7 +210,7 @@ async def _stream_generation(host: ActionHost, action: ActionState, handle, opti
     pending_ids: list[int] = []
     logprobs: list[dict] = []
     outputs = [n for n in TEXT_OUTPUTS if n in action.outputs]
-    async for event in handle:
+    async for event in stream_events(handle):
         if isinstance(event, TokenEvent):
             if event.is_prefill:
                 continue
@@ -270,7 +271,7 @@ async def _score(host: ActionHost, action: ActionState) -> None:
     )
     handle = host.engine.generate(None, tokens, options, images=images)
     scored: list[dict] = []
-    async for event in handle:
+    async for event in stream_events(handle):
         if isinstance(event, TokenEvent) and event.is_prefill and event.logprob is not None:
             text = host.engine.tokenizer.decode([event.token_id])
             scored.append({"id": event.token_id, "text": text, "logprob": event.logprob})

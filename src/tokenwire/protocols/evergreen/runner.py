@@ -9,7 +9,7 @@ import logging
 
 import grpc
 
-from tokenwire.engine.engine import Engine
+from tokenwire.engine.api import EngineAPI
 from tokenwire.protocols.evergreen.content import PromptBuilder, is_text
 from tokenwire.protocols.evergreen.core import ActionState, Effects, SessionCore
 from tokenwire.protocols.evergreen.engine_sessions import EngineSessions
@@ -35,7 +35,7 @@ class InputClosed(Exception):
 class SessionRunner:
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineAPI,
         builder: PromptBuilder,
         sandbox: RefSandbox,
         limits: SessionLimits | None = None,

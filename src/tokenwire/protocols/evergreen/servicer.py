@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tokenwire.engine.engine import Engine
+from tokenwire.engine.api import EngineAPI
 from tokenwire.protocols.evergreen.content import ChatLayout, PromptBuilder, vision_block
 from tokenwire.protocols.evergreen.errors import SessionAbort
 from tokenwire.protocols.evergreen.executor import DEFAULT_MAX_TOKENS
@@ -32,7 +32,7 @@ SERVICE_NAME = "evergreen.v2.EvergreenService"
 class EvergreenServicer(spb_grpc.EvergreenServiceServicer):
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineAPI,
         sandbox: RefSandbox,
         limits: SessionLimits | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -118,7 +118,9 @@ def limits_from_args(args: argparse.Namespace) -> SessionLimits:
     )
 
 
-def add_to_server(server: grpc.aio.Server, engine: Engine, args: argparse.Namespace):  # -> GrpcRegistration
+def add_to_server(
+    server: grpc.aio.Server, engine: EngineAPI, args: argparse.Namespace
+):  # -> GrpcRegistration
     from tokenwire.protocols.grpc_server import GrpcRegistration
 
     sandbox = RefSandbox(getattr(args, "allow_ref_root", None) or [])

@@ -17,7 +17,7 @@ from tokenwire.cli_args import HelpFormatter, unreachable
 from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 DEFAULT_PORT = 9000
 
@@ -62,7 +62,7 @@ async def bind(args: argparse.Namespace) -> SocketListener | None:
     return SocketListener(sock, lambda e, s: _serve(e, s, args))
 
 
-async def _serve(engine: Engine, sock: socket.socket, args: argparse.Namespace) -> Stopper:
+async def _serve(engine: EngineAPI, sock: socket.socket, args: argparse.Namespace) -> Stopper:
     from tokenwire.protocols.graphpipe.server import build_server
 
     server = await build_server(engine, args, args.host, args.graphpipe_port, sock).start()

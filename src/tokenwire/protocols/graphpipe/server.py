@@ -33,7 +33,7 @@ from tokenwire.protocols.security import aiohttp_auth, auth_token, ssl_context
 from tokenwire.protocols.serving import SHUTDOWN_MESSAGE
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 log = logging.getLogger("tokenwire.graphpipe")
 FLATBUFFER = "application/octet-stream"
@@ -334,7 +334,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_server(
-    engine: Engine | None,
+    engine: EngineAPI | None,
     args: argparse.Namespace,
     host: str,
     port: int,

@@ -44,7 +44,7 @@ from tokenwire.protocols.lmtp.messages import (
 from tokenwire.protocols.lmtp.streams import BufferStream, GenerateStream, ScoreStream, Stream
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 log = logging.getLogger("tokenwire.lmtp")
 Watch = Callable[[RequestHandle, Stream], None]
@@ -59,7 +59,7 @@ FRAME_BYTES_PER_VOCAB_ID = 32  # one logit_bias entry: `"123456": -100.0, `
 FRAME_BYTES_BASE = 64 * 1024  # every other field
 
 
-def frame_budget(engine: Engine) -> int:
+def frame_budget(engine: EngineAPI) -> int:
     """The most bytes a client frame needs for this model (a transport may cap messages at it)."""
     return (
         FRAME_BYTES_BASE
@@ -88,7 +88,7 @@ def _stream_id_in(text: str) -> StreamId | None:
 class LmtpConnection:
     def __init__(
         self,
-        engine: Engine | None,
+        engine: EngineAPI | None,
         watch: Watch,
         *,
         aliases: Iterable[str] = (),
@@ -189,7 +189,7 @@ class LmtpConnection:
     def has_output(self) -> bool:
         return bool(self._out)
 
-    def set_engine(self, engine: Engine) -> None:
+    def set_engine(self, engine: EngineAPI) -> None:
         """The model finished loading: announce it and handle the frames that waited for it."""
         self.engine = engine
         if "system" in self.enabled:
@@ -413,11 +413,11 @@ class LmtpConnection:
             self.replay.add(stream)
 
     # ------------------------------------------------------------------ helpers
-    def _engine(self) -> Engine:
+    def _engine(self) -> EngineAPI:
         assert self.engine is not None, "engine not ready"
         return self.engine
 
-    def _check_model(self, model: str) -> Engine:
+    def _check_model(self, model: str) -> EngineAPI:
         engine = self._engine()
         if model != engine.name and model not in self._aliases:
             raise RequestError(

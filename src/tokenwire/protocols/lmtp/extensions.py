@@ -10,7 +10,7 @@ from tokenwire.protocols.lmtp.messages import RequestError, StreamId
 from tokenwire.protocols.lmtp.streams import Stream
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 
 class Buffers:
@@ -20,31 +20,31 @@ class Buffers:
     def __init__(self) -> None:
         self.sessions: dict[str, str] = {}  # name -> engine session id
 
-    def session(self, engine: Engine, name: str) -> str:
+    def session(self, engine: EngineAPI, name: str) -> str:
         session = self.sessions.get(name)
         if session is None or not engine.has_session(session):
             raise RequestError(f"unknown buffer {name!r}", "unknown_buffer")
         return session
 
-    def tokens(self, engine: Engine, name: str) -> list[int]:
+    def tokens(self, engine: EngineAPI, name: str) -> list[int]:
         try:
             return engine.session_tokens(self.session(engine, name))
         except SessionNotFoundError:
             raise RequestError(f"unknown buffer {name!r}", "unknown_buffer") from None
 
-    def put(self, engine: Engine, name: str, session: str) -> None:
+    def put(self, engine: EngineAPI, name: str, session: str) -> None:
         old = self.sessions.get(name)
         self.sessions[name] = session
         if old is not None and old != session:
             engine.close_session(old)
 
-    def drop(self, engine: Engine, name: str) -> bool:
+    def drop(self, engine: EngineAPI, name: str) -> bool:
         session = self.sessions.pop(name, None)
         if session is not None:
             engine.close_session(session)
         return session is not None
 
-    def close(self, engine: Engine | None) -> None:
+    def close(self, engine: EngineAPI | None) -> None:
         sessions, self.sessions = list(self.sessions.values()), {}
         if engine is not None:
             for session in sessions:

@@ -19,7 +19,7 @@ from tokenwire.engine.errors import (
 from tokenwire.protocols.lmtp.messages import EXTENSIONS
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 SERVER = "tokenwire"
 SERVER_VERSION = "0.1.0"
@@ -46,12 +46,12 @@ def engine_error_code(exc: EngineError) -> tuple[str, bool]:
     return "engine_error", True
 
 
-def eos_token_id(engine: Engine) -> int | None:
+def eos_token_id(engine: EngineAPI) -> int | None:
     ids = engine.tokenizer.eos_token_ids or sorted(engine.eos_ids)
     return ids[0] if ids else None
 
 
-def tokenizer_json(engine: Engine) -> str:
+def tokenizer_json(engine: EngineAPI) -> str:
     """The tokenizer's tokenizer.json text (cached: several MiB for large vocabularies)."""
     key = id(engine.tokenizer)
     if key not in _tokenizer_json:
@@ -59,7 +59,7 @@ def tokenizer_json(engine: Engine) -> str:
     return _tokenizer_json[key]
 
 
-def model_info(engine: Engine, data: dict[str, Any]) -> dict[str, Any]:
+def model_info(engine: EngineAPI, data: dict[str, Any]) -> dict[str, Any]:
     tok = engine.tokenizer
     tokenizer: dict[str, Any] = {
         "type": "huggingface",
@@ -90,7 +90,7 @@ def model_info(engine: Engine, data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def hello(engine: Engine | None, enabled: set[str]) -> dict[str, Any]:
+def hello(engine: EngineAPI | None, enabled: set[str]) -> dict[str, Any]:
     return {
         "protocol": "lmtp",
         "server": SERVER,

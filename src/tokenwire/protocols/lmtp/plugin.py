@@ -17,7 +17,7 @@ from tokenwire.cli_args import HelpFormatter, add_model_args, settings_from, unr
 from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
     from tokenwire.engine.factory import EngineSettings
 
 DEFAULT_PORT = 8080
@@ -51,7 +51,7 @@ async def bind(args: argparse.Namespace) -> SocketListener | None:
     return SocketListener(bind_tcp(args.host, args.lmtp_port, "--lmtp-port"), lambda e, s: _serve(e, s, args))
 
 
-async def _serve(engine: Engine, sock: socket.socket, args: argparse.Namespace) -> Stopper:
+async def _serve(engine: EngineAPI, sock: socket.socket, args: argparse.Namespace) -> Stopper:
     from tokenwire.protocols.limits import idle_timeout, max_streams
     from tokenwire.protocols.lmtp.ws_server import LmtpServer
     from tokenwire.protocols.security import auth_token, ssl_context

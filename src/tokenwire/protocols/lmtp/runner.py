@@ -1,8 +1,8 @@
 """Running one LmtpConnection on an asyncio loop (shared by the WebSocket and stdio transports).
 
-Engine events arrive on the model thread through RequestHandle.subscribe; they are appended to
-a list and the loop is woken once per batch, so everything one engine step produced (for all of
-the connection's streams) is handled together and leaves as one TOKEN frame. A writer task
+Engine events arrive on the model thread through RequestHandle.subscribe; they go into an
+EventChannel, which wakes the loop once per batch, so everything one engine step produced (for
+all of the connection's streams) is handled together and leaves as one TOKEN frame. A writer task
 sends frames in order; while a send waits on a slow client, new records pile up into the next,
 larger frame instead of queueing frame by frame.
 """
@@ -13,16 +13,16 @@ import asyncio
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
+from tokenwire.engine.events import EventChannel
 from tokenwire.engine.request import Event, RequestHandle
 from tokenwire.protocols.lmtp.core import LmtpConnection
 from tokenwire.protocols.lmtp.streams import Stream
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 log = logging.getLogger("tokenwire.lmtp")
 Send = Callable[[str], Awaitable[None]]
@@ -31,7 +31,7 @@ Send = Callable[[str], Awaitable[None]]
 class ConnectionRunner:
     def __init__(
         self,
-        engine: Engine | None,
+        engine: EngineAPI | None,
         send: Send,
         *,
         aliases: Iterable[str] = (),
@@ -42,9 +42,7 @@ class ConnectionRunner:
         self.loop = asyncio.get_running_loop()
         self.core = LmtpConnection(engine, self._watch, aliases=aliases, peer=peer, max_streams=max_streams)
         self._send = send
-        self._lock = threading.Lock()
-        self._pending: list[tuple[Stream, Event]] = []
-        self._scheduled = False
+        self._events: EventChannel[tuple[Stream, Event]] = EventChannel(self.loop, self._drain)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -58,7 +56,7 @@ class ConnectionRunner:
         self.core.feed(text)
         self._kick()
 
-    def set_engine(self, engine: Engine) -> None:
+    def set_engine(self, engine: EngineAPI) -> None:
         self.core.set_engine(engine)
         self._kick()
 
@@ -66,19 +64,9 @@ class ConnectionRunner:
         handle.subscribe(functools.partial(self._push, stream))
 
     def _push(self, stream: Stream, event: Event) -> None:
-        """Called on the model thread (engine lock held): queue the event, wake the loop once."""
-        with self._lock:
-            self._pending.append((stream, event))
-            if self._scheduled:
-                return
-            self._scheduled = True
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
-            self.loop.call_soon_threadsafe(self._drain)
+        self._events.push((stream, event))  # model thread, engine lock held
 
-    def _drain(self) -> None:
-        with self._lock:
-            batch, self._pending = self._pending, []
-            self._scheduled = False
+    def _drain(self, batch: list[tuple[Stream, Event]]) -> None:
         self.core.on_events(batch)
         self._kick()
 

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 from tokenwire.protocols.lmtp.runner import ConnectionRunner, Send
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 Recv = Callable[[], Awaitable[str | None]]
 MAX_LINE_BYTES = 64 * 2**20
 
 
 async def serve_lines(
-    engine: Engine | Awaitable[Engine], recv: Recv, send: Send, *, aliases: Iterable[str] = ()
+    engine: EngineAPI | Awaitable[EngineAPI], recv: Recv, send: Send, *, aliases: Iterable[str] = ()
 ) -> None:
     """Serve one LMTP connection over a line transport. `engine` may still be loading; if
     loading fails, waiting requests get error records and the exception is raised."""
@@ -60,7 +60,7 @@ async def _read(runner: ConnectionRunner, recv: Recv) -> None:
             runner.feed(line)
 
 
-async def serve_stdio(load: Callable[[], Engine], *, aliases: Iterable[str] = ()) -> Engine | None:
+async def serve_stdio(load: Callable[[], EngineAPI], *, aliases: Iterable[str] = ()) -> EngineAPI | None:
     """Serve LMTP on this process's stdin/stdout; the model loads (in a thread) meanwhile.
     Returns the engine (for the caller to shut down), or None if loading never finished."""
     loop = asyncio.get_running_loop()

@@ -21,7 +21,7 @@ from tokenwire.protocols.lmtp.runner import ConnectionRunner
 from tokenwire.protocols.security import aiohttp_auth
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 log = logging.getLogger("tokenwire.lmtp")
 MAX_MESSAGE_BYTES = 64 * 2**20  # the cap whatever the model (a full-vocabulary logit_bias is a few MiB)
@@ -34,7 +34,7 @@ HEARTBEAT_S = 30.0
 BUDGET_FACTOR = 4
 
 
-def max_message_bytes(engine: Engine) -> int:
+def max_message_bytes(engine: EngineAPI) -> int:
     return min(MAX_MESSAGE_BYTES, BUDGET_FACTOR * frame_budget(engine))
 
 
@@ -53,7 +53,7 @@ class _LmtpWebSocket(web.WebSocketResponse):
 class LmtpServer:
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineAPI,
         host: str = "127.0.0.1",
         port: int = 8080,
         *,

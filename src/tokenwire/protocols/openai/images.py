@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenwire.engine.api import EngineAPI
 from tokenwire.engine.errors import InvalidRequestError
-from tokenwire.engine.vision import ImageInput
+from tokenwire.engine.vision import ImageBlock, ImageInput
 from tokenwire.protocols.openai.errors import bad_request
 
 
 @dataclass(frozen=True)
 class ChatVision:
-    """The loaded vision model's image block tokens and its pad count per image."""
+    """The loaded vision model's image block (its tokens and pad count per image), and those
+    tokens as the chat template's text."""
 
-    start: int
-    pad: int
-    end: int
-    count: Callable[[bytes, str | None], int]
+    block: ImageBlock
     start_text: str = "<|vision_start|>"
     pad_text: str = "<|image_pad|>"
     end_text: str = "<|vision_end|>"
@@ -41,11 +40,9 @@ class ChatImage:
     param: str  # where it came from: messages.i.content.j
 
 
-def vision_of(engine: Any) -> ChatVision | None:
-    v = getattr(engine.config, "vision", None)
-    if v is None or getattr(engine, "vision", None) is None:
-        return None
-    return ChatVision(v.vision_start_token_id, v.image_token_id, v.vision_end_token_id, engine.image_tokens)
+def vision_of(engine: EngineAPI) -> ChatVision | None:
+    block = engine.image_block()
+    return None if block is None else ChatVision(block)
 
 
 def read_image_part(part: Any, vision: ChatVision, param: str) -> tuple[str, ChatImage]:
@@ -70,7 +67,7 @@ def read_image_part(part: Any, vision: ChatVision, param: str) -> tuple[str, Cha
     except (binascii.Error, ValueError):
         raise bad_request("image_url data: URL holds invalid base64", f"{param}.image_url.url") from None
     try:
-        n = vision.count(data, mime or None)
+        n = vision.block.count(data, mime or None)
     except InvalidRequestError as exc:
         raise bad_request(f"image_url: {exc}", f"{param}.image_url.url") from None
     text = vision.start_text + vision.pad_text * n + vision.end_text
@@ -82,7 +79,8 @@ def place_images(
 ) -> list[ImageInput]:
     """Find each image's block in the tokenized prompt, in order; `offset`: the session's length
     before these tokens (blocks are attached at absolute positions)."""
-    blocks = [i for i, t in enumerate(tokens) if t == vision.start]
+    start_id, pad_id, end_id = vision.block.start, vision.block.pad, vision.block.end
+    blocks = [i for i, t in enumerate(tokens) if t == start_id]
     if len(blocks) != len(images):
         raise bad_request(
             f"the prompt holds {len(blocks)} vision blocks for {len(images)} images (is a vision "
@@ -93,7 +91,7 @@ def place_images(
     for start, image in zip(blocks, images, strict=True):
         end = start + image.num_tokens + 2
         run = tokens[start + 1 : end - 1]
-        if end > len(tokens) or tokens[end - 1] != vision.end or any(t != vision.pad for t in run):
+        if end > len(tokens) or tokens[end - 1] != end_id or any(t != pad_id for t in run):
             raise bad_request(f"the vision block of {image.param} is not intact in the prompt", "messages")
         placed.append(ImageInput(offset + start, offset + end, image.data, image.mime or None))
     return placed

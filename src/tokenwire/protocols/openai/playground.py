@@ -18,12 +18,12 @@ from fastapi.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 WEB = Path(__file__).with_name("web")
 
 
-def stats_of(engine: Engine) -> dict[str, Any]:
+def stats_of(engine: EngineAPI) -> dict[str, Any]:
     """The engine panel's numbers; tokens/s is the client's difference of `computed_tokens`
     (positions run through the model, prefill and decode) over `time`."""
     s = engine.stats()
@@ -47,7 +47,7 @@ def stats_of(engine: Engine) -> dict[str, Any]:
     }
 
 
-def add_playground_routes(app: FastAPI, engine: Engine) -> None:
+def add_playground_routes(app: FastAPI, engine: EngineAPI) -> None:
     @app.get("/", include_in_schema=False)
     async def index() -> FileResponse:
         return FileResponse(WEB / "index.html", headers={"Cache-Control": "no-cache"})

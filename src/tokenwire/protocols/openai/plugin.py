@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 
 def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -52,7 +52,7 @@ async def bind(args: argparse.Namespace) -> SocketListener | None:
     return SocketListener(bind_tcp(args.host, args.http_port, "--http-port"), lambda e, s: _serve(e, s, args))
 
 
-async def _serve(engine: Engine, sock: socket.socket, args: argparse.Namespace) -> Stopper:
+async def _serve(engine: EngineAPI, sock: socket.socket, args: argparse.Namespace) -> Stopper:
     from tokenwire.protocols.openai.transport import start_from_args
 
     stop = await start_from_args(engine, args, sock)

@@ -1,66 +1,52 @@
 """Running a Plan on the engine from an asyncio loop: submit its choices, merge their events.
 
-Engine events arrive on the model thread through RequestHandle.subscribe; they are appended to
-one list per HTTP request and the loop is woken once per batch, so everything one engine step
-produced for a request's choices is handled together (for a stream: one write to the socket).
+Engine events arrive on the model thread through RequestHandle.subscribe; they go into one
+EventChannel per HTTP request, which wakes the loop once per batch, so everything one engine
+step produced for a request's choices is handled together (for a stream: one write to the
+socket).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from tokenwire.engine.errors import EngineError
+from tokenwire.engine.events import EventChannel
 from tokenwire.engine.request import Event, FinishEvent, RequestHandle
 from tokenwire.protocols.openai.core import Plan
 from tokenwire.protocols.openai.errors import OpenAIError, bad_request, from_engine
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 
 class EventMux:
     """(choice index, event) batches from the model thread to one asyncio consumer."""
 
     def __init__(self, count: int) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._lock = threading.Lock()
-        self._pending: list[tuple[int, Event]] = []
-        self._scheduled = False
-        self._ready = asyncio.Event()
+        self._channel: EventChannel[tuple[int, Event]] = EventChannel()
         self.open = count  # choices not finished yet
 
-    def push(self, index: int, event: Event) -> None:
-        """Model thread, engine lock held: queue the event and wake the loop once per batch."""
-        with self._lock:
-            self._pending.append((index, event))
-            if self._scheduled:
-                return
-            self._scheduled = True
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
-            self.loop.call_soon_threadsafe(self._ready.set)
-
-    def sink(self, index: int) -> object:
-        return lambda event: self.push(index, event)
+    def sink(self, index: int) -> Callable[[Event], None]:
+        return functools.partial(_tagged, self._channel, index)
 
     async def batches(self) -> AsyncIterator[list[tuple[int, Event]]]:
         while self.open:
-            await self._ready.wait()
-            with self._lock:
-                batch, self._pending = self._pending, []
-                self._scheduled = False
-                self._ready.clear()
+            batch = await self._channel.get()
             self.open -= sum(isinstance(event, FinishEvent) for _, event in batch)
             yield batch
+
+
+def _tagged(channel: EventChannel[tuple[int, Event]], index: int, event: Event) -> None:
+    channel.push((index, event))  # model thread, engine lock held
 
 
 class Execution:
     """A submitted plan: its handles, and the forks made for choices 2..n on a session."""
 
-    def __init__(self, engine: Engine, plan: Plan) -> None:
+    def __init__(self, engine: EngineAPI, plan: Plan) -> None:
         self.engine = engine
         self.plan = plan
         self.handles: list[RequestHandle] = []
@@ -82,7 +68,7 @@ class Execution:
             for index, ((prompt, options), target) in enumerate(zip(plan.choices, targets, strict=True)):
                 handle = engine.generate(target, plan.prompts[prompt], options, images=plan.images)
                 self.handles.append(handle)
-                handle.subscribe(self.mux.sink(index))  # type: ignore[arg-type]
+                handle.subscribe(self.mux.sink(index))
         except EngineError as exc:
             self.close()
             raise from_engine(exc, "messages" if plan.kind == "chat" else "prompt") from exc

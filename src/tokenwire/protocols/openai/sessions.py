@@ -18,7 +18,7 @@ from tokenwire.protocols.openai.errors import from_engine
 from tokenwire.protocols.openai.schemas import SessionCreate, SessionFork, SessionTruncate
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
     from tokenwire.protocols.openai.core import ModelLimits
 
 
@@ -26,7 +26,7 @@ def _json(obj: Any) -> Response:
     return Response(orjson.dumps(obj), media_type="application/json")
 
 
-def add_session_routes(app: FastAPI, engine: Engine, limits: ModelLimits) -> None:
+def add_session_routes(app: FastAPI, engine: EngineAPI, limits: ModelLimits) -> None:
     from tokenwire.protocols.openai.core import check_model
 
     def describe(session_id: str, full: bool) -> dict[str, Any]:

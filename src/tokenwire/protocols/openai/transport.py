@@ -37,14 +37,14 @@ from tokenwire.protocols.openai.sessions import add_session_routes
 from tokenwire.protocols.security import auth_token, bearer, refused, tls_files, token_matches
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
 
 log = logging.getLogger("tokenwire.openai")
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def limits_of(engine: Engine) -> core.ModelLimits:
+def limits_of(engine: EngineAPI) -> core.ModelLimits:
     concepts = engine.concepts
     return core.ModelLimits(
         name=engine.name,
@@ -84,7 +84,7 @@ class OpenAIApp:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineAPI,
         *,
         api_key: str | None = None,
         max_queued: int = 256,
@@ -335,7 +335,7 @@ class EmbeddedServer(uvicorn.Server):
 class OpenAIServer:
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineAPI,
         host: str = "127.0.0.1",
         port: int = 8000,
         sock: socket.socket | None = None,
@@ -408,7 +408,7 @@ def _metrics_exposition() -> Callable[[], tuple[bytes, str]] | None:
 
 
 async def start_from_args(
-    engine: Engine, args: argparse.Namespace, sock: socket.socket | None = None
+    engine: EngineAPI, args: argparse.Namespace, sock: socket.socket | None = None
 ) -> Callable[[], Awaitable[None]] | None:
     """The `tokenwire serve` starter: the OpenAI API on --host:--http-port (0 = off)."""
     port = getattr(args, "http_port", 8000)

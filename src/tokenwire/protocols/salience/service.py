@@ -18,11 +18,11 @@ from typing import Any
 
 import grpc
 
-from tokenwire.engine.engine import Engine
+from tokenwire.engine.api import EngineAPI
 from tokenwire.engine.errors import EngineError, InvalidRequestError
-from tokenwire.engine.request import FinishEvent, Origin, RequestHandle, TokenEvent
+from tokenwire.engine.request import FinishEvent, Origin, RequestHandle, TokenEvent, stream_events
 from tokenwire.engine.session import Ttl
-from tokenwire.engine.vision import ImageInput
+from tokenwire.engine.vision import ImageCounter, ImageInput
 from tokenwire.logs import access_log
 from tokenwire.protocols.grpc_server import GrpcRegistration
 from tokenwire.protocols.salience import core
@@ -37,35 +37,33 @@ log = logging.getLogger("tokenwire.salience")
 VISION_TOKEN_NAMES = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 
 
-def vision_tokens(engine: Engine) -> VisionTokens | None:
-    vision = getattr(engine.config, "vision", None)
-    if vision is not None:  # a vision model: its config names the tokens
-        return VisionTokens(vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id)
-    hf = getattr(engine.tokenizer, "hf", None)
-    if hf is None:
-        return None
-    vocab = hf.get_vocab()
+def vision_tokens(engine: EngineAPI) -> VisionTokens | None:
+    block = engine.image_block()
+    if block is not None:  # a vision model: its config names the tokens
+        return VisionTokens(block.start, block.pad, block.end)
+    vocab = engine.tokenizer.hf.get_vocab()
     ids = [vocab.get(name) for name in VISION_TOKEN_NAMES]
     if any(i is None for i in ids):
         return None
     return VisionTokens(*ids)  # type: ignore[arg-type]
 
 
-def model_limits(engine: Engine) -> core.ModelLimits:
+def model_limits(engine: EngineAPI) -> core.ModelLimits:
     # A text-only model has no pad_count: images are refused (after their ranges are checked)
     # even by a tokenizer that has the vision tokens.
+    block = engine.image_block()
     return core.ModelLimits(
         name=engine.name,
         engine=engine.limits,
         vision=vision_tokens(engine),
-        pad_count=functools.partial(_pad_count, engine) if getattr(engine, "vision", None) else None,
+        pad_count=functools.partial(_pad_count, block.count) if block is not None else None,
     )
 
 
-def _pad_count(engine: Engine, image: ImageBlock) -> int:
+def _pad_count(count: ImageCounter, image: ImageBlock) -> int:
     """The vision encoder's token count for an attached image at the model's pixel bounds."""
     try:
-        return engine.image_tokens(image.data, image.mime or None)  # no mime: sniffed
+        return count(image.data, image.mime or None)  # no mime: sniffed
     except InvalidRequestError as exc:  # not an image mime, corrupt or undecodable bytes
         raise SalienceStatus(
             grpc.StatusCode.INVALID_ARGUMENT, f"image at [{image.start}, {image.end}): {exc}"
@@ -110,7 +108,7 @@ def _code_of(context: Any) -> grpc.StatusCode | None:
 
 class SalienceServicer(pb_grpc.SalienceServicer):
     def __init__(
-        self, engine: Engine, *, session_ttl_s: float | None = None, auth_token: str | None = None
+        self, engine: EngineAPI, *, session_ttl_s: float | None = None, auth_token: str | None = None
     ) -> None:
         self.engine = engine
         self.session_ttl_s = session_ttl_s
@@ -226,7 +224,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
                 yield core.done_message(plan.prompt_len, 0, pb.GenerateDone.FINISH_REASON_LENGTH)
                 return
             self._handles[sid] = handle
-            async for event in handle:
+            async for event in stream_events(handle):
                 if isinstance(event, TokenEvent):
                     yield core.token_message(event)
                 elif isinstance(event, FinishEvent):
@@ -287,7 +285,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self._images.clear()
 
 
-def add_to_server(server: grpc.aio.Server, engine: Engine, args: argparse.Namespace) -> GrpcRegistration:
+def add_to_server(server: grpc.aio.Server, engine: EngineAPI, args: argparse.Namespace) -> GrpcRegistration:
     servicer = SalienceServicer(
         engine,
         session_ttl_s=getattr(args, "session_ttl", None),

@@ -26,6 +26,7 @@ from tokenwire.protocols.graphpipe.models.base import TensorModel
 from tokenwire.protocols.graphpipe.types import Type
 
 if TYPE_CHECKING:
+    from tokenwire.engine.api import EngineAPI
     from tokenwire.engine.engine import Engine
 
 INPUT = "input_ids"
@@ -34,7 +35,7 @@ MAX_OUTPUT_BYTES = 1 << 30
 
 
 class LanguageModel(TensorModel):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineAPI) -> None:
         self.engine = engine
         self.name = engine.name
         cfg = engine.config
@@ -113,15 +114,9 @@ class LanguageModel(TensorModel):
         self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any
     ) -> asyncio.Future[list[np.ndarray]]:
         ids = np.array(inputs[INPUT], dtype=np.int64)  # token ids are small: a writable copy for torch
-        if hasattr(self.engine, "model_call"):  # serve --replicas: on a replica, by name (scale/)
-            return asyncio.wrap_future(
-                self.engine.model_call(f"{__name__}:dense_forward", ids, outputs, config)
-            )
-        future = self.engine.call_on_model_thread(lambda: self.forward(ids, outputs, config))
+        # by name: under --replicas it runs in a replica's process (EngineAPI.model_call)
+        future = self.engine.model_call(f"{__name__}:dense_forward", ids, outputs, config)
         return asyncio.wrap_future(future)
-
-    def forward(self, ids: np.ndarray, outputs: list[str], layer: int) -> list[np.ndarray]:
-        return dense_forward(self.engine, ids, outputs, layer)
 
 
 @torch.inference_mode()
