@@ -17,7 +17,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 from torch import nn
+
+from tokenwire.model.kernels import ops
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids
 QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
@@ -33,8 +37,6 @@ DENSE_FROM_ROWS = 256
 
 
 def _ops():
-    from tokenwire.model.kernels import ops
-
     return ops()
 
 
@@ -46,9 +48,6 @@ def packed_shape(out_features: int, in_features: int, qtype: int) -> tuple[int, 
 
 def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     """fp32 [N, K] -> packed blocks, with gguf's reference quantiser (the llama.cpp rounding)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize as gguf_quantize
-
     shape = packed_shape(*weight.shape, qtype)  # names a bad feature count before gguf does
     array = weight.detach().float().cpu().numpy()
     packed = gguf_quantize(np.ascontiguousarray(array), GGMLQuantizationType(qtype))
