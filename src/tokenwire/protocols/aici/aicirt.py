@@ -26,9 +26,9 @@ import numpy as np
 from tokenwire.heap import freeze_startup_heap
 from tokenwire.protocols.aici.codec import ProtocolError, decode_message, encode_message, error_reply
 from tokenwire.protocols.aici.controller import ControllerLimits
-from tokenwire.protocols.aici.plugin import add_runtime_args
 from tokenwire.protocols.aici.registry import ModuleRegistry
 from tokenwire.protocols.aici.runtime import AiciRuntime, StopRuntime
+from tokenwire.protocols.aici.runtime_args import add_runtime_args
 from tokenwire.protocols.aici.shm import MessageChannel, SharedRegion, channel_names, remove_channels
 
 log = logging.getLogger("tokenwire.aicirt")
