@@ -13,7 +13,7 @@ from tokenwire.protocols.serving import Stopper
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
-    from tokenwire.protocols.grpc_server import GrpcServer
+    from tokenwire.protocols.grpc_server import AddService, GrpcServer
 
 DEFAULT_PORT = 50051
 
@@ -39,9 +39,20 @@ class _GrpcListener:
         self.server.close()
 
 
+def default_services() -> list[AddService]:
+    """The gRPC protocols `tokenwire serve` runs, in registration order."""
+    # local: the servicers load grpc and their protobuf modules, which `serve --help` does without
+    from tokenwire.protocols.evergreen.servicer import add_to_server as evergreen
+    from tokenwire.protocols.salience.service import add_to_server as salience
+
+    return [salience, evergreen]
+
+
 async def bind(args: argparse.Namespace) -> _GrpcListener | None:
     if not args.grpc_port:
         return None
+    # local: grpc's server (see default_services)
     from tokenwire.protocols.grpc_server import GrpcServer
 
-    return _GrpcListener(await GrpcServer(None, args, args.host, args.grpc_port).bind())
+    server = GrpcServer(None, args, args.host, args.grpc_port, services=default_services())
+    return _GrpcListener(await server.bind())
