@@ -35,7 +35,6 @@ from tokenwire.heap import freeze_startup_heap
 from tokenwire.scale.aici import ReplicaAici, RuntimeConfig
 
 log = logging.getLogger("tokenwire.replica")
-REPLICA_PREFIX = "tokenwire-replica-"
 HISTORY = 10_000  # sessions whose served-request counts the replica remembers (for stats/tests)
 
 
