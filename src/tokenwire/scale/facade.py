@@ -28,6 +28,7 @@ from tokenwire.engine.errors import EngineError, InvalidRequestError, ReplicaLos
 from tokenwire.engine.request import FinishEvent, GenerateOptions
 from tokenwire.engine.session import Ttl
 from tokenwire.model.tokenizer import Tokenizer
+from tokenwire.scale.aici import RemoteAici, RuntimeConfig
 from tokenwire.scale.handle import RemoteHandle, _lost_errors
 from tokenwire.scale.replica import GrammarRecipe, ReplicaInfo
 from tokenwire.scale.router import Router, prefix_keys
@@ -358,8 +359,6 @@ class ReplicaEngine:
     def aici_runtimes(self, runtime_args: list[str], busy_wait_ms: float | None) -> Any:
         """`serve --aici` under --replicas: runs go whole to a replica, whose own runtime steers
         them (scale/aici.py)."""
-        from tokenwire.scale.aici import RemoteAici, RuntimeConfig
-
         return RemoteAici(self, RuntimeConfig(runtime_args, busy_wait_ms))
 
     # ------------------------------------------------------------------ replica health and load
