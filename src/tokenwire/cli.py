@@ -1,6 +1,6 @@
 """The `tokenwire` command: serve, generate, bench, concepts, and each protocol's client or tool.
 
-Protocols and benchmarks are listed in tokenwire/plugins.py. Every subcommand sets a
+Protocols are listed in tokenwire/plugins.py, benchmarks in benchmarks() here. Every subcommand sets a
 `handler(args) -> exit code`; main() parses and calls it. Building the parser imports only
 light modules: `serve` and `bench` add their (heavier) flags only when they are the command.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from tokenwire import plugins
 from tokenwire.cli_args import (
@@ -45,9 +46,33 @@ def _build_serve(serve: argparse.ArgumentParser, argv: list[str]) -> None:
     serve.set_defaults(handler=_serve)
 
 
+def benchmarks() -> list[ModuleType]:
+    """`tokenwire bench NAME`: each module has `register(sub)`. Listed here, at the top: the
+    benchmarks start the servers in-process (bench/inprocess.py), so nothing below imports them."""
+    # local: the benchmarks import the engine (torch) and every protocol's client; only `bench` needs them
+    from tokenwire.bench import (
+        aici_bench,
+        engine_bench,
+        evergreen_bench,
+        fuzz_bench,
+        graphpipe_bench,
+        lmtp_bench,
+        openai_bench,
+        salience_bench,
+        scale_bench,
+        soak_bench,
+        vision_bench,
+    )
+
+    return [
+        salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
+        vision_bench, scale_bench, fuzz_bench, soak_bench,
+    ]  # fmt: skip
+
+
 def _build_bench(bench: argparse.ArgumentParser) -> None:
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    for module in plugins.benchmarks():
+    for module in benchmarks():
         module.register(bench_sub)
 
 
