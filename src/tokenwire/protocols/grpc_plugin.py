@@ -32,6 +32,8 @@ class _GrpcListener:
         self.server = server
 
     async def start(self, engine: Engine) -> Stopper:
+        # the services load here, after the port is bound: a clash is named before torch loads
+        self.server.services = default_services()
         await self.server.start(engine)
         return self.server.stop
 
@@ -41,7 +43,8 @@ class _GrpcListener:
 
 def default_services() -> list[AddService]:
     """The gRPC protocols `tokenwire serve` runs, in registration order."""
-    # local: the servicers load grpc and their protobuf modules, which `serve --help` does without
+    # local: the servicers load the engine (torch) and their protobuf modules; `serve --help` and
+    # the port checks before the model loads do without them
     from tokenwire.protocols.evergreen.servicer import add_to_server as evergreen
     from tokenwire.protocols.salience.service import add_to_server as salience
 
@@ -51,8 +54,7 @@ def default_services() -> list[AddService]:
 async def bind(args: argparse.Namespace) -> _GrpcListener | None:
     if not args.grpc_port:
         return None
-    # local: grpc's server (see default_services)
+    # local: grpc's server (grpc's C core), which `serve --help` does without
     from tokenwire.protocols.grpc_server import GrpcServer
 
-    server = GrpcServer(None, args, args.host, args.grpc_port, services=default_services())
-    return _GrpcListener(await server.bind())
+    return _GrpcListener(await GrpcServer(None, args, args.host, args.grpc_port).bind())
