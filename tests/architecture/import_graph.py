@@ -215,7 +215,7 @@ def local_imports(paths: Iterable[Path]) -> list[tuple[Path, int, bool]]:
 
     Explained: a `# local: why` comment ends the statement's first line, or stands alone on the
     line above it, or above the run of consecutive import lines the statement is part of (one
-    reason for a group of imports that load together).
+    reason for a group of imports that load together); the reason may go on over comment lines.
     """
     out = []
     for path in paths:
@@ -225,12 +225,13 @@ def local_imports(paths: Iterable[Path]) -> list[tuple[Path, int, bool]]:
             row = stmt.lineno - 1
             explained = LOCAL_REASON in lines[row]
             above = row - 1
-            # climb over the import lines (and their parenthesised continuations) right above
+            # climb over the import lines (and their parenthesised continuations) and the comment
+            # lines right above: a reason may take two lines
             while not explained and above >= 0:
                 text = lines[above].strip()
                 if text.startswith(LOCAL_REASON):
                     explained = True
-                elif text.startswith(("import ", "from ")) or text in (")",) or text.endswith(","):
+                elif text.startswith(("import ", "from ", "#")) or text == ")" or text.endswith(","):
                     above -= 1
                     continue
                 break
