@@ -214,8 +214,9 @@ def local_imports(paths: Iterable[Path]) -> list[tuple[Path, int, bool]]:
     """Every function-local import statement (any module, ours or not) as (file, line, explained).
 
     Explained: a `# local: why` comment ends the statement's first line, or stands alone on the
-    line above it, or above the run of consecutive import lines the statement is part of (one
-    reason for a group of imports that load together); the reason may go on over comment lines.
+    line above it, or above the run of import lines the statement is part of (one reason for a
+    group of imports that load together, blank lines between their sections included); the
+    reason may go on over comment lines.
     """
     out = []
     for path in paths:
@@ -225,13 +226,13 @@ def local_imports(paths: Iterable[Path]) -> list[tuple[Path, int, bool]]:
             row = stmt.lineno - 1
             explained = LOCAL_REASON in lines[row]
             above = row - 1
-            # climb over the import lines (and their parenthesised continuations) and the comment
-            # lines right above: a reason may take two lines
+            # climb over the import lines (and their parenthesised continuations), blank lines
+            # between their groups and comment lines: a reason may take two lines
             while not explained and above >= 0:
                 text = lines[above].strip()
                 if text.startswith(LOCAL_REASON):
                     explained = True
-                elif text.startswith(("import ", "from ", "#")) or text == ")" or text.endswith(","):
+                elif not text or text.startswith(("import ", "from ", "#", ")")) or text.endswith(","):
                     above -= 1
                     continue
                 break

@@ -138,6 +138,7 @@ def test_checker_finds_an_unexplained_local_import(tmp_path: Path) -> None:
         "def explained():\n"
         "    # local: torch is heavy\n"
         "    import torch\n"
+        "\n"
         "    from torch import nn\n"
         "def trailing():\n"
         "    import ray  # local: optional extra\n"
@@ -155,4 +156,4 @@ def test_checker_finds_an_unexplained_local_import(tmp_path: Path) -> None:
     )
     graph = _package(tmp_path, {"__init__.py": "", "m.py": source})
     found = [(line, ok) for _, line, ok in local_imports([graph.modules["pkg.m"]])]
-    assert found == [(3, True), (4, True), (6, True), (9, False), (13, True), (16, False)]
+    assert found == [(3, True), (5, True), (7, True), (10, False), (14, True), (17, False)]
