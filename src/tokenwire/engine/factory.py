@@ -15,6 +15,8 @@ from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.threads import apply_threads
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.gguf import PACKED_FILE
+from tokenwire.model.images import ImagePreprocessor
+from tokenwire.model.kernels import load_kernels
 from tokenwire.model.llama import LlamaModel, build_model
 from tokenwire.model.loader import (
     ModelSource,
@@ -27,6 +29,7 @@ from tokenwire.model.loader import (
 )
 from tokenwire.model.quant import Q4_1, Q8_0
 from tokenwire.model.quant_model import build_quantized_model, quantize_state
+from tokenwire.model.qwen2_vl import build_vl_model
 from tokenwire.progress import StartupProgress
 
 log = logging.getLogger("tokenwire")
@@ -116,8 +119,6 @@ QUANTIZED_WEIGHTS = ("gguf", "int8", "int4")
 def _with_kernels(settings: EngineSettings, weights: str) -> str:
     """Build or load the CPU kernels quantised weights run on (model/kernels). Where they cannot
     be built (no C++ compiler), `auto` falls back to fp32 with a warning; an explicit format fails."""
-    from tokenwire.model.kernels import load_kernels
-
     try:
         load_kernels()
     except Exception as e:  # the compiler's or ninja's failure, whatever its type
@@ -147,9 +148,6 @@ def load_model(source: ModelSource, weights: str, device: torch.device, max_len:
 
 
 def _load_vision_model(source: ModelSource, weights: str, device: torch.device, positions: int) -> LlamaModel:
-    from tokenwire.model.images import ImagePreprocessor
-    from tokenwire.model.qwen2_vl import build_vl_model
-
     if weights not in ("fp32", "bf16"):
         raise ValueError(
             f"--weights {weights} is not available for {source.config.architecture}: use fp32 or bf16"

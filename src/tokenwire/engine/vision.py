@@ -23,6 +23,7 @@ import torch
 
 from tokenwire.engine.errors import InvalidRequestError, PositionError
 from tokenwire.model.images import ImageError, PreparedImage
+from tokenwire.model.qwen2_vl import mrope_positions
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,6 @@ def step_inputs(
 ) -> dict[str, torch.Tensor]:
     """The vision model's extra inputs for a step: M-RoPE positions of every row and the image
     embeddings of the pad rows. `rows`: (session, start, count) per item, in packed order."""
-    from tokenwire.model.qwen2_vl import mrope_positions
-
     pos3: list[torch.Tensor] = []
     image_rows: list[torch.Tensor] = []
     embeds: list[torch.Tensor] = []
