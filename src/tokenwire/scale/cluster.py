@@ -46,6 +46,7 @@ def connect(spec: ClusterSpec) -> None:
     # Ray's C++ failure-signal handler would take over SIGTERM in this process (a stack dump,
     # and no clean shutdown); serve handles SIGTERM itself
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    # local: ray is optional (the `ray` extra), and reads RAY_DISABLE_FAILURE_SIGNAL_HANDLER when imported
     import ray
 
     if ray.is_initialized():
@@ -78,6 +79,7 @@ def replica_threads(cpus: float) -> int:
 def start_replicas(spec: ClusterSpec, settings: EngineSettings) -> tuple[list[Any], Any, list[ReplicaInfo]]:
     """The replica actors (created or found), the session directory, and each replica's info
     (waits until every replica has loaded its model)."""
+    # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
     import ray
 
     settings = replace(settings, progress=False)

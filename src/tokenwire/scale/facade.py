@@ -25,6 +25,7 @@ from typing import Any
 
 from tokenwire.engine.admission import check_request
 from tokenwire.engine.errors import EngineError, InvalidRequestError, ReplicaLostError, SessionNotFoundError
+from tokenwire.engine.grammar import GrammarConstraint
 from tokenwire.engine.request import FinishEvent, GenerateOptions
 from tokenwire.engine.session import Ttl
 from tokenwire.model.tokenizer import Tokenizer
@@ -94,6 +95,7 @@ class ReplicaEngine:
     # ------------------------------------------------------------------ calls
     def _get(self, replica: int, ref: Any) -> Any:
         """ray.get with the replica's failures as engine errors (the engine's own message)."""
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
         from ray.exceptions import GetTimeoutError, RayTaskError
 
@@ -116,6 +118,7 @@ class ReplicaEngine:
             ) from None
 
     def _locate(self, session_id: str) -> tuple[int, str]:
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         with self._lock:
@@ -161,6 +164,7 @@ class ReplicaEngine:
             self._cache.pop(session_id, None)
 
     def _assign(self, session_id: str, replica: int) -> None:
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         incarnation = self.incarnations[replica]
@@ -189,6 +193,7 @@ class ReplicaEngine:
         return child
 
     def close_session(self, session_id: str) -> bool:
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         try:
@@ -296,8 +301,6 @@ class ReplicaEngine:
     def _portable(constraint: Any) -> GrammarRecipe:
         """A constraint as the replica rebuilds it: grammars (JSON schema, regex, Lark) travel as
         their grammar text; other constraints (AICI controllers) cannot leave this process."""
-        from tokenwire.engine.grammar import GrammarConstraint
-
         if not isinstance(constraint, GrammarConstraint):
             raise InvalidRequestError(
                 f"{type(constraint).__name__} constraints are not available with --replicas (grammars are)"
@@ -318,6 +321,7 @@ class ReplicaEngine:
         """One thread per replica: this process's `events` stream from it, each batch handed to
         the requests' handles. A dead replica fails every request it had; once Ray restarted
         it (the monitor sees it up again), a new stream opens."""
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         while not self._closed.is_set():
@@ -372,6 +376,7 @@ class ReplicaEngine:
                     type(exc).__name__ if exc else "unknown")  # fmt: skip
 
     def _watch(self) -> None:
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         pending: dict[int, Any] = {}
@@ -418,6 +423,7 @@ class ReplicaEngine:
             )  # fmt: skip
 
     def _drop_ended(self) -> None:
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         for r, actor in enumerate(self.replicas):
@@ -456,6 +462,7 @@ class ReplicaEngine:
     def shutdown(self, timeout_s: float = 10.0) -> bool:
         """Stop watching and streaming (the replicas cancel this process's requests); the
         replicas end with the Ray driver that owns them (server.py shuts Ray down)."""
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         deadline = time.monotonic() + timeout_s

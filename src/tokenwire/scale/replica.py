@@ -29,6 +29,7 @@ from typing import Any
 
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
+from tokenwire.engine.grammar import GrammarConstraint
 from tokenwire.engine.request import Event, FinishEvent, GenerateOptions, RequestHandle
 from tokenwire.engine.session import Ttl
 from tokenwire.heap import freeze_startup_heap
@@ -81,8 +82,6 @@ class GrammarRecipe:
     eos_token_ids: Any = None
 
     def build(self, tokenizer: Any) -> Any:
-        from tokenwire.engine.grammar import GrammarConstraint
-
         return GrammarConstraint(tokenizer, self.vocab_size, self.grammar, eos_token_ids=self.eos_token_ids)
 
 
@@ -141,6 +140,7 @@ class EngineReplica:
     # ------------------------------------------------------------------ identity
     def info(self) -> ReplicaInfo:
         e = self.engine
+        # local: ray is optional (the `ray` extra); this runs in the replica's actor
         import ray
 
         return ReplicaInfo(
