@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from tokenwire import metrics
 from tokenwire.engine.errors import EngineError
@@ -316,7 +317,6 @@ def _guarded_http_protocol(guard: ListenerGuard) -> Any:
     """uvicorn's `http=` protocol class, behind `guard` (connection_guard.py: deadlines on
     half-open requests, the per-address cap). uvicorn calls it with its keyword arguments for
     each accepted connection; the guard makes uvicorn's own protocol only for one it admits."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     def make(**kwargs: Any) -> asyncio.Protocol:
         return guard.wrap(lambda: AutoHTTPProtocol(**kwargs))()
