@@ -19,27 +19,32 @@ from tokenwire.cli_args import (
     add_sampling_args,
     settings_from,
 )
+from tokenwire.logs import setup_logging
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # local: the server loads aiohttp, grpc and numpy; `tokenwire --help` does without
     from tokenwire.server import serve
 
     return serve(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
+    # local: the engine (torch) loads only for `generate`
     from tokenwire.generate_cmd import run_generate
 
     return run_generate(args, settings_from(args))
 
 
 def _concepts_build(args: argparse.Namespace) -> int:
+    # local: the engine (torch) loads only for `concepts build`
     from tokenwire.concepts_cmd import run_concepts_build
 
     return run_concepts_build(args, settings_from(args))
 
 
 def _build_serve(serve: argparse.ArgumentParser, argv: list[str]) -> None:
+    # local: the server's flags need its modules (see _serve): only `serve` adds them
     from tokenwire.server import add_serve_args
 
     add_serve_args(serve, argv)
@@ -160,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a bad --config file or $TOKENWIRE_<FLAG> value
         print(f"tokenwire: error: {exc}", file=sys.stderr)
         return 2
-    from tokenwire.logs import setup_logging
 
     setup_logging(verbose=args.verbose, json_format=args.log_format == "json")
     try:
