@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenwire.model import qwen2_vl_config as vl
+
 # Hugging Face architecture name -> our family tag. Everything here shares one forward pass
 # (RMSNorm, RoPE, GQA, SwiGLU); they differ only in the flags carried by ModelConfig.
 SUPPORTED_ARCHITECTURES = {
@@ -70,8 +72,6 @@ class ModelConfig:
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         if SUPPORTED_ARCHITECTURES[arch] in ("qwen2_vl", "qwen2_5_vl"):
-            from tokenwire.model import qwen2_vl_config as vl
-
             text = cls.from_hf_dict(vl.text_config_dict(d))
             text.architecture = arch
             text.mrope_section = vl.mrope_section(d)

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenwire.model.config import ModelConfig
+from tokenwire.model.kernels import ops
+from tokenwire.model.quant import QuantLinear
 
 
 class AttentionBackend(Protocol):
@@ -233,8 +235,6 @@ class LlamaModel(nn.Module):
     @functools.cached_property
     def _fusable(self) -> bool:
         # the layers do not change after loading: checked once, not on every step
-        from tokenwire.model.quant import QuantLinear
-
         return (
             self.device.type == "cpu"
             and self.norm.dtype == torch.float32
@@ -248,8 +248,6 @@ class LlamaModel(nn.Module):
     @functools.cached_property
     def _decode_stack(self) -> torch.ScriptObject:
         """The fused decode kernel's handle on every layer's weights (built at the first fused step)."""
-        from tokenwire.model.kernels import ops
-
         ops()  # loads the kernels, which define the class
         cfg = self.config
         stack = torch.classes.tokenwire.DecodeStack(
@@ -278,8 +276,6 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor, fused_decode: bool = False) -> torch.Tensor:
         """fused_decode: the hidden states came from the fused decode layers (int16 matvecs);
         a quantised lm_head then runs with the same numerics (QuantLinear.decode_rows)."""
-        from tokenwire.model.quant import QuantLinear
-
         if fused_decode and isinstance(self.lm_head, QuantLinear):
             return self.lm_head.decode_rows(hidden)
         return self.lm_head(hidden).float()
