@@ -2,8 +2,9 @@
 
 Nothing is imported: each module's file is parsed, and every `import` /
 `from ... import` statement in it (top level, inside `if`/`try`, inside
-functions) becomes an edge to the module it names. The checks built on it
-(cycles, layer order, function-local imports) live in test_imports.py.
+functions) becomes an edge to the module it names. The checks on it (find_cycle,
+strongly_connected, arrows_up, local_imports) are here; tokenwire's rules (its layers,
+how many local imports) are in test_imports.py.
 """
 
 from __future__ import annotations

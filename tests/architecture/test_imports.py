@@ -64,8 +64,12 @@ def graph() -> ImportGraph:
 
 
 def test_no_import_cycle(graph: ImportGraph) -> None:
-    cycle = find_cycle(graph.edges())
-    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+    # TYPE_CHECKING imports count: a cycle through a type-only import is still two modules that
+    # each need the other (issue 30 counts aici/rest <-> aici/supervisor, one of them)
+    edges = graph.edges()
+    cycle = find_cycle(edges)
+    groups = "\n".join(", ".join(group) for group in import_graph.strongly_connected(edges))
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}\nmodules in cycles:\n{groups}"
 
 
 def test_no_import_from_a_higher_layer(graph: ImportGraph) -> None:
