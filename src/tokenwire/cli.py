@@ -1,6 +1,6 @@
 """The `tokenwire` command: serve, generate, bench, concepts, and each protocol's client or tool.
 
-Protocols and benchmarks are listed in tokenwire/plugins.py. Every subcommand sets a
+Protocols are listed in tokenwire/plugins.py, benchmarks in benchmarks() here. Every subcommand sets a
 `handler(args) -> exit code`; main() parses and calls it. Building the parser imports only
 light modules: `serve` and `bench` add their (heavier) flags only when they are the command.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from tokenwire import plugins
 from tokenwire.cli_args import (
@@ -18,36 +19,65 @@ from tokenwire.cli_args import (
     add_sampling_args,
     settings_from,
 )
+from tokenwire.logs import setup_logging
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # local: the server loads aiohttp, grpc and numpy; `tokenwire --help` does without
     from tokenwire.server import serve
 
     return serve(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
+    # local: the engine (torch) loads only for `generate`
     from tokenwire.generate_cmd import run_generate
 
     return run_generate(args, settings_from(args))
 
 
 def _concepts_build(args: argparse.Namespace) -> int:
+    # local: the engine (torch) loads only for `concepts build`
     from tokenwire.concepts_cmd import run_concepts_build
 
     return run_concepts_build(args, settings_from(args))
 
 
 def _build_serve(serve: argparse.ArgumentParser, argv: list[str]) -> None:
+    # local: the server's flags need its modules (see _serve): only `serve` adds them
     from tokenwire.server import add_serve_args
 
     add_serve_args(serve, argv)
     serve.set_defaults(handler=_serve)
 
 
+def benchmarks() -> list[ModuleType]:
+    """`tokenwire bench NAME`: each module has `register(sub)`. Listed here, at the top: the
+    benchmarks start the servers in-process (bench/inprocess.py), so nothing below imports them."""
+    # local: the benchmarks import the engine (torch) and every protocol's client; only `bench` needs them
+    from tokenwire.bench import (
+        aici_bench,
+        engine_bench,
+        evergreen_bench,
+        fuzz_bench,
+        graphpipe_bench,
+        lmtp_bench,
+        openai_bench,
+        salience_bench,
+        scale_bench,
+        soak_bench,
+        vision_bench,
+    )
+
+    return [
+        salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
+        vision_bench, scale_bench, fuzz_bench, soak_bench,
+    ]  # fmt: skip
+
+
 def _build_bench(bench: argparse.ArgumentParser) -> None:
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    for module in plugins.benchmarks():
+    for module in benchmarks():
         module.register(bench_sub)
 
 
@@ -135,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a bad --config file or $TOKENWIRE_<FLAG> value
         print(f"tokenwire: error: {exc}", file=sys.stderr)
         return 2
-    from tokenwire.logs import setup_logging
 
     setup_logging(verbose=args.verbose, json_format=args.log_format == "json")
     try:

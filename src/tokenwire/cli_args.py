@@ -7,8 +7,12 @@ Light on purpose: building the `tokenwire` parser imports only argparse-level mo
 from __future__ import annotations
 
 import argparse
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from tokenwire.model_spec import check_model_spec
 
 if TYPE_CHECKING:
     from tokenwire.engine.factory import EngineSettings
@@ -63,9 +67,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace, **extra: object) -> EngineSettings:
-    from tokenwire.model_spec import check_model_spec
-
     model = check_model_spec(args.model)  # before the engine's (heavy) imports: fail fast
+    # local: the engine's factory imports torch; the clients' commands share these flags without it
     from tokenwire.engine.factory import EngineSettings
 
     return EngineSettings(
@@ -115,9 +118,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def unreachable(url: str, default_port: int) -> str | None:
     """Why a client cannot reach the server at `url` (None when a TCP connection opens): said
     before any protocol error, with the usual cause."""
-    import socket
-    from urllib.parse import urlsplit
-
     parts = urlsplit(url if "//" in url else f"//{url}")
     host, port = parts.hostname or "127.0.0.1", parts.port or default_port
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.errors import InvalidRequestError
 from tokenwire.engine.factory import EngineSettings, build_engine
+from tokenwire.engine.grammar import GrammarConstraint, check_grammar
 from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, TokenEvent, iter_events
 from tokenwire.engine.vision import ImageInput
 
@@ -62,8 +63,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-tokens must be >= 0, got {args.max_tokens}")
     grammar = _grammar_args(args)
     if grammar is not None:
-        from tokenwire.engine.grammar import check_grammar
-
         check_grammar(*grammar)
 
 
@@ -75,8 +74,6 @@ def options_from(args: argparse.Namespace, engine: Engine) -> GenerateOptions:
     constraint = None
     grammar = _grammar_args(args)
     if grammar is not None:
-        from tokenwire.engine.grammar import GrammarConstraint
-
         kind, source = grammar
         hf, width = engine.tokenizer.hf, engine.logits_size
         constraint = getattr(GrammarConstraint, kind)(hf, width, source)

@@ -16,12 +16,14 @@ import ssl
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenwire.engine import threads as engine_threads
 from tokenwire.logs import access_log
+from tokenwire.protocols.http_site import start_site
 from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
 
 if TYPE_CHECKING:
@@ -168,10 +170,6 @@ def bind_metrics(host: str, port: int, ssl_context: ssl.SSLContext | None = None
 
 
 async def _serve_metrics(engine: Engine, sock: socket.socket, ssl_context: ssl.SSLContext | None) -> Stopper:
-    from aiohttp import web
-
-    from tokenwire.protocols.http_site import start_site
-
     async def metrics(request: web.Request) -> web.Response:
         body, content_type = exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})

@@ -1,4 +1,4 @@
-"""Every protocol and benchmark of the `tokenwire` command, listed explicitly.
+"""Every protocol of the `tokenwire` command, listed explicitly (the benchmarks: cli.benchmarks).
 
 A protocol module contributes client or tool subcommands with `register_cli(sub)` and/or a
 server of `tokenwire serve` with `add_serve_args(parser)` and `bind(args)` (protocols/serving.py).
@@ -9,7 +9,6 @@ Adding a protocol is one import and one list entry here. These modules are light
 from __future__ import annotations
 
 import argparse
-from types import ModuleType
 from typing import Protocol
 
 from tokenwire.protocols import grpc_plugin, limits, security
@@ -41,26 +40,3 @@ CLI_PLUGINS: list[CliPlugin] = [salience, lmtp, evergreen, graphpipe, aici, open
 # what `tokenwire serve` binds and starts, in this order (stopped in reverse); `security` and
 # `limits` only add flags for every protocol (--auth-token/--tls-*, --max-sessions...) and check them
 SERVER_PLUGINS: list[ServerPlugin] = [security, limits, lmtp, grpc_plugin, aici, graphpipe, openai]
-
-
-def benchmarks() -> list[ModuleType]:
-    """`tokenwire bench NAME`: each module has `register(sub)`. Imported only for `bench`:
-    they import the engine and the protocols' clients."""
-    from tokenwire.bench import (
-        aici_bench,
-        engine_bench,
-        evergreen_bench,
-        fuzz_bench,
-        graphpipe_bench,
-        lmtp_bench,
-        openai_bench,
-        salience_bench,
-        scale_bench,
-        soak_bench,
-        vision_bench,
-    )
-
-    return [
-        salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
-        vision_bench, scale_bench, fuzz_bench, soak_bench,
-    ]  # fmt: skip

@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO, Any
 
+from tqdm import tqdm
+
 
 class StartupProgress:
     def __init__(self, stages: Sequence[str], *, stream: IO[str] | None = None, enabled: bool | None = None):
@@ -27,8 +29,6 @@ class StartupProgress:
 
     def __enter__(self) -> StartupProgress:
         if self.enabled:
-            from tqdm import tqdm
-
             self._bar = tqdm(
                 total=len(self.stages), file=self.stream, desc="starting: ", unit="step", leave=False,
                 bar_format="{desc}{n_fmt}/{total_fmt} |{bar}| {elapsed}",

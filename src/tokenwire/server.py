@@ -20,7 +20,10 @@ import time
 from tokenwire import plugins
 from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.config import apply_config_defaults
+from tokenwire.heap import freeze_startup_heap
+from tokenwire.metrics import bind_metrics, watch_engine
 from tokenwire.model_spec import check_model_spec
+from tokenwire.protocols.security import ssl_context
 from tokenwire.protocols.serving import Listener, PortInUseError, Stopper
 from tokenwire.scale.serve import add_scale_args, build_replicated, check_scale_args, shutdown_ray
 from tokenwire.shutdown import ShutdownSignals, exit_leaving_model_thread
@@ -50,9 +53,6 @@ def add_serve_args(parser: argparse.ArgumentParser, argv: list[str]) -> None:
 
 async def _bind_all(args: argparse.Namespace) -> list[Listener]:
     """Every protocol's listener, then the metrics endpoint's (last: it is not a protocol)."""
-    from tokenwire.metrics import bind_metrics
-    from tokenwire.protocols.security import ssl_context
-
     listeners: list[Listener] = []
     try:
         for plugin in plugins.SERVER_PLUGINS:
@@ -82,6 +82,7 @@ async def _serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = ShutdownSignals(loop, stop, args.shutdown_grace)
+    # local: the engine (torch) loads after every port is bound: a clash is named at once
     from tokenwire.engine.factory import build_engine
 
     try:
@@ -95,10 +96,8 @@ async def _serve(args: argparse.Namespace) -> int:
         raise
     stoppers: list[Stopper] = []
     try:
-        from tokenwire.heap import freeze_startup_heap
-        from tokenwire.metrics import watch_engine
-
         if args.replicas:
+            # local: the replicas' metrics load ray's side (facade.py); only --replicas needs them
             from tokenwire.scale.metrics import watch_replicas
 
             watch_replicas(engine)

@@ -36,7 +36,7 @@ from tokenwire.lmtp import Client as LmtpClient
 from tokenwire.protocols.lmtp.client import LmtpError
 from tokenwire.protocols.salience.client import AsyncClient, AsyncSession
 from tokenwire.protocols.salience.client_session import SalienceError, SessionView
-from tokenwire.scale.cluster import find_replicas, remove_all
+from tokenwire.scale.actors import find_replicas, remove_all
 
 NAMESPACE = "tokenwire-test-replicas"
 GREEDY = GenerateConfig(temperature=0, max_tokens=6)

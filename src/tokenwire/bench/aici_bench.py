@@ -15,10 +15,22 @@ AICI's published numbers (AMD EPYC 7V13, 32k vocabulary) are shown beside them.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
 import json
 import statistics
 import time
 from typing import Any
+
+from tokenwire.engine.factory import EngineSettings, build_engine
+from tokenwire.engine.grammar import GrammarConstraint, lltokenizer_for
+from tokenwire.engine.request import GenerateOptions, SamplingParams, stream_events
+from tokenwire.model.loader import resolve_model
+from tokenwire.protocols.aici.client import AiciClient
+from tokenwire.protocols.aici.engine_bridge import Coordinator
+from tokenwire.protocols.aici.rest import tokenizer_spec
+from tokenwire.protocols.aici.run import RunRequest, run_events
+from tokenwire.protocols.aici.tokenizer_env import load_tokenizer
 
 C_GRAMMAR = r"""
 start: unit
@@ -97,9 +109,6 @@ def _ms(samples: list[float]) -> float:
 
 
 def bench_masks() -> dict[str, Any]:
-    from tokenwire.engine.grammar import GrammarConstraint, lltokenizer_for
-    from tokenwire.model.loader import resolve_model
-
     tok = resolve_model(None, progress=False).tokenizer
     llt = lltokenizer_for(tok.hf, tok.eos_token_ids)
     out = {}
@@ -131,11 +140,6 @@ def bench_steps(seq_counts: list[int], steps: int, forward_ms: float, busy_wait_
     - critical path, tokenwire's order (the Coordinator's): both commands are sent as soon as
       the step's tokens are known, before the forward; counted: the wait after the forward.
     """
-    import concurrent.futures
-
-    from tokenwire.protocols.aici.client import AiciClient
-    from tokenwire.protocols.aici.tokenizer_env import load_tokenizer
-
     # AICI's default spin (aicirt --busy-wait-time 200): its figures were taken beside a GPU
     client = AiciClient(tokenizer="default", busy_wait_ms=busy_wait_ms)
     pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -240,11 +244,6 @@ def bench_overlap(tokens: int, seq_counts: list[int]) -> dict[str, Any]:
     how long sampling waited for the runtime, with rounds run after the forward (baseline) and
     submitted as soon as every sequence reported its token (overlapping the next forward).
     The runtime does not spin here (--busy-wait-time 0): the forward needs both CPU cores."""
-    from tokenwire.engine.factory import EngineSettings, build_engine
-    from tokenwire.protocols.aici.client import AiciClient
-    from tokenwire.protocols.aici.engine_bridge import Coordinator
-    from tokenwire.protocols.aici.rest import tokenizer_spec
-
     engine = build_engine(EngineSettings(kv_cache_mb=512, progress=False))
     client = AiciClient(tokenizer=tokenizer_spec(engine))
     coord = Coordinator.for_engine(client, engine)
@@ -260,11 +259,6 @@ def bench_overlap(tokens: int, seq_counts: list[int]) -> dict[str, Any]:
 
 
 def _overlap_runs(engine: Any, client: Any, coord: Any, tokens: int, seqs: int) -> dict[str, Any]:
-    import asyncio
-
-    from tokenwire.engine.request import GenerateOptions, SamplingParams, stream_events
-    from tokenwire.protocols.aici.run import RunRequest, run_events
-
     # `seqs` forks, each generating lowercase words under a regex (a mask every step)
     branches = [
         [{"fixed": f" {i}:"}, {"gen": {"regex": "( [a-z]+)+", "max_tokens": tokens}}] for i in range(seqs)

@@ -28,10 +28,18 @@ from typing import Any
 
 import torch
 
+from tokenwire.bench import llamacpp_baseline
+from tokenwire.bench.neighbours import busy_neighbours, describe
+from tokenwire.bench.quality_bench import add_quality_parser
+from tokenwire.bench.shapes import shape_file
+from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
+from tokenwire.heap import freeze_startup_heap
 from tokenwire.model.layers.decoder import DecoderModel
+from tokenwire.model.loader import default_cache_dir
+from tokenwire.model.quant import resident_bytes
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -142,16 +150,8 @@ def long_prompt(engine: Engine, n: int) -> list[int]:
 
 
 def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
-    from tokenwire.bench import llamacpp_baseline
-    from tokenwire.bench.neighbours import busy_neighbours, describe
-    from tokenwire.heap import freeze_startup_heap
-    from tokenwire.model.quant import resident_bytes
-
     settings.progress = False
     if args.shape:  # a random-weight file at a real model's widths (bench/shapes.py)
-        from tokenwire.bench.shapes import shape_file
-        from tokenwire.model.loader import default_cache_dir
-
         if args.model:
             raise SystemExit("--shape and --model: give one (--shape writes its own model file)")
         settings.model = str(shape_file(args.shape, args.quant, settings.cache_dir or default_cache_dir()))
@@ -299,7 +299,6 @@ def _print_kept(result: dict[str, Any], labels: dict[str, str]) -> None:
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenwire.cli_args import add_model_args, settings_from
 
     be = bench_sub.add_parser("engine", help="engine vs llama.cpp on the same GGUF and transformers")
     add_model_args(be)
@@ -334,7 +333,5 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         "--ftz-baseline", action="store_true", help="also run transformers with denormals flushed"
     )
     be.set_defaults(handler=lambda args: run_engine_bench(args, settings_from(args)))
-
-    from tokenwire.bench.quality_bench import add_quality_parser
 
     add_quality_parser(bench_sub, add_model_args, settings_from)

@@ -29,10 +29,16 @@ from typing import Any
 
 import grpc
 
+from tokenwire.bench.random_tokens import random_twin
+from tokenwire.cli_args import add_model_args, settings_from
+from tokenwire.engine.factory import build_engine
+from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent
 from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
 from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
 from tokenwire.protocols.evergreen.gen import evergreen_service_pb2_grpc as rpc
 from tokenwire.protocols.evergreen.gen import tokenwire_evergreen_pb2 as twpb
+from tokenwire.protocols.evergreen.servicer import add_to_server as SERVICE
+from tokenwire.protocols.grpc_server import GrpcServer
 
 EOT = "application/x-protobuf; type=EndOfTurn"
 
@@ -144,8 +150,6 @@ async def per_token_evergreen(channel: grpc.aio.Channel, tokens: int) -> float:
 
 async def per_token_engine(engine: Any, tokens: int) -> float:
     """The same generation read straight from the engine (no protocol): what is not overhead."""
-    from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent
-
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}])
     options = GenerateOptions(max_tokens=tokens, ignore_eos=True, sampling=SamplingParams(temperature=0))
     first, count = 0.0, 0
@@ -188,12 +192,6 @@ def _median(values: list[float]) -> float:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenwire.bench.random_tokens import random_twin
-    from tokenwire.cli_args import settings_from
-    from tokenwire.engine.factory import build_engine
-    from tokenwire.protocols.evergreen.servicer import add_to_server as SERVICE
-    from tokenwire.protocols.grpc_server import GrpcServer
-
     engine = build_engine(settings_from(args, progress=False))
     results: dict[str, Any] = {"model": engine.name}
     ns = argparse.Namespace(evergreen_max_tokens=16)
@@ -292,7 +290,6 @@ def run_evergreen_bench(args: argparse.Namespace) -> int:
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenwire.cli_args import add_model_args
 
     p = bench_sub.add_parser(
         "evergreen", help="Evergreen: streamed-chain TTFT, turn-2 reuse, per-token overhead"

@@ -26,6 +26,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenwire.bench.fuzz_structures import structure_targets
+from tokenwire.bench.fuzz_targets import all_targets
+from tokenwire.bench.random_tokens import RandomTokenModel
+from tokenwire.engine.engine import Engine
+from tokenwire.model.loader import resolve_model
+
 DEFAULT_CASES = 100_000
 
 
@@ -102,9 +108,6 @@ def time_budget(seconds: float | None) -> Iterator[None]:
 
 
 def run_fuzz(engine: Any, cases: int, seed: int = 0, only: list[str] | None = None) -> FuzzReport:
-    from tokenwire.bench.fuzz_structures import structure_targets
-    from tokenwire.bench.fuzz_targets import all_targets
-
     every = all_targets(engine) + structure_targets(engine)
     targets = [t for t in every if not only or t.name in only]
     if not targets:
@@ -141,10 +144,6 @@ def run_targets(targets: list[Any], cases: int, seed: int = 0) -> FuzzReport:
 
 
 def run_fuzz_bench(args: argparse.Namespace) -> int:
-    from tokenwire.bench.random_tokens import RandomTokenModel
-    from tokenwire.engine.engine import Engine
-    from tokenwire.model.loader import resolve_model
-
     logging.getLogger("tokenwire").setLevel(logging.ERROR)  # refusals log warnings by design
     source = resolve_model(args.model, progress=False)
     engine = Engine(

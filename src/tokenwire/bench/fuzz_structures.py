@@ -16,8 +16,21 @@ import json
 import random
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from tokenwire.bench.fuzz_targets import Target
+from tokenwire.engine.constraints import ConstraintError
 from tokenwire.engine.errors import EngineError
+from tokenwire.engine.grammar import GrammarConstraint
+from tokenwire.protocols.evergreen.core import SessionCore
+from tokenwire.protocols.evergreen.errors import SessionAbort
+from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
+from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
+from tokenwire.protocols.lmtp.core import LmtpConnection
+from tokenwire.protocols.openai import core
+from tokenwire.protocols.openai.errors import OpenAIError
+from tokenwire.protocols.openai.schemas import CompletionRequest
+from tokenwire.protocols.openai.transport import limits_of
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -39,9 +52,6 @@ def _shared_dag(rng: random.Random) -> tuple[list[Any], str]:
     """Fragments of a layered DAG (node i of a layer lists `fan` children of the next, with
     repeats) over one or more messages; returns (messages, root id). Expansion is up to
     fan^depth chunks from a few dozen nodes."""
-    from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
-    from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
-
     depth = rng.choice([2, 5, 12, 20, 30])
     width = rng.choice([1, 1, 2, 3])
     fan = rng.choice([1, 2, 2, 3, 8])
@@ -71,9 +81,6 @@ def _shared_dag(rng: random.Random) -> tuple[list[Any], str]:
 
 
 def _dag_case(rng: random.Random) -> list[bytes]:
-    from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
-    from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
-
     messages, root = _shared_dag(rng)
     name = rng.choice(_FLATTENING_ACTIONS)
     if name == "SCORE":
@@ -92,10 +99,6 @@ def _dag_case(rng: random.Random) -> list[bytes]:
 
 
 def evergreen_dag_target(engine: Engine) -> Target:
-    from tokenwire.protocols.evergreen.core import SessionCore
-    from tokenwire.protocols.evergreen.errors import SessionAbort
-    from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
-
     def run(raws: list[bytes]) -> str:
         core = SessionCore({engine.name})
         started: list[Any] = []
@@ -166,9 +169,6 @@ def _lark(rng: random.Random) -> str:
 
 
 def grammar_target(engine: Engine) -> Target:
-    from tokenwire.engine.constraints import ConstraintError
-    from tokenwire.engine.grammar import GrammarConstraint
-
     tokenizer, vocab = engine.tokenizer.hf, engine.logits_size  # as the protocols build them
 
     def make(rng: random.Random) -> tuple[str, str, int]:
@@ -206,14 +206,6 @@ def grammar_target(engine: Engine) -> Target:
 def prompt_size_target(engine: Engine) -> Target:
     """LMTP GENERATE and OpenAI completions with token arrays and texts of 10^3 to 10^6
     elements, n and best_of multipliers: answered (refused) in bounded time, whatever the size."""
-    from pydantic import ValidationError
-
-    from tokenwire.protocols.lmtp.core import LmtpConnection
-    from tokenwire.protocols.openai import core
-    from tokenwire.protocols.openai.errors import OpenAIError
-    from tokenwire.protocols.openai.schemas import CompletionRequest
-    from tokenwire.protocols.openai.transport import limits_of
-
     limits = limits_of(engine)
 
     def make(rng: random.Random) -> tuple[str, str]:

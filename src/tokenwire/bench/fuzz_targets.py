@@ -21,9 +21,46 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
+from pydantic import ValidationError
 
 from tokenwire.bench import fuzz_inputs as fz
 from tokenwire.engine.errors import EngineError
+from tokenwire.protocols.aici.codec import (
+    FRAME_HEADER,
+    FrameError,
+    ProtocolError,
+    decode_message,
+    encode_message,
+    frame_length,
+)
+from tokenwire.protocols.aici.registry import ModuleRegistry
+from tokenwire.protocols.aici.runtime import AiciRuntime
+from tokenwire.protocols.aici.tokenizer_env import env_for
+from tokenwire.protocols.evergreen.actions import SCHEMAS
+from tokenwire.protocols.evergreen.core import SessionCore
+from tokenwire.protocols.evergreen.errors import SessionAbort
+from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
+from tokenwire.protocols.evergreen.gen import tokenwire_evergreen_pb2 as twpb
+from tokenwire.protocols.graphpipe.client import build_request
+from tokenwire.protocols.graphpipe.codec import (
+    CodecError,
+    InferRequest,
+    decode_request,
+    encode_metadata_request,
+)
+from tokenwire.protocols.graphpipe.core import resolve_call
+from tokenwire.protocols.graphpipe.errors import GraphPipeError
+from tokenwire.protocols.graphpipe.models.lm_model import LanguageModel
+from tokenwire.protocols.lmtp.core import LmtpConnection
+from tokenwire.protocols.openai import core
+from tokenwire.protocols.openai.errors import OpenAIError
+from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
+from tokenwire.protocols.openai.transport import limits_of
+from tokenwire.protocols.salience.core import plan_generate
+from tokenwire.protocols.salience.gen import salience_pb2 as pb
+from tokenwire.protocols.salience.service import model_limits
+from tokenwire.protocols.salience.status import SalienceStatus
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
@@ -66,8 +103,6 @@ def _lmtp_frame(rng: random.Random, model: str) -> str:
 
 
 def lmtp_target(engine: Engine) -> Target:
-    from tokenwire.protocols.lmtp.core import LmtpConnection
-
     def make(rng: random.Random) -> tuple[list[str], str]:
         extensions = rng.sample(["text", "buffers", "system", "retry"], rng.randint(0, 4))
         hello = (
@@ -103,9 +138,6 @@ _DTYPES = [np.int64, np.int32, np.float32, np.float64, np.uint8, np.int8, np.int
 
 
 def _graphpipe_request(rng: random.Random) -> bytes:
-    from tokenwire.protocols.graphpipe.client import build_request
-    from tokenwire.protocols.graphpipe.codec import encode_metadata_request
-
     if rng.random() < 0.1:
         return bytes(encode_metadata_request())
     arrays = []
@@ -134,11 +166,6 @@ def _graphpipe_request(rng: random.Random) -> bytes:
 
 
 def graphpipe_target(engine: Engine) -> Target:
-    from tokenwire.protocols.graphpipe.codec import CodecError, InferRequest, decode_request
-    from tokenwire.protocols.graphpipe.core import resolve_call
-    from tokenwire.protocols.graphpipe.errors import GraphPipeError
-    from tokenwire.protocols.graphpipe.models.lm_model import LanguageModel
-
     model = LanguageModel(engine)
 
     def make(rng: random.Random) -> bytes:
@@ -203,18 +230,6 @@ def _aici_message(rng: random.Random) -> tuple[str, bytes]:
 
 
 def aici_target(engine: Engine) -> Target:
-    from tokenwire.protocols.aici.codec import (
-        FRAME_HEADER,
-        FrameError,
-        ProtocolError,
-        decode_message,
-        encode_message,
-        frame_length,
-    )
-    from tokenwire.protocols.aici.registry import ModuleRegistry
-    from tokenwire.protocols.aici.runtime import AiciRuntime
-    from tokenwire.protocols.aici.tokenizer_env import env_for
-
     env = env_for(engine.tokenizer, engine.vocab_size)
     store = tempfile.TemporaryDirectory(prefix="tokenwire-fuzz-aici-")
     state: dict[str, Any] = {"n": 0}
@@ -251,11 +266,6 @@ def aici_target(engine: Engine) -> Target:
 
 
 def salience_target(engine: Engine) -> Target:
-    from tokenwire.protocols.salience.core import plan_generate
-    from tokenwire.protocols.salience.gen import salience_pb2 as pb
-    from tokenwire.protocols.salience.service import model_limits
-    from tokenwire.protocols.salience.status import SalienceStatus
-
     limits = model_limits(engine)
 
     def make(rng: random.Random) -> tuple[bytes, list[int]]:
@@ -265,8 +275,6 @@ def salience_target(engine: Engine) -> Target:
         return raw, [rng.randint(0, engine.vocab_size - 1) for _ in range(rng.choice([0, 1, 5, 40]))]
 
     def run(case: tuple[bytes, list[int]]) -> str:
-        from google.protobuf.message import DecodeError
-
         raw, tokens = case
         try:
             req = pb.GenerateRequest.FromString(raw)
@@ -282,10 +290,6 @@ def salience_target(engine: Engine) -> Target:
 
 
 def _evergreen_messages(rng: random.Random) -> list[Any]:
-    from tokenwire.protocols.evergreen.actions import SCHEMAS
-    from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
-    from tokenwire.protocols.evergreen.gen import tokenwire_evergreen_pb2 as twpb
-
     pool = [f"n{i}" for i in range(rng.choice([3, 10, 60]))]
     messages = []
     for _ in range(rng.randint(1, 3)):
@@ -359,17 +363,11 @@ engine_name_placeholder = "SmolLM2-135M-Instruct"
 
 
 def evergreen_target(engine: Engine) -> Target:
-    from tokenwire.protocols.evergreen.core import SessionCore
-    from tokenwire.protocols.evergreen.errors import SessionAbort
-    from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
-
     def make(rng: random.Random) -> list[bytes]:
         raw = [m.SerializeToString() for m in _evergreen_messages(rng)]
         return [fz.mutate_bytes(rng, r) if rng.random() < 0.1 else r for r in raw]
 
     def run(raws: list[bytes]) -> str:
-        from google.protobuf.message import DecodeError
-
         core = SessionCore({engine.name})
         try:
             for raw in raws:
@@ -389,13 +387,6 @@ def evergreen_target(engine: Engine) -> Target:
 
 
 def openai_target(engine: Engine) -> Target:
-    from pydantic import ValidationError
-
-    from tokenwire.protocols.openai import core
-    from tokenwire.protocols.openai.errors import OpenAIError
-    from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
-    from tokenwire.protocols.openai.transport import limits_of
-
     limits = limits_of(engine)
 
     def make(rng: random.Random) -> tuple[str, bytes]:

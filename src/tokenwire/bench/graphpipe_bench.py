@@ -22,10 +22,20 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import flatbuffers
 import numpy as np
+import onnxruntime as ort
+
+from tokenwire.protocols.graphpipe.client import build_request, read_outputs
+from tokenwire.protocols.graphpipe.codec import decode_infer_response, encode_infer_response
+from tokenwire.protocols.graphpipe.models.onnx_model import OnnxModel, session_options
+from tokenwire.protocols.graphpipe.server import GraphPipeServer
 
 WIDTH = 1024
 
@@ -42,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 # ------------------------------------------------------------------ the model
 def build_mlp(path: Path, depth: int, width: int = WIDTH) -> Path:
+    # local: onnx is a dev extra; only this bench's model builder needs it
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -67,10 +78,6 @@ def build_mlp(path: Path, depth: int, width: int = WIDTH) -> Path:
 
 
 def _session(path: Path) -> Any:
-    import onnxruntime as ort
-
-    from tokenwire.protocols.graphpipe.models.onnx_model import session_options
-
     return ort.InferenceSession(
         # the in-process baseline alone on the machine: onnxruntime's default (spinning) pool
         str(path),
@@ -103,11 +110,6 @@ def calibrate(workdir: Path, target_ms: float) -> tuple[Path, int, float]:
 
 # ------------------------------------------------------------------ servers (subprocesses)
 def _serve_tokenwire(path: str, conn: Any) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tokenwire.protocols.graphpipe.models.onnx_model import OnnxModel
-    from tokenwire.protocols.graphpipe.server import GraphPipeServer
-
     async def main() -> None:
         executor = ThreadPoolExecutor(max_workers=2)
         server = GraphPipeServer([OnnxModel("mlp", path, executor)], "127.0.0.1", 0, executor=executor)
@@ -119,9 +121,7 @@ def _serve_tokenwire(path: str, conn: Any) -> None:
 
 
 def _serve_http_server(path: str, conn: Any) -> None:
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    import flatbuffers
+    # local: Oracle's graphpipe package is this bench's baseline only (the Makefile installs it)
     from graphpipe import convert
     from graphpipe.graphpipefb import InferResponse
 
@@ -189,10 +189,6 @@ def _summary(latencies: list[float], elapsed: float) -> dict[str, float]:
 
 
 async def _drive(url: str, concurrency: int, duration: float) -> dict[str, float]:
-    import aiohttp
-
-    from tokenwire.protocols.graphpipe.client import build_request, read_outputs
-
     rng = np.random.default_rng(1)
     bodies = [bytes(build_request([rng.standard_normal((1, WIDTH)).astype(np.float32)], None, None, None))]
     latencies: list[float] = []
@@ -245,8 +241,6 @@ def _best_gbs(fn: Callable[[], object], nbytes: int, repeats: int = 7) -> float:
 
 
 def codec_figures(mb: int) -> dict[str, float]:
-    from tokenwire.protocols.graphpipe.codec import decode_infer_response, encode_infer_response
-
     x = np.random.default_rng(0).standard_normal(mb * 2**20 // 4).astype(np.float32)
     body = bytes(encode_infer_response([x]))
     out = {
@@ -255,6 +249,7 @@ def codec_figures(mb: int) -> dict[str, float]:
         "decode_gbs": _best_gbs(lambda: decode_infer_response(body), x.nbytes),
     }
     try:
+        # local: Oracle's graphpipe package, when installed (see _serve_http_server)
         from graphpipe import convert
 
         out["oracle_encode_gbs"] = _best_gbs(lambda: convert.serialize_tensor(x), x.nbytes)

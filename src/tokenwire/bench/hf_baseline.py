@@ -15,11 +15,10 @@ import sys
 import time
 
 import torch
+from transformers import AutoModelForCausalLM
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM
-
     model_dir, prompts_file, n, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     # "ftz": also measure with denormals flushed to zero, as our engine's model thread runs;
     # stock transformers does not, and on this CPU that alone costs it ~40% of its speed.

@@ -24,6 +24,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
+import grpc
+
+from tokenwire.lmtp import Client, LmtpError
+from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
+from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
+from tokenwire.protocols.evergreen.gen import evergreen_service_pb2_grpc as spb_grpc
 
 # the shapes of issue 29's findings
 DIAMOND_DEPTH = 30  # d0..d29 each listing d{i+1} twice: 31 nodes, 2^30 chunks
@@ -163,12 +169,6 @@ class HostileClients:
     # ------------------------------------------------------------ small messages, large work
 
     async def evergreen_diamond(self, address: str, rng: random.Random) -> str:
-        import grpc
-
-        from tokenwire.protocols.evergreen.gen import evergreen_pb2 as pb
-        from tokenwire.protocols.evergreen.gen import evergreen_service_pb2 as spb
-        from tokenwire.protocols.evergreen.gen import evergreen_service_pb2_grpc as spb_grpc
-
         leaf = pb.Chunk(data=b"x")
         leaf.metadata.mimetype = "text/plain"
         fragments = [pb.NodeFragment(id=f"d{i}", child_ids=[f"d{i + 1}"] * 2) for i in range(DIAMOND_DEPTH)]
@@ -189,8 +189,6 @@ class HostileClients:
         return "the session ended without the resource error"
 
     async def lmtp_huge_prompt(self, address: str, rng: random.Random) -> str:
-        from tokenwire.lmtp import Client, LmtpError
-
         async with await Client.connect(self.url("lmtp"), model=self.config.model) as client:
             try:
                 await client.generate_all([rng.randrange(3, 1000)] * HUGE_PROMPT_IDS, max_tokens=1)

@@ -11,6 +11,9 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
+from tokenwire import plugins
+from tokenwire.server import add_serve_args
+
 
 def free_ports(n: int) -> list[int]:
     sockets = [socket.socket() for _ in range(n)]
@@ -25,8 +28,6 @@ def free_ports(n: int) -> list[int]:
 
 def serve_args(*argv: str) -> argparse.Namespace:
     """`tokenwire serve`'s own parser (every plugin's flags, defaults as served)."""
-    from tokenwire.server import add_serve_args
-
     parser = argparse.ArgumentParser()
     add_serve_args(parser, list(argv))
     return parser.parse_args(list(argv))
@@ -56,8 +57,6 @@ class InProcessServers:
         self.stoppers = self.call(self._start(), timeout=300)
 
     async def _start(self) -> list[Any]:
-        from tokenwire import plugins
-
         stoppers = []
         for plugin in plugins.SERVER_PLUGINS:
             listener = await plugin.bind(self.args)

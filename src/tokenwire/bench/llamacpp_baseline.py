@@ -28,6 +28,7 @@ import numpy as np
 
 def available() -> bool:
     try:
+        # local: llama-cpp-python is the `bench` extra: this asks whether it is installed
         import llama_cpp  # noqa: F401
     except ImportError:
         return False
@@ -36,6 +37,7 @@ def available() -> bool:
 
 class LlamaCpp:
     def __init__(self, gguf: Path, threads: int, streams: int, stream_ctx: int) -> None:
+        # local: llama-cpp-python, the `bench` extra (see available)
         import llama_cpp as lc
 
         self.lc = lc

@@ -62,6 +62,7 @@ async def _start_echo(port: int) -> tuple[int, Any]:
 
 
 def build_random_engine() -> Any:
+    # local: the echo server's process runs without torch, which the engine's modules load
     from tokenwire.bench.random_tokens import RandomTokenModel
     from tokenwire.engine.engine import Engine
     from tokenwire.model.loader import resolve_model
@@ -71,12 +72,14 @@ def build_random_engine() -> Any:
 
 
 def build_real_engine() -> Any:
+    # local: torch (see build_random_engine)
     from tokenwire.engine.factory import EngineSettings, build_engine
 
     return build_engine(EngineSettings(progress=False, kv_cache_mb=256))
 
 
 async def _start_lmtp(engine: Any, port: int) -> tuple[int, Any]:
+    # local: the LMTP server imports the engine, hence torch (see build_random_engine)
     from tokenwire.protocols.lmtp.ws_server import LmtpServer
 
     server = await LmtpServer(engine, "127.0.0.1", port).start()

@@ -35,6 +35,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from tokenwire.bench.random_tokens import run_with_random_twin
+from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings
 from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, stream_events
@@ -322,7 +323,6 @@ def run_openai_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenwire.cli_args import add_model_args, settings_from
 
     p = bench_sub.add_parser(
         "openai", help="OpenAI API: SSE throughput vs the engine, overhead, session turn 2"

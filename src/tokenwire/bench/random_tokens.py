@@ -9,19 +9,18 @@ are reproducible and cost a lookup rather than a fresh draw of vocab_size number
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from tokenwire.engine.engine import Engine
+from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.layers.attention import AttentionBackend
-
-if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
-    from tokenwire.engine.factory import EngineSettings
 
 T = TypeVar("T")
 
@@ -80,8 +79,6 @@ class RandomTokenModel(nn.Module):
 def random_twin(engine: Engine, name: str | None = None, kv_cache_mb: float = 64) -> Engine:
     """An engine around RandomTokenModel with `engine`'s config and tokenizer: the no-model
     baseline the protocol benchmarks run beside the real engine."""
-    from tokenwire.engine.engine import Engine
-
     config, tokenizer = engine.config, engine.tokenizer
     return Engine(
         lambda: RandomTokenModel(config), tokenizer, name=name or engine.name, kv_cache_mb=kv_cache_mb
@@ -91,10 +88,6 @@ def random_twin(engine: Engine, name: str | None = None, kv_cache_mb: float = 64
 def run_with_random_twin(settings: EngineSettings, run: Callable[[Engine, Engine], Awaitable[T]]) -> T:
     """Build the real engine from `settings` and its random twin, run `run(engine, twin)` in a
     fresh event loop, and shut both down whatever happens."""
-    import asyncio
-
-    from tokenwire.engine.factory import build_engine
-
     engine = build_engine(settings)
     twin = random_twin(engine)
     try:

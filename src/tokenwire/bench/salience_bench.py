@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from tokenwire.bench.random_tokens import run_with_random_twin
+from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings
 from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams
@@ -358,7 +359,6 @@ def run_salience_bench(args: argparse.Namespace, settings: EngineSettings) -> in
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenwire.cli_args import add_model_args, settings_from
 
     p = bench_sub.add_parser("salience", help="Salience gRPC: streaming overhead, wire bytes, session TTFT")
     add_model_args(p)

@@ -23,11 +23,16 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from tokenwire.bench.scale_sim import PLACEMENTS, SimConfig, config_dict, session_map_memory, simulate
+from tokenwire.cli_args import add_model_args, settings_from
+from tokenwire.engine.factory import build_engine
 from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, TokenEvent
+from tokenwire.model.loader import resolve_model
+from tokenwire.scale.cluster import ClusterSpec, connect, start_replicas
+from tokenwire.scale.facade import ReplicaEngine
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenwire.cli_args import add_model_args, settings_from
 
     p = bench_sub.add_parser("scale", help="Ray replica vs in-process engine; the router at 1,000 replicas")
     add_model_args(p)
@@ -80,12 +85,8 @@ def _one_token(engine: Any) -> None:
 
 
 def hop(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
+    # local: ray is optional (the `ray` extra) and slow to import; `bench --help` loads this module
     import ray
-
-    from tokenwire.engine.factory import build_engine
-    from tokenwire.model.loader import resolve_model
-    from tokenwire.scale.cluster import ClusterSpec, connect, start_replicas
-    from tokenwire.scale.facade import ReplicaEngine
 
     settings = replace(settings, progress=False)
     local = build_engine(settings)
@@ -135,8 +136,6 @@ def hop(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
 
 
 def sim(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenwire.bench.scale_sim import PLACEMENTS, SimConfig, config_dict, session_map_memory, simulate
-
     cfg = SimConfig(replicas=args.sim_replicas, sessions=args.sim_sessions)
     runs = [simulate(cfg, placement) for placement in PLACEMENTS]
     memory = session_map_memory(args.sim_sessions, args.sim_replicas)

@@ -19,6 +19,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tokenwire.model.loader import resolve_model
+
 log = logging.getLogger("tokenwire.bench.shapes")
 
 
@@ -74,8 +76,6 @@ def shape_file(name: str, quant: str, cache_dir: Path) -> Path:
 
 def _tokenizer_fields(writer: gguf.GGUFWriter) -> int:
     """Copies the shipped model's tokenizer into `writer`; returns the vocabulary size."""
-    from tokenwire.model.loader import resolve_model
-
     reader = gguf.GGUFReader(resolve_model(None).source)
     vocab = 0
     for key in TOKENIZER_KEYS:

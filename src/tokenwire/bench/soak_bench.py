@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import statistics
@@ -31,15 +32,27 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import grpc
 import numpy as np
+
+from tokenwire.bench.hostile import HostileConfig, run_hostile
+from tokenwire.bench.inprocess import InProcessServers
+from tokenwire.bench.neighbours import busy_neighbours, describe
+from tokenwire.bench.random_tokens import RandomTokenModel
+from tokenwire.engine.engine import Engine
+from tokenwire.lmtp import Client, LmtpError
+from tokenwire.model.loader import resolve_model
+from tokenwire.protocols.evergreen.client import Chat, EvergreenSession, GenerateConfig
+from tokenwire.protocols.graphpipe.client import AsyncClient
+from tokenwire.protocols.salience.gen import salience_pb2 as pb
+from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc
+from tokenwire.server import resident_mib
 
 PROMPTS = 12  # reference prompts (token ids); each request takes one and a length up to MAX_NEW
 MAX_NEW = 24
 
 
 def rss_mib() -> float:
-    from tokenwire.server import resident_mib
-
     return resident_mib()
 
 
@@ -56,18 +69,11 @@ class Protocols:
         self.http = http
 
     async def lmtp(self, prompt: list[int], n: int) -> Any:
-        from tokenwire.lmtp import Client
-
         async with await Client.connect(self.servers.url("lmtp"), model=self.model) as client:
             records = await client.generate_all(prompt, max_tokens=n, temperature=0.0)
         return tuple(r["token"] for r in records if "token" in r)
 
     async def salience(self, prompt: list[int], n: int, fork_at: int | None = None) -> Any:
-        import grpc
-
-        from tokenwire.protocols.salience.gen import salience_pb2 as pb
-        from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc
-
         async with grpc.aio.insecure_channel(self.servers.url("grpc")) as channel:
             stub = pb_grpc.SalienceStub(channel)
             sid = (await stub.OpenSession(pb.OpenSessionRequest())).session_id
@@ -106,8 +112,6 @@ class Protocols:
                 await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 
     async def evergreen(self, prompt: list[int], n: int) -> Any:
-        from tokenwire.protocols.evergreen.client import Chat, EvergreenSession, GenerateConfig
-
         session = await EvergreenSession.connect(self.servers.url("grpc"))
         try:
             chat = Chat(session, None, "")
@@ -117,8 +121,6 @@ class Protocols:
             await session.close()
 
     async def graphpipe(self, prompt: list[int], n: int) -> Any:
-        from tokenwire.protocols.graphpipe.client import AsyncClient
-
         async with AsyncClient(self.servers.url("graphpipe")) as client:
             logprobs = await client.execute(
                 np.array([prompt], dtype=np.int64), output_name="next_token_logprobs"
@@ -204,8 +206,6 @@ class Soak:
         proto = rng.choice(["lmtp-cancel", "lmtp-drop", "openai-drop", "salience-drop"])
         self.kinds[proto] += 1
         if proto.startswith("lmtp"):
-            from tokenwire.lmtp import Client
-
             client = await Client.connect(
                 self.servers.url("lmtp"), model=self.engine.name, extensions=["retry"]
             )
@@ -230,11 +230,6 @@ class Soak:
                 await response.content.readline()
                 response.close()
         else:
-            import grpc
-
-            from tokenwire.protocols.salience.gen import salience_pb2 as pb
-            from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc
-
             channel = grpc.aio.insecure_channel(self.servers.url("grpc"))
             stub = pb_grpc.SalienceStub(channel)
             sid = (await stub.OpenSession(pb.OpenSessionRequest())).session_id
@@ -253,8 +248,6 @@ class Soak:
         self.kinds[f"{proto} bad"] += 1
         http = self.servers_http
         if proto == "lmtp":
-            from tokenwire.lmtp import Client, LmtpError
-
             async with await Client.connect(self.servers.url("lmtp"), model=self.engine.name) as client:
                 try:
                     await client.generate_all([-5, 2**40], max_tokens=2)
@@ -280,11 +273,6 @@ class Soak:
                     self.refused["aici"] += 1
                     return
         else:
-            import grpc
-
-            from tokenwire.protocols.salience.gen import salience_pb2 as pb
-            from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc
-
             async with grpc.aio.insecure_channel(self.servers.url("grpc")) as channel:
                 try:
                     await pb_grpc.SalienceStub(channel).ForkSession(pb.ForkSessionRequest(session_id="nope"))
@@ -333,8 +321,6 @@ class Soak:
             quiet_s = self.seconds / 2 if self.hostile else self.seconds
             await self._phase(p, started + quiet_s)
             if self.hostile:
-                from tokenwire.bench.hostile import HostileConfig, run_hostile
-
                 self.phase = "hostile"
                 phase_s = started + self.seconds - time.monotonic()
                 config = HostileConfig.of(self.servers, self.engine.name, self.hostile, phase_s)
@@ -421,14 +407,6 @@ async def _settled(engine: Any, before: dict[str, Any], timeout: float = 10.0) -
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    import logging
-
-    from tokenwire.bench.inprocess import InProcessServers
-    from tokenwire.bench.neighbours import busy_neighbours, describe
-    from tokenwire.bench.random_tokens import RandomTokenModel
-    from tokenwire.engine.engine import Engine
-    from tokenwire.model.loader import resolve_model
-
     logging.getLogger("tokenwire").setLevel(logging.ERROR)
     source = resolve_model(args.model, progress=False)
     engine = Engine(

@@ -28,11 +28,23 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from PIL import Image
+
+from tokenwire.engine.engine import Engine
+from tokenwire.engine.request import GenerateOptions, SamplingParams
+from tokenwire.engine.vision import ImageInput
+from tokenwire.model.families import build_model, read_config
+from tokenwire.model.families.qwen2_vl import mrope_positions
+from tokenwire.model.images import ImagePreprocessor
+from tokenwire.model.layers.attention import DenseCausalAttention
+from tokenwire.model.loader import resolve_model
+from tokenwire.model.tokenizer import Tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
 def _configs(name: str, vision_layers: int, text_layers: int, vocab: int) -> Any:
+    # local: transformers' Qwen2-VL classes take seconds to import; `bench --help` loads this module
     from transformers import Qwen2VLConfig
 
     ids = dict(vision_start_token_id=vocab, vision_end_token_id=vocab + 1, image_token_id=vocab + 2,
@@ -65,10 +77,8 @@ def _configs(name: str, vision_layers: int, text_layers: int, vocab: int) -> Any
 
 
 def _tokenizer() -> Any:
+    # local: transformers takes seconds to import (see _configs)
     from transformers import AutoTokenizer
-
-    from tokenwire.model.loader import resolve_model
-    from tokenwire.model.tokenizer import Tokenizer
 
     hf = AutoTokenizer.from_pretrained(resolve_model(None, progress=False).model_dir)
     hf.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
@@ -76,8 +86,6 @@ def _tokenizer() -> Any:
 
 
 def _image(size: int) -> bytes:
-    from PIL import Image
-
     g = torch.Generator().manual_seed(0)
     pixels = torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8).numpy()
     buf = io.BytesIO()
@@ -93,10 +101,8 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def _pair(name: str, args: argparse.Namespace, vocab: int) -> tuple[Any, Any]:
+    # local: transformers' Qwen2-VL model (see _configs)
     from transformers import Qwen2VLForConditionalGeneration
-
-    from tokenwire.model.families import build_model, read_config
-    from tokenwire.model.images import ImagePreprocessor
 
     torch.manual_seed(0)
     cfg = _configs(name, args.vision_layers, args.text_layers, vocab)
@@ -107,12 +113,6 @@ def _pair(name: str, args: argparse.Namespace, vocab: int) -> tuple[Any, Any]:
 
 
 def _bench_shapes(name: str, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
-    from tokenwire.engine.engine import Engine
-    from tokenwire.engine.request import GenerateOptions, SamplingParams
-    from tokenwire.engine.vision import ImageInput
-    from tokenwire.model.families.qwen2_vl import mrope_positions
-    from tokenwire.model.layers.attention import DenseCausalAttention
-
     vocab = len(tokenizer.hf) - len(VISION_TOKENS)
     hf, ours = _pair(name, args, vocab)
     v = ours.config.vision

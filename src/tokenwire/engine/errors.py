@@ -1,16 +1,25 @@
 """Engine errors. Each names what was wrong so protocols can pass the message on verbatim."""
 
+# the two the model raises too live below both (tokenwire/errors.py); they are the engine's errors
+from tokenwire.errors import EngineError, InvalidRequestError
 
-class EngineError(Exception):
-    """Base class for errors the engine reports to callers."""
+__all__ = [
+    "CapacityError",
+    "ContextOverflowError",
+    "EngineClosedError",
+    "EngineError",
+    "InvalidRequestError",
+    "InvalidTokenError",
+    "KVBudgetError",
+    "PositionError",
+    "ReplicaLostError",
+    "SessionBusyError",
+    "SessionNotFoundError",
+]
 
 
 class InvalidTokenError(EngineError, ValueError):
     """A token id outside the model's vocabulary."""
-
-
-class InvalidRequestError(EngineError, ValueError):
-    """A request option out of range (negative max_tokens, bad top_p, ...)."""
 
 
 class ContextOverflowError(EngineError):

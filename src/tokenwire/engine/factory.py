@@ -17,6 +17,7 @@ from tokenwire.model.config import ModelConfig
 from tokenwire.model.families import build_model
 from tokenwire.model.gguf import PACKED_FILE
 from tokenwire.model.images import ImagePreprocessor
+from tokenwire.model.kernels import load_kernels
 from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.layers.weights import quantize_state
 from tokenwire.model.loader import (
@@ -118,8 +119,6 @@ QUANTIZED_WEIGHTS = ("gguf", "int8", "int4")
 def _with_kernels(settings: EngineSettings, weights: str) -> str:
     """Build or load the CPU kernels quantised weights run on (model/kernels). Where they cannot
     be built (no C++ compiler), `auto` falls back to fp32 with a warning; an explicit format fails."""
-    from tokenwire.model.kernels import load_kernels
-
     try:
         load_kernels()
     except Exception as e:  # the compiler's or ninja's failure, whatever its type

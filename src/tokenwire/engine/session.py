@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any
 
 from tokenwire.engine.kv_cache import ROOT_HASH, KVCache, block_hash
+from tokenwire.engine.vision import block_key
 
 
 class Ttl(Enum):
@@ -110,8 +111,6 @@ class Session:
         image key is whole 20-byte entries and the token part fixed-size, so it is unambiguous."""
         previous = self._prefix_hash()
         if self.images:
-            from tokenwire.engine.vision import block_key
-
             previous += block_key(self.images, start, start + bs)
         return block_hash(previous, self.tokens[start : start + bs])
 

@@ -87,6 +87,7 @@ def choose_threads(requested: int | None = None) -> ThreadChoice:
 
 def apply_threads(requested: int | None = None) -> ThreadChoice:
     """Choose, set torch's thread count (intra-op, OpenMP) and log the choice in one line."""
+    # local: torch; `serve --help` loads this module (metrics.py reports its choice) without it
     import torch
 
     global _current

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tokenwire.engine.errors import InvalidRequestError, PositionError
+from tokenwire.model.families.qwen2_vl import mrope_positions
 from tokenwire.model.images import ImageError, PreparedImage
 
 
@@ -181,8 +182,6 @@ def step_inputs(
 ) -> dict[str, torch.Tensor]:
     """The vision model's extra inputs for a step: M-RoPE positions of every row and the image
     embeddings of the pad rows. `rows`: (session, start, count) per item, in packed order."""
-    from tokenwire.model.families.qwen2_vl import mrope_positions
-
     pos3: list[torch.Tensor] = []
     image_rows: list[torch.Tensor] = []
     embeds: list[torch.Tensor] = []

@@ -39,7 +39,6 @@ class ModelConfig:
     hf: dict[str, Any] = field(default_factory=dict)  # the (text) config as read
 
 
-
 def common_config(d: dict[str, Any], arch: str, rope_kinds: tuple[str, ...] = ("llama3",)) -> ModelConfig:
     """The fields every decoder has; `rope_kinds`: the rope scalings the family implements."""
     heads = int(d["num_attention_heads"])

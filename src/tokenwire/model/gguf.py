@@ -313,6 +313,7 @@ def _packed_tensor(tensor: Any, dense: np.ndarray, rope_heads: int | None) -> tu
 
 
 def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None:
+    # local: transformers takes seconds to import; only a GGUF's first conversion writes a tokenizer
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import pre_tokenizers, processors
     from transformers import AutoTokenizer

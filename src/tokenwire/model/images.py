@@ -63,6 +63,7 @@ def check_mime(mime: str | None) -> str | None:
 
 def decode_image(data: bytes, mime: str | None = None) -> Any:
     """A PIL RGB image from PNG / JPEG / WebP bytes; ImageError names what is wrong."""
+    # local: Pillow loads for an image, not for every engine (engine/vision.py imports this module)
     from PIL import Image, UnidentifiedImageError
 
     mime = check_mime(mime)
@@ -85,6 +86,7 @@ class ImagePreprocessor:
     """The model's image processor plus a small cache of prepared images by content hash."""
 
     def __init__(self, settings: dict[str, Any] | None = None, cache_size: int = 64) -> None:
+        # local: transformers' image processor takes seconds to import; only vision models make one
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         kwargs = {k: v for k, v in (settings or {}).items() if k in _PROCESSOR_KEYS}

@@ -28,10 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 from tokenwire.model import gguf as gguf_convert
+from tokenwire.model.cache_dir import default_cache_dir
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
 from tokenwire.model.families import read_config
+from tokenwire.model.gguf import PACKED_FILE
+from tokenwire.model.quant import QTYPES
 from tokenwire.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -50,11 +55,6 @@ class ModelSource:
     config: ModelConfig
     tokenizer: Tokenizer
     source: Path  # what the user named (the .gguf file or the directory)
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("TOKENWIRE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenwire"
 
 
 def default_model_path() -> Path:
@@ -223,9 +223,6 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def load_weights(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """All tensors of all safetensors shards in `model_dir`, floating-point ones cast to `dtype`."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     model_dir = Path(model_dir)
     files = weight_files(model_dir)
     if not files:
@@ -246,12 +243,6 @@ def load_weights(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict[st
 def load_packed(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, int]] | None:
     """The packed tensors of a GGUF conversion (quantised weights in their GGUF blocks) and the
     block type of each quantised one; None for a directory without them (Hugging Face models)."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
-
-    from tokenwire.model.gguf import PACKED_FILE
-    from tokenwire.model.quant import QTYPES
-
     path = Path(model_dir) / PACKED_FILE
     if not path.is_file():
         return None

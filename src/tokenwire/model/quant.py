@@ -17,9 +17,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 from torch import nn
 
 from tokenwire.model import weight_types
+from tokenwire.model.kernels import ops
 from tokenwire.model.weight_types import weight_type
 
 # GGML type ids and names, from the weight-type table
@@ -35,8 +38,6 @@ DENSE_FROM_ROWS = 256
 
 
 def _ops():
-    from tokenwire.model.kernels import ops
-
     return ops()
 
 
@@ -46,9 +47,6 @@ def packed_shape(out_features: int, in_features: int, qtype: int) -> tuple[int, 
 
 def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     """fp32 [N, K] -> packed blocks, with gguf's reference quantiser (the llama.cpp rounding)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize as gguf_quantize
-
     shape = packed_shape(*weight.shape, qtype)  # names a bad feature count before gguf does
     array = weight.detach().float().cpu().numpy()
     packed = gguf_quantize(np.ascontiguousarray(array), GGMLQuantizationType(qtype))

@@ -15,6 +15,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenwire.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -78,6 +80,7 @@ class Tokenizer:
     def from_dir(cls, model_dir: Path, config: ModelConfig | None = None) -> Tokenizer:
         """Load the tokenizer of an HF model directory, offline. EOS ids come from config.json,
         generation_config.json and the tokenizer itself."""
+        # local: transformers takes seconds to import; the protocols' clients use this module without it
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         model_dir = Path(model_dir)
@@ -222,8 +225,6 @@ def check_text(text: object, what: str) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
-            from tokenwire.engine.errors import InvalidRequestError
-
             raise InvalidRequestError(
                 f"{what} is not valid Unicode: a lone UTF-16 surrogate at character {exc.start}"
             ) from None

@@ -13,7 +13,7 @@ from tokenwire.protocols.serving import Stopper
 
 if TYPE_CHECKING:
     from tokenwire.engine.api import EngineAPI
-    from tokenwire.protocols.grpc_server import GrpcServer
+    from tokenwire.protocols.grpc_server import AddService, GrpcServer
 
 DEFAULT_PORT = 50051
 
@@ -32,6 +32,8 @@ class _GrpcListener:
         self.server = server
 
     async def start(self, engine: EngineAPI) -> Stopper:
+        # the services load here, after the port is bound: a clash is named before torch loads
+        self.server.services = default_services()
         await self.server.start(engine)
         return self.server.stop
 
@@ -39,9 +41,20 @@ class _GrpcListener:
         self.server.close()
 
 
+def default_services() -> list[AddService]:
+    """The gRPC protocols `tokenwire serve` runs, in registration order."""
+    # local: the servicers load the engine (torch) and their protobuf modules; `serve --help` and
+    # the port checks before the model loads do without them
+    from tokenwire.protocols.evergreen.servicer import add_to_server as evergreen
+    from tokenwire.protocols.salience.service import add_to_server as salience
+
+    return [salience, evergreen]
+
+
 async def bind(args: argparse.Namespace) -> _GrpcListener | None:
     if not args.grpc_port:
         return None
+    # local: grpc's server (grpc's C core), which `serve --help` does without
     from tokenwire.protocols.grpc_server import GrpcServer
 
     return _GrpcListener(await GrpcServer(None, args, args.host, args.grpc_port).bind())

@@ -77,14 +77,6 @@ class GrpcRegistration:
 AddService = Callable[[grpc.aio.Server, "EngineAPI", argparse.Namespace], GrpcRegistration]
 
 
-def default_services() -> list[AddService]:
-    """The gRPC protocols `tokenwire serve` runs, in registration order."""
-    from tokenwire.protocols.evergreen.servicer import add_to_server as evergreen
-    from tokenwire.protocols.salience.service import add_to_server as salience
-
-    return [salience, evergreen]
-
-
 class GrpcServer:
     """A grpc.aio server with the given protocol services, health and reflection."""
 
@@ -94,13 +86,14 @@ class GrpcServer:
         args: argparse.Namespace,
         host: str,
         port: int,
-        services: Sequence[AddService] | None = None,
+        services: Sequence[AddService] = (),
     ) -> None:
         self.engine = engine
         self.args = args
         self.host = host
         self.requested_port = port
-        self.services = None if services is None else list(services)  # None: default_services()
+        # the protocols it serves (grpc_plugin.default_services for `tokenwire serve`)
+        self.services = list(services)
         self.port = 0
         self.server: grpc.aio.Server | None = None
         self.registrations: list[GrpcRegistration] = []
@@ -151,7 +144,7 @@ class GrpcServer:
         assert self.server is not None
         self.engine = engine or self.engine
         assert self.engine is not None, "GrpcServer.start needs the engine"
-        for add in default_services() if self.services is None else self.services:
+        for add in self.services:
             self.registrations.append(add(self.server, self.engine, self.args))
         names = [n for r in self.registrations for n in r.service_names]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

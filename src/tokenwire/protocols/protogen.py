@@ -25,6 +25,7 @@ def proto_dirs() -> list[Path]:
 
 def generate(proto_dir: Path, out_dir: Path) -> list[Path]:
     """Run protoc on every .proto in `proto_dir`; returns the files written to `out_dir`."""
+    # local: grpc-tools is a dev extra; only `make proto` regenerates the modules
     import grpc_tools
     from grpc_tools import protoc
 

@@ -114,6 +114,7 @@ def aiohttp_auth(
     Runs before the handler reads the body, so a refused request costs no parsing."""
     if token is None:
         return None
+    # local: aiohttp; `tokenwire --help` loads this module without it
     from aiohttp import web
 
     @web.middleware

@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
+from tokenwire.engine.errors import ReplicaLostError
+from tokenwire.protocols.aici.client import AiciClient, AiciError
+from tokenwire.protocols.aici.engine_bridge import Coordinator
+from tokenwire.protocols.aici.rest import runtime_spin_ms, tokenizer_spec
+from tokenwire.protocols.aici.run import failed_run, run_events
 from tokenwire.scale.handle import _lost_errors
 
 if TYPE_CHECKING:
     from tokenwire.engine.engine import Engine
-    from tokenwire.protocols.aici.client import AiciClient
-    from tokenwire.protocols.aici.engine_bridge import Coordinator
     from tokenwire.protocols.aici.run import RunRequest
-    from tokenwire.scale.facade import ReplicaEngine
 
 log = logging.getLogger("tokenwire.scale")
 
@@ -52,10 +54,6 @@ class ReplicaAici:
         self._lock = asyncio.Lock()
 
     async def _runtime(self, config: RuntimeConfig) -> tuple[AiciClient, Coordinator]:
-        from tokenwire.protocols.aici.client import AiciClient
-        from tokenwire.protocols.aici.engine_bridge import Coordinator
-        from tokenwire.protocols.aici.rest import runtime_spin_ms, tokenizer_spec
-
         async with self._lock:
             if self.client is not None and self.coord is not None:
                 status = self.client.proc.poll()
@@ -82,8 +80,6 @@ class ReplicaAici:
         return await client.side_async(op, **fields)
 
     async def run(self, config: RuntimeConfig, req: RunRequest) -> AsyncIterator[dict[str, Any]]:
-        from tokenwire.protocols.aici.run import run_events
-
         client, coord = await self._runtime(config)
         events = run_events(self.engine, client, coord, req)
         try:
@@ -102,10 +98,22 @@ class ReplicaAici:
 
 
 # ---------------------------------------------------------------------------------- ingress side
+class ReplicaPool(Protocol):
+    """What RemoteAici uses of the ingress's engine: ReplicaEngine (facade.py), which makes it
+    (described here so that this module need not import the one that imports it)."""
+
+    replicas: list[Any]  # the replica actors
+    up: list[bool]
+
+    def _place(self, tokens: Sequence[int]) -> int: ...
+
+    def replica_lost(self, replica: int, exc: BaseException | None = None) -> None: ...
+
+
 class RemoteAici:
     """What the AICI REST server uses instead of a local runtime under `--replicas`."""
 
-    def __init__(self, engine: ReplicaEngine, config: RuntimeConfig) -> None:
+    def __init__(self, engine: ReplicaPool, config: RuntimeConfig) -> None:
         self.engine = engine
         self.config = config
 
@@ -115,8 +123,6 @@ class RemoteAici:
     async def side(self, op: str, **fields: Any) -> dict[str, Any]:
         """get_tags asks one replica; an upload or a tag goes to every live replica (all must
         accept it: a run may land on any of them). Raises AiciError as a local runtime would."""
-        from tokenwire.protocols.aici.client import AiciError
-
         live = [r for r in range(len(self.engine.replicas)) if self.engine.up[r]]
         if not live:
             raise AiciError("no engine replica is up (all are restarting)")
@@ -135,10 +141,8 @@ class RemoteAici:
     async def run(self, req: RunRequest) -> AsyncIterator[dict[str, Any]]:
         """The run's objects as the chosen replica produces them; a replica lost mid-run ends
         the run with a failed fork naming the loss."""
+        # local: ray is optional (the `ray` extra); this module is imported by every replica's set-up
         import ray
-
-        from tokenwire.engine.errors import ReplicaLostError
-        from tokenwire.protocols.aici.run import failed_run
 
         try:
             replica = self.engine.place(())

@@ -18,11 +18,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenwire.engine.factory import EngineSettings
-from tokenwire.scale.directory import DIRECTORY_NAME, SessionDirectory
-from tokenwire.scale.replica import REPLICA_PREFIX, EngineReplica, ReplicaInfo
+from tokenwire.scale.actors import DIRECTORY_NAME, NAMESPACE, REPLICA_PREFIX
+from tokenwire.scale.directory import SessionDirectory
+from tokenwire.scale.replica import EngineReplica, ReplicaInfo
 
 log = logging.getLogger("tokenwire.scale")
-NAMESPACE = "tokenwire"
 OBJECT_STORE_MB = 200  # token event batches are small; the default (30% of RAM) is not needed
 
 
@@ -46,6 +46,7 @@ def connect(spec: ClusterSpec) -> None:
     # Ray's C++ failure-signal handler would take over SIGTERM in this process (a stack dump,
     # and no clean shutdown); serve handles SIGTERM itself
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    # local: ray is optional (the `ray` extra), and reads RAY_DISABLE_FAILURE_SIGNAL_HANDLER when imported
     import ray
 
     if ray.is_initialized():
@@ -78,6 +79,7 @@ def replica_threads(cpus: float) -> int:
 def start_replicas(spec: ClusterSpec, settings: EngineSettings) -> tuple[list[Any], Any, list[ReplicaInfo]]:
     """The replica actors (created or found), the session directory, and each replica's info
     (waits until every replica has loaded its model)."""
+    # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
     import ray
 
     settings = replace(settings, progress=False)
@@ -115,32 +117,3 @@ def start_replicas(spec: ClusterSpec, settings: EngineSettings) -> tuple[list[An
         log.info("replica %d: pid %d on %s, device %s (%s)", info.index, info.pid, info.node, info.device,
                  info.incarnation)  # fmt: skip
     return actors, directory, infos
-
-
-def find_replicas(namespace: str = NAMESPACE) -> list[tuple[int, Any]]:
-    """The replica actors alive in the namespace (for `tokenwire ray status`)."""
-    from ray.util import list_named_actors
-
-    found = []
-    for entry in list_named_actors(all_namespaces=True):
-        name = entry["name"] if isinstance(entry, dict) else entry
-        ns = entry.get("namespace") if isinstance(entry, dict) else namespace
-        if ns == namespace and name.startswith(REPLICA_PREFIX):
-            import ray
-
-            found.append((int(name[len(REPLICA_PREFIX) :]), ray.get_actor(name, namespace=namespace)))
-    return sorted(found, key=lambda pair: pair[0])
-
-
-def remove_all(namespace: str = NAMESPACE) -> int:
-    """Kill the namespace's replicas and session map (no restart); how many actors were removed."""
-    import ray
-
-    actors = [actor for _, actor in find_replicas(namespace)]
-    try:
-        actors.append(ray.get_actor(DIRECTORY_NAME, namespace=namespace))
-    except ValueError:  # no session map in this namespace
-        pass
-    for actor in actors:
-        ray.kill(actor, no_restart=True)
-    return len(actors)

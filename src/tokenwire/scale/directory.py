@@ -12,7 +12,7 @@ million sessions); `SessionDirectory` is the actor around it.
 
 from __future__ import annotations
 
-DIRECTORY_NAME = "tokenwire-sessions"
+from tokenwire.scale.actors import find_replicas
 
 
 class SessionTable:
@@ -70,9 +70,8 @@ class SessionDirectory:
         self._recover()
 
     def _recover(self) -> None:
+        # local: ray is optional (the `ray` extra); this runs inside the Ray actor
         import ray
-
-        from tokenwire.scale.cluster import find_replicas
 
         for index, actor in find_replicas(ray.get_runtime_context().namespace):
             try:

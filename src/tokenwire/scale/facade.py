@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any
 from tokenwire.engine.admission import check_request
 from tokenwire.engine.api import EngineAPI
 from tokenwire.engine.errors import EngineError, InvalidRequestError, ReplicaLostError, SessionNotFoundError
+from tokenwire.engine.grammar import GrammarConstraint
 from tokenwire.engine.request import FinishEvent, GenerateOptions
 from tokenwire.engine.session import Ttl
 from tokenwire.engine.vision import ImageBlock, ImageInput, SessionImage
 from tokenwire.model.tokenizer import Tokenizer
+from tokenwire.scale.aici import RemoteAici, RuntimeConfig
 from tokenwire.scale.handle import RemoteHandle, _lost_errors
 from tokenwire.scale.replica import GrammarRecipe, ReplicaInfo
 from tokenwire.scale.router import Router, prefix_keys
@@ -101,6 +103,7 @@ class ReplicaEngine(EngineAPI):
     # ------------------------------------------------------------------ calls
     def _get(self, replica: int, ref: Any) -> Any:
         """ray.get with the replica's failures as engine errors (the engine's own message)."""
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
         from ray.exceptions import GetTimeoutError, RayTaskError
 
@@ -123,6 +126,7 @@ class ReplicaEngine(EngineAPI):
             ) from None
 
     def _locate(self, session_id: str) -> tuple[int, str]:
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         with self._lock:
@@ -168,6 +172,7 @@ class ReplicaEngine(EngineAPI):
             self._cache.pop(session_id, None)
 
     def _assign(self, session_id: str, replica: int) -> None:
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         incarnation = self.incarnations[replica]
@@ -197,6 +202,7 @@ class ReplicaEngine(EngineAPI):
         return child
 
     def close_session(self, session_id: str) -> bool:
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         try:
@@ -310,8 +316,6 @@ class ReplicaEngine(EngineAPI):
     def _portable(constraint: Any) -> GrammarRecipe:
         """A constraint as the replica rebuilds it: grammars (JSON schema, regex, Lark) travel as
         their grammar text; other constraints (AICI controllers) cannot leave this process."""
-        from tokenwire.engine.grammar import GrammarConstraint
-
         if not isinstance(constraint, GrammarConstraint):
             raise InvalidRequestError(
                 f"{type(constraint).__name__} constraints are not available with --replicas (grammars are)"
@@ -332,6 +336,7 @@ class ReplicaEngine(EngineAPI):
         """One thread per replica: this process's `events` stream from it, each batch handed to
         the requests' handles. A dead replica fails every request it had; once Ray restarted
         it (the monitor sees it up again), a new stream opens."""
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         while not self._closed.is_set():
@@ -367,8 +372,6 @@ class ReplicaEngine(EngineAPI):
     def remote_aici(self, runtime_args: list[str], busy_wait_ms: float | None) -> RemoteAici:
         """`serve --aici` under --replicas: runs go whole to a replica, whose own runtime steers
         them (scale/aici.py)."""
-        from tokenwire.scale.aici import RemoteAici, RuntimeConfig
-
         return RemoteAici(self, RuntimeConfig(runtime_args, busy_wait_ms))
 
     # ------------------------------------------------------------------ replica health and load
@@ -382,6 +385,7 @@ class ReplicaEngine(EngineAPI):
                     type(exc).__name__ if exc else "unknown")  # fmt: skip
 
     def _watch(self) -> None:
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         pending: dict[int, Any] = {}
@@ -428,6 +432,7 @@ class ReplicaEngine(EngineAPI):
             )  # fmt: skip
 
     def _drop_ended(self) -> None:
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         for r, actor in enumerate(self.replicas):
@@ -466,6 +471,7 @@ class ReplicaEngine(EngineAPI):
     def shutdown(self, timeout_s: float = 10.0) -> bool:
         """Stop watching and streaming (the replicas cancel this process's requests); the
         replicas end with the Ray driver that owns them (server.py shuts Ray down)."""
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         import ray
 
         deadline = time.monotonic() + timeout_s

@@ -21,6 +21,7 @@ LOST_ERRORS: tuple[type[BaseException], ...] = ()  # ray's actor-death errors, s
 def _lost_errors() -> tuple[type[BaseException], ...]:
     global LOST_ERRORS
     if not LOST_ERRORS:
+        # local: ray is optional (the `ray` extra) and slow; `bench --help` loads this module without it
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         LOST_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)

@@ -28,13 +28,13 @@ from typing import Any
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.events import EventChannel
 from tokenwire.engine.factory import EngineSettings, build_engine
+from tokenwire.engine.grammar import GrammarConstraint
 from tokenwire.engine.request import EngineHandle, Event, FinishEvent, GenerateOptions
 from tokenwire.engine.session import Ttl
 from tokenwire.heap import freeze_startup_heap
 from tokenwire.scale.aici import ReplicaAici, RuntimeConfig
 
 log = logging.getLogger("tokenwire.replica")
-REPLICA_PREFIX = "tokenwire-replica-"
 HISTORY = 10_000  # sessions whose served-request counts the replica remembers (for stats/tests)
 
 
@@ -70,8 +70,6 @@ class GrammarRecipe:
     eos_token_ids: Any = None
 
     def build(self, tokenizer: Any) -> Any:
-        from tokenwire.engine.grammar import GrammarConstraint
-
         return GrammarConstraint(tokenizer, self.vocab_size, self.grammar, eos_token_ids=self.eos_token_ids)
 
 
@@ -109,6 +107,7 @@ class EngineReplica:
     # ------------------------------------------------------------------ identity
     def info(self) -> ReplicaInfo:
         e = self.engine
+        # local: ray is optional (the `ray` extra); this runs in the replica's actor
         import ray
 
         return ReplicaInfo(

@@ -58,6 +58,7 @@ def check_scale_args(args: argparse.Namespace) -> None:
 
 def build_replicated(settings: EngineSettings, args: argparse.Namespace) -> ReplicaEngine:
     """Connect to (or start) Ray, start or find the replicas, and stand the facade in front."""
+    # local: the replicated engine loads torch and ray; `serve --help` does without
     from tokenwire.model.loader import resolve_model
     from tokenwire.scale.cluster import ClusterSpec, connect, start_replicas
     from tokenwire.scale.facade import ReplicaEngine
@@ -83,6 +84,7 @@ def build_replicated(settings: EngineSettings, args: argparse.Namespace) -> Repl
 
 
 def shutdown_ray() -> None:
+    # local: ray is optional (the `ray` extra); only --replicas started it
     import ray
 
     ray.shutdown()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tokenwire.cli_args import HelpFormatter
+from tokenwire.scale.actors import DIRECTORY_NAME, find_replicas, remove_all
 
 STATS_TIMEOUT_S = 10.0
 T = TypeVar("T")
@@ -47,10 +48,8 @@ def _cluster_parser(rsub: argparse._SubParsersAction, name: str, help: str) -> a
 
 def collect(namespace: str) -> dict[str, Any]:
     """Each replica's stats (or why it did not answer) and the session map's counts."""
+    # local: ray is optional (the `ray` extra) and slow to import; `tokenwire --help` loads this module
     import ray
-
-    from tokenwire.scale.cluster import find_replicas
-    from tokenwire.scale.directory import DIRECTORY_NAME
 
     replicas: list[dict[str, Any]] = []
     found = find_replicas(namespace)
@@ -93,6 +92,7 @@ def format_table(status: dict[str, Any]) -> str:
 def _in_cluster(args: argparse.Namespace, action: Callable[[str], T]) -> T | None:
     """action(namespace) while joined to the cluster; None (after saying why) when there is none."""
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    # local: ray (see collect)
     import ray
 
     try:
@@ -109,8 +109,6 @@ def _in_cluster(args: argparse.Namespace, action: Callable[[str], T]) -> T | Non
 
 
 def run_down(args: argparse.Namespace) -> int:
-    from tokenwire.scale.cluster import remove_all
-
     removed = _in_cluster(args, remove_all)
     if removed is None:
         return 1

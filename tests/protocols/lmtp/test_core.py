@@ -6,6 +6,7 @@ import pytest
 
 from tests.protocols.lmtp.fakes import FakeEngine, Harness, records
 from tokenwire.protocols.lmtp.codec import FrameError, decode_frame, encode_records
+from tokenwire.protocols.lmtp.core import LmtpConnection
 
 M = "fake-model"
 
@@ -296,3 +297,13 @@ def test_frames_wait_for_the_engine_and_system_clients_hear_loading_then_ready()
     [(_, [ready])] = h.frames()
     assert ready["system"] == {"event": "ready", "model": M}
     assert len(h.watched) == 1
+
+
+def test_an_unreadable_frame_whose_stream_id_is_a_lone_surrogate_is_answered_in_utf8() -> None:
+    """Found by the fuzzer: the frame is refused for the surrogate, and its error record went to
+    the stream_id read from the raw text, the surrogate itself, which UTF-8 cannot carry."""
+    conn = LmtpConnection(None, lambda handle, stream: None)
+    conn.feed('GENERATE {"stream_id": [], "model": [{"stream_id": "\\ud800"}], "prompt": [1]}')
+    frames = conn.take_frames()
+    assert len(frames) == 1 and "lone UTF-16 surrogate" in frames[0]
+    frames[0].encode("utf-8")  # strict, as the WebSocket sends it

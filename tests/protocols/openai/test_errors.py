@@ -176,7 +176,7 @@ def test_api_key_env_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     """--api-key defaults to $TOKENWIRE_API_KEY."""
     import argparse
 
-    from tokenwire.protocols.openai.transport import add_serve_args
+    from tokenwire.protocols.openai.plugin import add_serve_args
 
     monkeypatch.setenv("TOKENWIRE_API_KEY", "from-env")
     parser = argparse.ArgumentParser()

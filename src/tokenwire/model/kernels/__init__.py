@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from tokenwire.model.cache_dir import default_cache_dir
+
 log = logging.getLogger("tokenwire.kernels")
 
 _SOURCE = Path(__file__).with_name("quant_cpu.cpp")
@@ -52,8 +54,6 @@ def compiler_flags() -> list[str]:
 
 
 def kernel_dir() -> Path:
-    from tokenwire.model.loader import default_cache_dir
-
     flags = compiler_flags()
     sources = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("*.[ch]*")))
     key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(flags).encode())
@@ -66,6 +66,7 @@ def load_kernels() -> None:
     with _lock:
         if _loaded:
             return
+        # local: cpp_extension imports setuptools and the compiler tooling; loading a built one needs it too
         from torch.utils import cpp_extension
 
         build = kernel_dir()

@@ -15,6 +15,7 @@ import concurrent.futures
 import logging
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -26,9 +27,9 @@ import numpy as np
 from tokenwire.heap import freeze_startup_heap
 from tokenwire.protocols.aici.codec import ProtocolError, decode_message, encode_message, error_reply
 from tokenwire.protocols.aici.controller import ControllerLimits
-from tokenwire.protocols.aici.plugin import add_runtime_args
 from tokenwire.protocols.aici.registry import ModuleRegistry
 from tokenwire.protocols.aici.runtime import AiciRuntime, StopRuntime
+from tokenwire.protocols.aici.runtime_args import add_runtime_args
 from tokenwire.protocols.aici.shm import MessageChannel, SharedRegion, channel_names, remove_channels
 
 log = logging.getLogger("tokenwire.aicirt")
@@ -66,10 +67,13 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     if args.exit_with_parent:
         _exit_with_parent(os.getppid(), args.name)
+    # local: torch and the tokenizer take seconds to load: the process group and the parent watch
+    # come first, so a runtime whose engine dies meanwhile still exits
     import torch
 
     # one thread: an OpenMP team here stalls ~8 ms per op whenever the CPU is shared (measured)
     torch.set_num_threads(1)
+    # local: it loads torch and transformers (see above)
     from tokenwire.protocols.aici.tokenizer_env import env_for, load_tokenizer
 
     try:
@@ -187,7 +191,5 @@ def _serve_side(
 
 def _rid_of(payload: bytes) -> str | None:
     """Best effort: the $rid of a request that failed to parse as a whole."""
-    import re
-
     m = re.search(rb'"\$rid"\s*:\s*"([^"\\]{1,200})"', payload)
     return m.group(1).decode() if m else None

@@ -63,6 +63,7 @@ def _jsctrl_factory(
     env: TokenizerEnv, variables: Variables, limits: ControllerLimits, arg: str
 ) -> Controller:
     try:
+        # local: jsctrl needs quickjs; a build without it still serves the other controllers
         from tokenwire.protocols.aici.jsctrl import JsController
     except ImportError as e:
         raise ControllerError(f"jsctrl is not available in this build: {e}") from e
@@ -162,6 +163,7 @@ class ModuleRegistry:
             raise UnknownModule(f"unknown module {module_id!r} (never uploaded with mk_module)")
 
         def make(env: TokenizerEnv, variables: Variables, limits: ControllerLimits, arg: str) -> Controller:
+            # local: wasmtime; a build without it still serves the other controllers (see _jsctrl_factory)
             from tokenwire.protocols.aici.wasm import WasmController
 
             return WasmController(env, variables, limits, compiled, arg)
@@ -233,8 +235,10 @@ class ModuleRegistry:
 def _compile_wasm(wasm: bytes) -> Any:
     """A wasmtime Module (via the Wasm controller's engine when it is built in)."""
     try:
+        # local: the Wasm controller is optional (see _jsctrl_factory)
         from tokenwire.protocols.aici.wasm import compile_wasm
     except ImportError:
+        # local: without it, plain wasmtime still checks the module
         import wasmtime
 
         try:

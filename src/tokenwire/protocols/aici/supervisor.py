@@ -15,21 +15,36 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenwire.protocols.aici.client import AiciClient
 from tokenwire.protocols.aici.engine_bridge import Coordinator
 
 if TYPE_CHECKING:
-    from tokenwire.protocols.aici.rest import AiciServer
+    from tokenwire.engine.engine import Engine
 
 log = logging.getLogger("tokenwire.aici")
 POLL_S = 0.2  # how often the child is checked: a restart begins within this of its death
 RETRY_S = 5.0  # wait before trying again when a restart itself failed
 
 
+class Supervised(Protocol):
+    """The server whose runtime is kept alive: AiciServer (rest.py), which makes its supervisor
+    (described here so that this module need not import the one that imports it)."""
+
+    engine: Engine
+    client: AiciClient | None
+    coord: Coordinator | None
+
+    @property
+    def shutting_down(self) -> bool: ...
+
+    @property
+    def runs(self) -> set[asyncio.Task[Any]]: ...
+
+
 class RuntimeSupervisor:
-    def __init__(self, server: AiciServer, make_client: Callable[[], AiciClient]) -> None:
+    def __init__(self, server: Supervised, make_client: Callable[[], AiciClient]) -> None:
         self.server = server
         self.make_client = make_client
         self.restarts = 0

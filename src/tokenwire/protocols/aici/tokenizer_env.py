@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import PreTrainedTokenizerFast
+
 from tokenwire.engine.grammar import lltokenizer_for
+from tokenwire.model.loader import DEFAULT_MODEL_NAME, resolve_model
 from tokenwire.model.tokenizer import Tokenizer
 from tokenwire.protocols.aici.controller import TokenizerEnv
 
@@ -14,8 +17,6 @@ __all__ = ["env_for", "load_tokenizer"]
 def load_tokenizer(spec: str) -> Tokenizer:
     """`default` (or the default model's served name), a model directory, a .gguf file or a
     tokenizer.json file. AICI's built-in names (llama, gpt4, ...) need files we do not ship."""
-    from tokenwire.model.loader import DEFAULT_MODEL_NAME, resolve_model
-
     if spec in ("default", DEFAULT_MODEL_NAME):
         return resolve_model(None, progress=False).tokenizer
     path = Path(spec).expanduser()
@@ -26,8 +27,6 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if path.is_file() and path.suffix.lower() == ".gguf":
         return resolve_model(path, progress=False).tokenizer
     if path.is_file() and path.suffix.lower() == ".json":
-        from transformers import PreTrainedTokenizerFast
-
         return Tokenizer(PreTrainedTokenizerFast(tokenizer_file=str(path)))
     raise ValueError(
         f"unknown tokenizer {spec!r}: use 'default', {DEFAULT_MODEL_NAME!r}, a model directory, "

@@ -24,6 +24,7 @@ from tokenwire.engine.errors import (
     SessionBusyError,
     SessionNotFoundError,
 )
+from tokenwire.engine.grammar import GrammarConstraint
 from tokenwire.engine.request import (
     BacktrackEvent,
     FinishEvent,
@@ -104,7 +105,6 @@ def generate_options(
     constraint = spec.config(twpb.ConstraintConfig)
     if constraint is not None:
         assert isinstance(constraint, twpb.ConstraintConfig)
-        from tokenwire.engine.grammar import GrammarConstraint
 
         hf, width = engine.tokenizer.hf, engine.logits_size
         which = constraint.WhichOneof("grammar")

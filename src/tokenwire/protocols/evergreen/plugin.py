@@ -38,6 +38,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="Evergreen: read file:// refs under this directory (repeatable; none by default)",
     )
+    # local: grpc and protobuf load with the server, not for `tokenwire --help`
     from tokenwire.protocols.evergreen.nodes import DEFAULT_MAX_TOKENS, SessionLimits
 
     d = SessionLimits()
@@ -83,6 +84,7 @@ def run_evergreen(args: argparse.Namespace) -> int:
 
 
 async def _chat(args: argparse.Namespace) -> int:
+    # local: the client loads the engine's types (torch) and grpc; only `tokenwire evergreen` needs them
     from tokenwire.protocols.evergreen.client import Chat, EvergreenError, EvergreenSession, GenerateConfig
 
     config = GenerateConfig(max_tokens=args.max_tokens, temperature=args.temperature)

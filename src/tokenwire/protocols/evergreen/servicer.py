@@ -24,6 +24,7 @@ from tokenwire.protocols.evergreen.gen import evergreen_service_pb2_grpc as spb_
 from tokenwire.protocols.evergreen.nodes import SessionLimits
 from tokenwire.protocols.evergreen.refs import RefSandbox
 from tokenwire.protocols.evergreen.runner import SessionRunner
+from tokenwire.protocols.grpc_server import GrpcRegistration
 
 log = logging.getLogger("tokenwire.evergreen")
 SERVICE_NAME = "evergreen.v2.EvergreenService"
@@ -118,11 +119,7 @@ def limits_from_args(args: argparse.Namespace) -> SessionLimits:
     )
 
 
-def add_to_server(
-    server: grpc.aio.Server, engine: EngineAPI, args: argparse.Namespace
-):  # -> GrpcRegistration
-    from tokenwire.protocols.grpc_server import GrpcRegistration
-
+def add_to_server(server: grpc.aio.Server, engine: EngineAPI, args: argparse.Namespace) -> GrpcRegistration:
     sandbox = RefSandbox(getattr(args, "allow_ref_root", None) or [])
     max_tokens = getattr(args, "evergreen_max_tokens", None) or DEFAULT_MAX_TOKENS
     reuse = getattr(args, "evergreen_reuse", True)

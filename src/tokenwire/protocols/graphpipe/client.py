@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import numpy as np
 
 from tokenwire.protocols.graphpipe.codec import (
@@ -170,8 +171,6 @@ class AsyncClient:
         auth_token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        import aiohttp
-
         self.url = url
         self.headers = _headers(auth_token)
         connector = aiohttp.TCPConnector(

@@ -50,6 +50,7 @@ def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    # local: the server loads numpy and aiohttp; `tokenwire --help` does without
     from tokenwire.protocols.graphpipe.server import add_serve_args as graphpipe_args
 
     graphpipe_args(parser)
@@ -63,6 +64,7 @@ async def bind(args: argparse.Namespace) -> SocketListener | None:
 
 
 async def _serve(engine: EngineAPI, sock: socket.socket, args: argparse.Namespace) -> Stopper:
+    # local: the server (see add_serve_args)
     from tokenwire.protocols.graphpipe.server import build_server
 
     server = await build_server(engine, args, args.host, args.graphpipe_port, sock).start()
@@ -70,6 +72,7 @@ async def _serve(engine: EngineAPI, sock: socket.socket, args: argparse.Namespac
 
 
 def run_graphpipe(args: argparse.Namespace) -> int:
+    # local: numpy and the client load for `tokenwire graphpipe` only
     import numpy as np
 
     from tokenwire.protocols.graphpipe.client import Client, GraphPipeClientError

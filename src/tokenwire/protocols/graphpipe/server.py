@@ -340,10 +340,12 @@ def build_server(
     port: int,
     sock: socket.socket | None = None,
 ) -> GraphPipeServer:
+    # local: onnxruntime takes a while to import; only --graphpipe-onnx serves ONNX models
     from tokenwire.protocols.graphpipe.models.onnx_model import OnnxModel
 
     models: list[TensorModel] = []
     if engine is not None:
+        # local: the language model wraps the engine (torch); only --graphpipe-lm serves it
         from tokenwire.protocols.graphpipe.models.lm_model import LanguageModel
 
         models.append(LanguageModel(engine))

@@ -82,6 +82,11 @@ def _stream_id_in(text: str) -> StreamId | None:
         sid = json.loads(match.group(1))
     except ValueError:
         return None
+    if isinstance(sid, str) and not sid.isascii():
+        try:
+            sid.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: the error record echoing it could not be sent
+            return None
     return sid if isinstance(sid, int | str) else None
 
 

@@ -14,6 +14,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from tokenwire.cli_args import HelpFormatter, add_model_args, settings_from, unreachable
+from tokenwire.protocols.limits import idle_timeout, max_streams
+from tokenwire.protocols.security import auth_token, ssl_context
 from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
 
 if TYPE_CHECKING:
@@ -52,9 +54,8 @@ async def bind(args: argparse.Namespace) -> SocketListener | None:
 
 
 async def _serve(engine: EngineAPI, sock: socket.socket, args: argparse.Namespace) -> Stopper:
-    from tokenwire.protocols.limits import idle_timeout, max_streams
+    # local: the server imports the engine (torch); `serve --help` does without
     from tokenwire.protocols.lmtp.ws_server import LmtpServer
-    from tokenwire.protocols.security import auth_token, ssl_context
 
     server = await LmtpServer(
         engine,
@@ -83,6 +84,7 @@ def run_lmtp(args: argparse.Namespace) -> int:
 
 
 def _serve_stdio(settings: EngineSettings) -> int:
+    # local: the engine (torch) loads only for `tokenwire lmtp --stdio`
     from tokenwire.engine.factory import build_engine
     from tokenwire.protocols.lmtp.stdio import serve_stdio
 
@@ -93,6 +95,7 @@ def _serve_stdio(settings: EngineSettings) -> int:
 
 
 async def _complete(args: argparse.Namespace) -> int:
+    # local: aiohttp loads for `tokenwire lmtp` only
     from tokenwire.protocols.lmtp.client import Client, LmtpError
 
     extra = {"seed": args.seed} if args.seed is not None else {}

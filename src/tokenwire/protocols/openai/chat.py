@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+import jinja2
+import jinja2.meta
+
 from tokenwire.model.tokenizer import Tokenizer
 from tokenwire.protocols.openai.errors import OpenAIError, bad_request
 from tokenwire.protocols.openai.images import ChatImage, ChatVision, read_image_part
@@ -88,9 +91,6 @@ def _arguments(text: str) -> Any:
 
 @lru_cache(maxsize=8)
 def _template_variables(template: str) -> frozenset[str]:
-    import jinja2
-    import jinja2.meta
-
     env = jinja2.Environment()
     return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
 

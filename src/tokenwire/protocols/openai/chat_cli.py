@@ -34,6 +34,7 @@ def register_cli(sub: Any) -> None:
 
 
 def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
+    # local: the openai package is a dev extra; only `tokenwire chat` needs it
     import openai
 
     client = openai.OpenAI(base_url=args.url, api_key=args.api_key)

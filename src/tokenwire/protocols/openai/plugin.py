@@ -10,6 +10,7 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
+from tokenwire.protocols.openai.chat_cli import register_cli as chat_cli
 from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
 
 if TYPE_CHECKING:
@@ -18,8 +19,6 @@ if TYPE_CHECKING:
 
 def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """`tokenwire chat`: an interactive chat with any OpenAI-compatible server."""
-    from tokenwire.protocols.openai.chat_cli import register_cli as chat_cli
-
     chat_cli(sub)
 
 
@@ -53,6 +52,7 @@ async def bind(args: argparse.Namespace) -> SocketListener | None:
 
 
 async def _serve(engine: EngineAPI, sock: socket.socket, args: argparse.Namespace) -> Stopper:
+    # local: the server loads FastAPI, uvicorn, pydantic and the engine's types; `serve --help` needs none
     from tokenwire.protocols.openai.transport import start_from_args
 
     stop = await start_from_args(engine, args, sock)

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from tokenwire.engine.errors import EngineError
+from tokenwire.protocols.openai.core import check_model
 from tokenwire.protocols.openai.errors import from_engine
 from tokenwire.protocols.openai.schemas import SessionCreate, SessionFork, SessionTruncate
 
@@ -27,8 +28,6 @@ def _json(obj: Any) -> Response:
 
 
 def add_session_routes(app: FastAPI, engine: EngineAPI, limits: ModelLimits) -> None:
-    from tokenwire.protocols.openai.core import check_model
-
     def describe(session_id: str, full: bool) -> dict[str, Any]:
         tokens = engine.session_tokens(session_id)
         body: dict[str, Any] = {

@@ -21,7 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from tokenwire import metrics
 from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import Origin
 from tokenwire.protocols.connection_guard import ListenerGuard
@@ -30,7 +32,6 @@ from tokenwire.protocols.openai.body_limit import DEFAULT_MAX_BODY_MB, BodyLimit
 from tokenwire.protocols.openai.errors import OpenAIError, from_engine
 from tokenwire.protocols.openai.images import vision_of
 from tokenwire.protocols.openai.playground import add_playground_routes
-from tokenwire.protocols.openai.plugin import add_serve_args  # noqa: F401 - its flags live there
 from tokenwire.protocols.openai.runner import Execution
 from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenwire.protocols.openai.sessions import add_session_routes
@@ -316,7 +317,6 @@ def _guarded_http_protocol(guard: ListenerGuard) -> Any:
     """uvicorn's `http=` protocol class, behind `guard` (connection_guard.py: deadlines on
     half-open requests, the per-address cap). uvicorn calls it with its keyword arguments for
     each accepted connection; the guard makes uvicorn's own protocol only for one it admits."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     def make(**kwargs: Any) -> asyncio.Protocol:
         return guard.wrap(lambda: AutoHTTPProtocol(**kwargs))()
@@ -397,16 +397,6 @@ class OpenAIServer:
         self._server = None
 
 
-def _metrics_exposition() -> Callable[[], tuple[bytes, str]] | None:
-    """The Prometheus exposition of tokenwire.metrics when that module exists (issue 13)."""
-    try:
-        from tokenwire import metrics  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    exposition = getattr(metrics, "exposition", None)
-    return exposition if callable(exposition) else None
-
-
 async def start_from_args(
     engine: EngineAPI, args: argparse.Namespace, sock: socket.socket | None = None
 ) -> Callable[[], Awaitable[None]] | None:
@@ -424,7 +414,7 @@ async def start_from_args(
         api_key=getattr(args, "api_key", None) or auth_token(args),
         max_queued=getattr(args, "max_queued", 256),
         max_body_mb=getattr(args, "http_max_body_mb", DEFAULT_MAX_BODY_MB),
-        metrics=_metrics_exposition(),
+        metrics=metrics.exposition,  # issue 13: /metrics on this port too
     )
     await server.start()
     return server.stop

@@ -14,6 +14,7 @@ import os
 import sys
 
 from tokenwire.cli_args import HelpFormatter, add_model_args, unreachable
+from tokenwire.model_spec import check_model_spec
 
 DEFAULT_URL = "127.0.0.1:50051"
 
@@ -66,8 +67,8 @@ def run_chat(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"tokenwire salience: {problem}", file=sys.stderr)
         return 1
+    # local: the loader imports torch and grpc the client; only `tokenwire salience` needs them
     from tokenwire.model.loader import resolve_model
-    from tokenwire.model_spec import check_model_spec
     from tokenwire.protocols.salience.client import Client
     from tokenwire.protocols.salience.client_session import SalienceError
 
