@@ -13,7 +13,7 @@ from torch import nn
 from tokenwire.engine.request import GenerateOptions, SamplingParams
 from tokenwire.engine.step_team import MIN_ROWS, StepTeam
 from tokenwire.model import kernels
-from tokenwire.model.layers.decoder import DecoderLayer
+from tokenwire.model.layers.block import DecoderLayer
 
 STEP_GATE = 1  # team_state's index of the unfused steps' gate (kernels/barrier.h)
 

@@ -13,7 +13,8 @@ from tokenwire.engine.request import GenerateOptions, SamplingParams
 from tokenwire.model import kernels
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.layers.attention import Attention, AttentionSpec
-from tokenwire.model.layers.decoder import DecoderLayer, DecoderModel
+from tokenwire.model.layers.block import DecoderLayer
+from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.layers.mlp import GatedMLP
 from tokenwire.model.layers.rotary import RopeSpec
 from tokenwire.model.quant import Q8_0, QuantLinear

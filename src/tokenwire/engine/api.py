@@ -14,7 +14,7 @@ runs function(engine, ...) on the model thread of this engine or of one replica.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,7 +28,18 @@ if TYPE_CHECKING:
     from tokenwire.model.config import ModelConfig
     from tokenwire.model.loader import ModelSource
     from tokenwire.model.tokenizer import Tokenizer
-    from tokenwire.scale.aici import RemoteAici
+
+
+class RemoteAiciRuns(Protocol):
+    """AICI runs handed whole to another process (scale/aici.py's RemoteAici under --replicas).
+    Declared here, below the protocols and scale-out, so the engine interface names no layer
+    above it; `req` is the AICI protocol's RunRequest."""
+
+    def describe(self) -> str: ...
+
+    async def side(self, op: str, **fields: Any) -> dict[str, Any]: ...
+
+    def run(self, req: Any) -> AsyncIterator[dict[str, Any]]: ...
 
 
 class EngineAPI(Protocol):
@@ -102,7 +113,7 @@ class EngineAPI(Protocol):
         ...
 
     # ------------------------------------------------------------------ AICI
-    def remote_aici(self, runtime_args: list[str], busy_wait_ms: float | None) -> RemoteAici | None:
+    def remote_aici(self, runtime_args: list[str], busy_wait_ms: float | None) -> RemoteAiciRuns | None:
         """Where AICI runs go when they cannot run in this process (--replicas: whole to a
         replica, scale/aici.py); None when `serve --aici` runs its own runtime beside the engine."""
         ...

@@ -20,10 +20,18 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from tokenwire.engine.request import FinishReason, TokenEvent
+
+class Positioned(Protocol):
+    """A generated token's event (request.py's TokenEvent): deferred by its position. A protocol,
+    not an import: request.py imports this module."""
+
+    @property
+    def position(self) -> int: ...
+
+
+E = TypeVar("E", bound=Positioned)
 
 # a position's logprob and its top alternatives (None when not asked for)
 Logprob = tuple[float, list[tuple[int, float]] | None]
@@ -94,7 +102,7 @@ class PromptOutput(NamedTuple):
     readout: bool
 
 
-class PositionOutputs:
+class PositionOutputs(Generic[E]):
     """Which positions of one request owe logprobs and readouts, and those results until their
     events are due. Mutated only under the engine lock (like its Request)."""
 
@@ -125,9 +133,9 @@ class PositionOutputs:
         self._prompt_logprobs: dict[int, Logprob] = {}  # arrived a chunk before their event
         # generated tokens' events waiting for their position's hidden state (computed in the
         # step after they were sampled), by position
-        self._deferred: dict[int, TokenEvent] = {}
+        self._deferred: dict[int, E] = {}
         # (reason, detail) of a finish that waits for the deferred events to go out first
-        self.finish_after_readouts: tuple[FinishReason, str | int | None] | None = None
+        self.finish_after_readouts: tuple[str, str | int | None] | None = None  # (reason, detail)
         first = prompt_len - 1
         owed, lp = self._prompt_owed.first(), self._prompt_lp.first()
         if owed is not None:
@@ -184,7 +192,7 @@ class PositionOutputs:
     def wants_readout(self, position: int) -> bool:
         return position in self._readout
 
-    def defer(self, event: TokenEvent) -> None:
+    def defer(self, event: E) -> None:
         """Hold a generated token's event until its position's hidden state is computed."""
         self._deferred[event.position] = event
 
@@ -193,7 +201,7 @@ class PositionOutputs:
         """Whether generated events are held for their readouts."""
         return bool(self._deferred)
 
-    def generated_done(self, end: int) -> list[TokenEvent]:
+    def generated_done(self, end: int) -> list[E]:
         """The held events of positions below `end` (now computed), ascending; their readouts
         are the caller's to fill in."""
         if not self._deferred:

@@ -290,7 +290,7 @@ class Request:
         self.finished = False
         self.feed: EventFeed[Event] = EventFeed()  # to the handle's subscriber
         # which positions owe logprobs / readouts, and those results until their events are due
-        self.positions = PositionOutputs(
+        self.positions: PositionOutputs[TokenEvent] = PositionOutputs(
             prompt_len, options.logprob_ranges, options.logprobs, options.readout_ranges
         )
         self.started = False  # prefix cache consulted since (re)admission

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tokenwire.model import kernels
-from tokenwire.model.layers.decoder import DecoderLayer
+from tokenwire.model.layers.block import DecoderLayer
 
 MIN_ROWS = 64
 

@@ -10,7 +10,8 @@ import torch
 
 from tokenwire.model.config import ModelConfig, common_config
 from tokenwire.model.layers.attention import Attention, AttentionSpec
-from tokenwire.model.layers.decoder import DecoderLayer, DecoderModel
+from tokenwire.model.layers.block import DecoderLayer
+from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.layers.mlp import GatedMLP
 from tokenwire.model.layers.rotary import RopeSpec
 from tokenwire.model.layers.weights import Tensors, WeightNames

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.families.base import Family, GgufNames, llama_layer, llama_names
-from tokenwire.model.layers.decoder import DecoderLayer
+from tokenwire.model.layers.block import DecoderLayer
 
 
 def assemble(config: ModelConfig) -> list[DecoderLayer]:

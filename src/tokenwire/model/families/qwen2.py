@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenwire.model.config import ModelConfig, common_config
 from tokenwire.model.families.base import Family, GgufNames, llama_layer, llama_names
-from tokenwire.model.layers.decoder import DecoderLayer
+from tokenwire.model.layers.block import DecoderLayer
 
 
 def read_config(d: dict[str, Any], arch: str) -> ModelConfig:

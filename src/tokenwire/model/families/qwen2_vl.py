@@ -22,7 +22,8 @@ import torch
 from tokenwire.model import qwen2_vl_config as vl
 from tokenwire.model.config import ModelConfig, common_config
 from tokenwire.model.families.base import Family, llama_layer, llama_names
-from tokenwire.model.layers.decoder import DecoderLayer, DecoderModel
+from tokenwire.model.layers.block import DecoderLayer
+from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.layers.rotary import RopeSpec
 from tokenwire.model.layers.weights import Tensors
 from tokenwire.model.qwen2_vl_vision import VisionTower

@@ -1,9 +1,4 @@
-"""The decoder stack every family builds: embedding, layers, final norm, lm_head.
-
-A layer is norm -> attention -> (norm) -> residual, norm -> MLP -> (norm) -> residual; the
-bracketed norms are Gemma's "sandwich". Which attention, rotary table and MLP each layer has is
-the family's choice (model/families/), made when it assembles the stack.
-"""
+"""The decoder stack every family builds: embedding, layers (block.py), final norm, lm_head."""
 
 from __future__ import annotations
 
@@ -16,9 +11,10 @@ from torch import nn
 
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.layers import fusion
-from tokenwire.model.layers.attention import Attention, AttentionBackend
+from tokenwire.model.layers.attention import AttentionBackend
+from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.norm import RMSNorm
-from tokenwire.model.layers.rotary import RopeSpec, RopeTables, make_rotary
+from tokenwire.model.layers.rotary import RopeSpec, make_rotary
 from tokenwire.model.quant import QuantLinear
 
 
@@ -32,32 +28,6 @@ class PagedDecode:
     v: torch.Tensor
     positions: torch.Tensor  # [M] int64
     block_tables: torch.Tensor  # [M, max_blocks] int64
-
-
-class DecoderLayer(nn.Module):
-    def __init__(
-        self, index: int, hidden: int, attention: Attention, mlp: nn.Module, *, eps: float,
-        rope: RopeSpec, norm_offset: float = 0.0, sandwich: bool = False,
-    ) -> None:  # fmt: skip
-        super().__init__()
-        self.index = index
-        self.rope = rope
-        self.attn_norm = RMSNorm(hidden, eps, norm_offset)
-        self.attention = attention
-        self.attn_out_norm = RMSNorm(hidden, eps, norm_offset) if sandwich else None
-        self.mlp_norm = RMSNorm(hidden, eps, norm_offset)
-        self.mlp = mlp
-        self.mlp_out_norm = RMSNorm(hidden, eps, norm_offset) if sandwich else None
-
-    def forward(self, x: torch.Tensor, rope: RopeTables | None, backend: AttentionBackend) -> torch.Tensor:
-        h = self.attention(self.attn_norm(x), rope, backend)
-        if self.attn_out_norm is not None:
-            h = self.attn_out_norm(h)
-        x = x + h
-        h = self.mlp(self.mlp_norm(x))
-        if self.mlp_out_norm is not None:
-            h = self.mlp_out_norm(h)
-        return x + h
 
 
 class DecoderModel(nn.Module):
@@ -186,12 +156,12 @@ class DecoderModel(nn.Module):
     def fusion_blocker(self) -> str | None:
         """Why decode steps run eager (None: they fuse). The layers do not change after loading:
         checked once, not on every step."""
-        return fusion.blocker(self)
+        return fusion.blocker(list(self.layers), self.device, self.dtype)
 
     @functools.cached_property
     def _decode_stack(self) -> Any:
         """The fused decode kernel's handle on every layer's weights (built at the first fused step)."""
-        return fusion.build_stack(self)
+        return fusion.build_stack(list(self.layers), self.rotaries, self.norm.eps)
 
     def logits(self, hidden: torch.Tensor, fused_decode: bool = False) -> torch.Tensor:
         """fused_decode: the hidden states came from the fused decode layers (int16 matvecs);

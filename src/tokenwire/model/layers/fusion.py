@@ -9,27 +9,27 @@ A model with any other layer decodes eager, and `blocker` says why (the bench pr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch import nn
 
 from tokenwire.model import kernels
+from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.mlp import GatedMLP
-from tokenwire.model.layers.rotary import Rotary
+from tokenwire.model.layers.rotary import RopeSpec, Rotary
 from tokenwire.model.quant import QuantLinear
 
-if TYPE_CHECKING:
-    from tokenwire.model.layers.decoder import DecoderLayer, DecoderModel
-
-ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # decode_stack.h's gated_block
+ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # decode_stack.h's gated()
 
 
-def blocker(model: DecoderModel) -> str | None:
-    """Why the model's decode steps cannot fuse; None when they can."""
-    if model.device.type != "cpu" or model.dtype != torch.float32:
+def blocker(layers: Sequence[DecoderLayer], device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a stack's decode steps cannot fuse; None when they can."""
+    if device.type != "cpu" or dtype != torch.float32:
         return "the fused decode runs fp32 weights on the CPU"
-    first = model.layers[0].attention.spec
-    for layer in model.layers:
+    first = layers[0].attention.spec
+    for layer in layers:
         why = _layer_blocker(layer)
         if why is None and layer.attention.spec.num_heads != first.num_heads:
             why = "head counts differ between layers"
@@ -56,7 +56,7 @@ def _layer_blocker(layer: DecoderLayer) -> str | None:
 
 
 def describe(
-    model: DecoderModel, layer: DecoderLayer
+    layer: DecoderLayer, rotary: nn.Module | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, float]]:
     attention, mlp, spec = layer.attention, layer.mlp, layer.attention.spec
     assert isinstance(mlp, GatedMLP)
@@ -68,7 +68,6 @@ def describe(
         tensors["qkv_bias"] = attention.qkv.bias
     if attention.q_norm is not None and attention.k_norm is not None:
         tensors["q_norm"], tensors["k_norm"] = attention.q_norm.scale(), attention.k_norm.scale()
-    rotary = model.rotaries[layer.rope]
     if isinstance(rotary, Rotary):
         tensors["rope_cos"], tensors["rope_sin"] = rotary.cos, rotary.sin
     ints["window"] = spec.window or 0
@@ -78,12 +77,13 @@ def describe(
     return {k: v.contiguous() for k, v in tensors.items()}, ints, floats
 
 
-def build_stack(model: DecoderModel) -> Any:
+def build_stack(
+    layers: Sequence[DecoderLayer], rotaries: dict[RopeSpec, nn.Module | None], final_eps: float
+) -> Any:
+    """The kernel's handle on the layers' weights; `rotaries`: the stack's table of each RopeSpec."""
     kernels.ops()  # loads the kernels, which define the class
-    spec = model.layers[0].attention.spec
-    stack = torch.classes.tokenwire.DecodeStack(
-        spec.num_heads, spec.num_kv_heads, spec.head_dim, model.norm.eps
-    )
-    for layer in model.layers:
-        stack.add_layer(*describe(model, layer))
+    spec = layers[0].attention.spec
+    stack = torch.classes.tokenwire.DecodeStack(spec.num_heads, spec.num_kv_heads, spec.head_dim, final_eps)
+    for layer in layers:
+        stack.add_layer(*describe(layer, rotaries[layer.rope]))
     return stack

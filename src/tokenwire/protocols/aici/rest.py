@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from tokenwire.engine.api import RemoteAiciRuns
 from tokenwire.engine.errors import CapacityError, EngineClosedError, EngineError
 from tokenwire.logs import access_log
 from tokenwire.protocols.aici.client import AiciClient, AiciError
@@ -80,7 +81,7 @@ class AiciServer:
         auth_token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
         make_client: Callable[[], AiciClient] | None = None,
-        remote: Any = None,
+        remote: RemoteAiciRuns | None = None,
     ) -> None:
         self.engine = engine
         # under --replicas (scale/aici.py): runs and uploads go to the replicas' own runtimes
