@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tokenwire.engine.errors import InvalidRequestError, PositionError
+from tokenwire.model.config import ModelConfig
 from tokenwire.model.families.qwen2_vl import mrope_positions
 from tokenwire.model.images import ImageError, PreparedImage
 
@@ -108,9 +109,9 @@ class ImageBlock:
         return [self.start, *[self.pad] * pads, self.end]
 
 
-def vision_tokens(config: Any) -> tuple[int, int, int] | None:
+def vision_tokens(config: ModelConfig) -> tuple[int, int, int] | None:
     """(vision_start, image_pad, vision_end) ids of a vision model; None for a text-only one."""
-    v = getattr(config, "vision", None)
+    v = config.vision
     return None if v is None else (v.vision_start_token_id, v.image_token_id, v.vision_end_token_id)
 
 
