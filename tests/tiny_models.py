@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import (
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
+)
 
 from tokenwire.model.families import build_model, read_config
 from tokenwire.model.layers.decoder import DecoderModel
@@ -46,6 +55,42 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
     "qwen2": Qwen2Config(**_common(num_key_value_heads=1, use_sliding_window=False)),
     "smollm2": LlamaConfig(
         **_common(tie_word_embeddings=True, num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    ),
+    # issue 25's families, each with the parts that set it apart: Qwen3's per-head q/k norm (and a
+    # sliding window from layer 1 on), SmolLM3's layer without RoPE, Gemma 3's (1 + w) sandwich
+    # norms, scaled embeddings, query pre-scale, GELU-tanh, windowed local layers with their own
+    # RoPE base, linear RoPE scaling on the global ones, final soft-capping (its attention cap
+    # is a config field transformers' Gemma 3 never applies: set, so we must ignore it too),
+    # Phi-3's fused checkpoint tensors and LongRoPE (past its original 64 positions: long factors)
+    "qwen3": Qwen3Config(**_common(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "smollm3": SmolLM3Config(**_common(num_hidden_layers=4, pad_token_id=None, no_rope_layer_interval=4)),
+    "gemma3": Gemma3TextConfig(
+        **_common(
+            num_hidden_layers=4,
+            head_dim=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=15.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            },
+            pad_token_id=0,
+        )
+    ),
+    "phi3": Phi3Config(
+        **_common(
+            original_max_position_embeddings=64,
+            pad_token_id=0,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                "long_factor": [1.5 + 0.4 * i for i in range(8)],
+            },
+        )
     ),
 }
 

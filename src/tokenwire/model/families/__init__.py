@@ -11,12 +11,14 @@ from typing import Any
 import torch
 
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
-from tokenwire.model.families import llama, qwen2, qwen2_vl
+from tokenwire.model.families import gemma3, llama, phi3, qwen2, qwen2_vl, qwen3, smollm3
 from tokenwire.model.families.base import Family
 from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.layers.weights import Tensors, load_weights
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen2_vl.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    llama.FAMILY, qwen2.FAMILY, qwen2_vl.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY, gemma3.FAMILY,
+)  # fmt: skip
 ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.architectures}
 MODEL_TYPES = {model_type: arch for family in FAMILIES for arch, model_type in family.architectures.items()}
 GGUF_FAMILIES = {family.gguf.architecture: family for family in FAMILIES if family.gguf is not None}
@@ -51,7 +53,9 @@ def build_model(
     quantised at load); those stay quantised, fp32 only, on the CPU."""
     family = family_of(config)
     with torch.device("meta"):
-        model = family.model_class(config, family.assemble(config), max_positions)
+        model = family.model_class(
+            config, family.assemble(config), max_positions, **family.model_options(config)
+        )
     if family.prepare is not None:
         tensors = family.prepare(model, tensors, dtype, torch.device(device))
     names = family.weight_names(config)

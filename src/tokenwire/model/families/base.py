@@ -53,6 +53,8 @@ class Family:
     # called before the decoder's weights load: loads what the names do not cover (a vision
     # tower) and returns the checkpoint's tensors under the names `weight_names` uses
     prepare: Callable[[DecoderModel, Tensors, torch.dtype, torch.device], Tensors] | None = None
+    # the stack's own settings beyond its layers (DecoderModel's embed_scale, logit_softcap, norm_offset)
+    model_options: Callable[[ModelConfig], dict[str, Any]] = lambda config: {}
 
 
 def config_rope(config: ModelConfig) -> RopeSpec:
@@ -77,6 +79,31 @@ def llama_layer(
         eps=config.rms_norm_eps,
         rope=rope or config_rope(config),
     )
+
+
+def sliding_windows(config: ModelConfig, every_layer: bool = False) -> list[int | None]:
+    """Each layer's window, as transformers reads config.json: `layer_types` where the config
+    lists them (transformers >= 5 writes them); else Qwen's rule (`use_sliding_window`, from layer
+    `max_window_layers` on); else, for a family that windows `every_layer` (Mistral, Phi-3),
+    `sliding_window` on all of them."""
+    hf, n = config.hf, config.num_layers
+    window = hf.get("sliding_window")
+    if window is None:
+        return [None] * n
+    if hf.get("layer_types"):
+        return [int(window) if kind == "sliding_attention" else None for kind in hf["layer_types"]]
+    if "use_sliding_window" in hf:
+        first = int(hf.get("max_window_layers") or 0)
+        return [int(window) if hf["use_sliding_window"] and i >= first else None for i in range(n)]
+    return [int(window) if every_layer else None] * n
+
+
+def qk_norm_names(config: ModelConfig, names: WeightNames) -> WeightNames:
+    """`names` plus each layer's per-head q/k norm (Qwen3, Gemma 3)."""
+    for i in range(config.num_layers):
+        for part in "qk":
+            names[f"layers.{i}.attention.{part}_norm"] = (f"model.layers.{i}.self_attn.{part}_norm",)
+    return names
 
 
 def llama_names(config: ModelConfig) -> WeightNames:

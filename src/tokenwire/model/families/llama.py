@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 from tokenwire.model.config import ModelConfig
-from tokenwire.model.families.base import Family, GgufNames, llama_layer, llama_names
+from tokenwire.model.families.base import Family, GgufNames, llama_layer, llama_names, sliding_windows
 from tokenwire.model.layers.block import DecoderLayer
 
 
 def assemble(config: ModelConfig) -> list[DecoderLayer]:
-    window = config.hf.get("sliding_window") if config.architecture == "MistralForCausalLM" else None
-    return [llama_layer(config, i, window=window) for i in range(config.num_layers)]
+    windows = sliding_windows(config, every_layer=config.architecture == "MistralForCausalLM")
+    return [llama_layer(config, i, window=windows[i]) for i in range(config.num_layers)]
 
 
 FAMILY = Family(

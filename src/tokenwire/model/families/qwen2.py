@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from tokenwire.model.config import ModelConfig, common_config
-from tokenwire.model.families.base import Family, GgufNames, llama_layer, llama_names
+from tokenwire.model.families.base import Family, GgufNames, llama_layer, llama_names, sliding_windows
 from tokenwire.model.layers.block import DecoderLayer
 
 
@@ -16,14 +16,8 @@ def read_config(d: dict[str, Any], arch: str) -> ModelConfig:
 
 
 def assemble(config: ModelConfig) -> list[DecoderLayer]:
-    hf = config.hf
-    windowed = bool(hf.get("use_sliding_window")) and hf.get("sliding_window") is not None
-    first = int(hf.get("max_window_layers") or 0)
-
-    def window(i: int) -> int | None:
-        return int(hf["sliding_window"]) if windowed and i >= first else None
-
-    return [llama_layer(config, i, window=window(i)) for i in range(config.num_layers)]
+    windows = sliding_windows(config)
+    return [llama_layer(config, i, window=windows[i]) for i in range(config.num_layers)]
 
 
 FAMILY = Family(

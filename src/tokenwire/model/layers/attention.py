@@ -73,7 +73,9 @@ def attend(
 
 
 class Attention(nn.Module):
-    def __init__(self, index: int, hidden: int, spec: AttentionSpec, eps: float) -> None:
+    def __init__(
+        self, index: int, hidden: int, spec: AttentionSpec, eps: float, norm_offset: float = 0.0
+    ) -> None:
         super().__init__()
         self.index = index
         self.spec = spec
@@ -82,8 +84,8 @@ class Attention(nn.Module):
         # q/k/v in one matmul: fewer kernel launches per token
         self.qkv = nn.Linear(hidden, q_size + 2 * kv_size, bias=spec.bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=False)
-        self.q_norm = RMSNorm(spec.head_dim, eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, eps) if spec.qk_norm else None
+        self.q_norm = RMSNorm(spec.head_dim, eps, norm_offset) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, eps, norm_offset) if spec.qk_norm else None
 
     def forward(self, h: torch.Tensor, rope: RopeTables | None, backend: AttentionBackend) -> torch.Tensor:
         n, spec = h.shape[0], self.spec

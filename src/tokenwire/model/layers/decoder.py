@@ -32,18 +32,19 @@ class PagedDecode:
 
 class DecoderModel(nn.Module):
     """`embed_scale` multiplies the embeddings (Gemma: sqrt(hidden)); `logit_softcap` caps the
-    logits as cap * tanh(logits / cap) (where a family's config sets it)."""
+    logits as cap * tanh(logits / cap) (where a family's config sets it); `norm_offset` 1: the
+    final norm is Gemma's (1 + w) form."""
 
     def __init__(
         self, config: ModelConfig, layers: list[DecoderLayer], max_positions: int | None = None, *,
-        embed_scale: float | None = None, logit_softcap: float | None = None,
+        embed_scale: float | None = None, logit_softcap: float | None = None, norm_offset: float = 0.0,
     ) -> None:  # fmt: skip
         super().__init__()
         self.config = config
         self.max_positions = max_positions or config.max_position_embeddings
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_offset)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embed_scale = embed_scale
         self.logit_softcap = logit_softcap

@@ -50,7 +50,7 @@ def _layer_blocker(layer: DecoderLayer) -> str | None:
         return "norms after attention and MLP"
     if attention.spec.softcap is not None:
         return "attention soft-capping"
-    if layer.rope.kind not in ("default", "llama3", "longrope", "none"):
+    if layer.rope.kind not in ("default", "linear", "llama3", "longrope", "none"):
         return f"{layer.rope.kind} rotary positions"
     return None
 

@@ -1,6 +1,7 @@
 """Rotary position embeddings, one table per distinct `RopeSpec` of a model (a layer names which).
 
-Kinds: `default`; `llama3` (Llama 3.1's long-wavelength scaling); `longrope` (Phi-3's per-frequency
+Kinds: `default`; `linear` (positions divided by `factor`: Gemma 3's global layers); `llama3`
+(Llama 3.1's long-wavelength scaling); `longrope` (Phi-3's per-frequency
 factors, the long set when the model runs past its original context, as llama.cpp picks them);
 `mrope` (Qwen2-VL's three position rows over frequency bands, positions given per step); `none`
 (a layer without RoPE, SmolLM3's every fourth).
@@ -20,7 +21,7 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin: [N, 1, head_d
 
 @dataclass(frozen=True)
 class RopeSpec:
-    kind: str = "default"  # default | llama3 | longrope | mrope | none
+    kind: str = "default"  # default | linear | llama3 | longrope | mrope | none
     theta: float = 10000.0
     dim: int = 64  # the head dimension (rotated in full)
     # the scaling parameters as sorted (key, value) pairs, lists as tuples: hashable, so equal
@@ -44,6 +45,8 @@ def inv_freq(spec: RopeSpec, max_positions: int) -> tuple[torch.Tensor, float]:
     base = 1.0 / (spec.theta**exponents)
     if spec.kind == "llama3":
         return _llama3(base, spec), 1.0
+    if spec.kind == "linear":
+        return base / float(spec.param("factor", 1.0)), 1.0
     if spec.kind == "longrope":
         original = int(spec.param("original_max_position_embeddings"))
         factors = spec.param("long_factor" if max_positions > original else "short_factor")
