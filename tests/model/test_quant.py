@@ -202,7 +202,15 @@ def _max_logprob_diff(a: list[list[tuple[int, float]]], b: list[list[tuple[int, 
 
 @pytest.mark.parametrize(
     ("arch", "qtype", "sequences"),
-    [("smollm2", Q8_0, 3), ("smollm2", Q4_1, 1), ("qwen2", Q4_0, 2), ("smollm2", Q4_1, 5)],
+    [
+        ("smollm2", Q8_0, 3),
+        ("smollm2", Q4_1, 1),
+        ("qwen2", Q4_0, 2),
+        ("smollm2", Q4_1, 5),
+        # the kernel's per-layer parts: Qwen3's q/k norm and sliding window, SmolLM3's NoPE layer
+        ("qwen3", Q8_0, 2),
+        ("smollm3", Q4_0, 2),
+    ],
 )
 def test_fused_decode_equals_eager_layers_in_the_engine(
     smollm2_source, arch: str, qtype: int, sequences: int
@@ -212,6 +220,7 @@ def test_fused_decode_equals_eager_layers_in_the_engine(
     tolerance with the default int16 activations (under 4 rows; 5 rows take the fp32 tiles).
     SmolLM2's tiny twin has 3 blocks per row (a short last group), Qwen2's a qkv bias."""
     quantised, _ = _twins(qtype, arch)
+    assert quantised.fusion_blocker is None  # every layer is of a kind the kernel runs
     tok = smollm2_source.tokenizer
     eager = _decode_runs(quantised, tok, fuse=False, int16=True, sequences=sequences)  # eager is fp32
     fused_fp32 = _decode_runs(quantised, tok, fuse=True, int16=False, sequences=sequences)
