@@ -7,10 +7,13 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 
@@ -80,6 +83,19 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
             pad_token_id=0,
         )
     ),
+    # mixtures of experts: Mixtral's renormalised top-k, Qwen3-MoE's with a dense layer among
+    # them (mlp_only_layers), OLMoE's raw top-k weights and q/k norms over whole projections
+    "mixtral": MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "qwen3_moe": Qwen3MoeConfig(
+        **_common(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    ),
+    "olmoe": OlmoeConfig(**_common(num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
     "phi3": Phi3Config(
         **_common(
             original_max_position_embeddings=64,

@@ -43,7 +43,10 @@ def rand_tokens(n: int, seed: int) -> list[int]:
 
 # Phi-3 is checked by logits alone (tests/model): its LongRoPE factors depend on the context the
 # server runs with, where transformers switches them by the sequence's length mid-generation
-@pytest.fixture(scope="module", params=["llama3", "qwen2", "smollm2", "qwen3", "smollm3", "gemma3"])
+@pytest.fixture(
+    scope="module",
+    params=["llama3", "qwen2", "smollm2", "qwen3", "smollm3", "gemma3", "mixtral", "qwen3_moe", "olmoe"],
+)
 def engine_hf(request, tokenizer):
     engine, hf = make_engine(request.param, tokenizer, max_batch_tokens=64)
     yield engine, hf

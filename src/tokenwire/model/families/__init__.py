@@ -11,13 +11,25 @@ from typing import Any
 import torch
 
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
-from tokenwire.model.families import gemma3, llama, phi3, qwen2, qwen2_vl, qwen3, smollm3
+from tokenwire.model.families import (
+    gemma3,
+    llama,
+    mixtral,
+    olmoe,
+    phi3,
+    qwen2,
+    qwen2_vl,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from tokenwire.model.families.base import Family
 from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.layers.weights import Tensors, load_weights
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, qwen2.FAMILY, qwen2_vl.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY, gemma3.FAMILY,
+    mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY,
 )  # fmt: skip
 ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.architectures}
 MODEL_TYPES = {model_type: arch for family in FAMILIES for arch, model_type in family.architectures.items()}

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from tokenwire.model.config import ModelConfig, common_config
 from tokenwire.model.layers.attention import Attention, AttentionSpec
@@ -65,9 +66,14 @@ def config_rope(config: ModelConfig) -> RopeSpec:
 
 
 def llama_layer(
-    config: ModelConfig, index: int, rope: RopeSpec | None = None, **attention: Any
+    config: ModelConfig,
+    index: int,
+    rope: RopeSpec | None = None,
+    mlp: nn.Module | None = None,
+    **attention: Any,
 ) -> DecoderLayer:
-    """The Llama block every dense family starts from; `attention`: AttentionSpec overrides."""
+    """The Llama block every family starts from; `mlp` replaces its dense MLP (a mixture of
+    experts), `attention` overrides AttentionSpec fields."""
     spec = AttentionSpec(
         config.num_heads, config.num_kv_heads, config.head_dim, bias=config.attention_bias, **attention
     )
@@ -75,7 +81,7 @@ def llama_layer(
         index,
         config.hidden_size,
         Attention(index, config.hidden_size, spec, config.rms_norm_eps),
-        GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act),
+        mlp or GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act),
         eps=config.rms_norm_eps,
         rope=rope or config_rope(config),
     )

@@ -29,6 +29,7 @@ class AttentionSpec:
     head_dim: int
     bias: bool = False  # on the q/k/v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_per_head: bool = True  # False: over the whole q and k projections (OLMoE)
     window: int | None = None  # a query sees at most this many positions, itself included
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     scale: float | None = None  # of q.k; None: 1 / sqrt(head_dim)
@@ -84,8 +85,9 @@ class Attention(nn.Module):
         # q/k/v in one matmul: fewer kernel launches per token
         self.qkv = nn.Linear(hidden, q_size + 2 * kv_size, bias=spec.bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=False)
-        self.q_norm = RMSNorm(spec.head_dim, eps, norm_offset) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, eps, norm_offset) if spec.qk_norm else None
+        q_width, k_width = (spec.head_dim, spec.head_dim) if spec.qk_norm_per_head else (q_size, kv_size)
+        self.q_norm = RMSNorm(q_width, eps, norm_offset) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_width, eps, norm_offset) if spec.qk_norm else None
 
     def forward(self, h: torch.Tensor, rope: RopeTables | None, backend: AttentionBackend) -> torch.Tensor:
         n, spec = h.shape[0], self.spec
@@ -94,7 +96,11 @@ class Attention(nn.Module):
         q_size, kv_size, _ = self.split
         qk = qkv[:, : q_size + kv_size].view(n, heads + kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+            if spec.qk_norm_per_head:
+                qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+            else:
+                q, k = self.q_norm(qkv[:, :q_size]), self.k_norm(qkv[:, q_size : q_size + kv_size])
+                qk = torch.cat([q, k], dim=1).view(n, heads + kv_heads, d)
         if rope is not None:  # q and k heads get RoPE in one call
             qk = apply_rope(qk, *rope)
         v = qkv[:, q_size + kv_size :].view(n, kv_heads, d)

@@ -48,6 +48,8 @@ def _layer_blocker(layer: DecoderLayer) -> str | None:
         return "float projections (the kernel multiplies quantised blocks)"
     if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
         return "norms after attention and MLP"
+    if attention.spec.qk_norm and not attention.spec.qk_norm_per_head:
+        return "q/k norms over whole projections"
     if attention.spec.softcap is not None:
         return "attention soft-capping"
     if layer.rope.kind not in ("default", "linear", "llama3", "longrope", "none"):

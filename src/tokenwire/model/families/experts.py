@@ -1,0 +1,70 @@
+"""What the mixture-of-experts families share: their checkpoints' expert tensors under one naming,
+and the names of a layer's router and experts.
+
+Checkpoints name experts three ways: per expert `mlp.experts.E.{gate,up,down}_proj` (Qwen3-MoE,
+OLMoE), per expert `block_sparse_moe.experts.E.{w1,w3,w2}` with the router at
+`block_sparse_moe.gate` (Mixtral), and transformers >= 5's fused `mlp.experts.gate_up_proj`
+[experts, 2 x intermediate, hidden] (gate rows first) and `mlp.experts.down_proj`. `prepare`
+brings all three to the first.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from tokenwire.model.config import ModelConfig
+from tokenwire.model.layers.decoder import DecoderModel
+from tokenwire.model.layers.mlp import MixtureOfExperts
+from tokenwire.model.layers.weights import Tensors, WeightNames
+
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_NAME = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])|gate)\.")
+
+
+def _renamed(key: str) -> str:
+    def sub(m: re.Match[str]) -> str:
+        return ".mlp.gate." if m.group(1) is None else f".mlp.experts.{m.group(1)}.{_MIXTRAL[m.group(2)]}."
+
+    return _MIXTRAL_NAME.sub(sub, key)
+
+
+def prepare(model: DecoderModel, state: Tensors, dtype: torch.dtype, device: torch.device) -> Tensors:
+    out: Tensors = {}
+    for key, tensor in state.items():
+        if key.endswith(".mlp.experts.gate_up_proj"):  # [experts, 2 x intermediate, hidden]
+            prefix, half = key[: -len("gate_up_proj")], tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = tensor[e, :half]
+                out[f"{prefix}{e}.up_proj.weight"] = tensor[e, half:]
+        elif key.endswith(".mlp.experts.down_proj"):  # [experts, hidden, intermediate]
+            prefix = key[: -len("down_proj")]
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[_renamed(key)] = tensor
+    return out
+
+
+def expert_names(config: ModelConfig, names: WeightNames, layer: int, experts: int) -> WeightNames:
+    """Layer `layer`'s MLP entries in `names` replaced by its router's and experts'."""
+    hf, ours = f"model.layers.{layer}.mlp.", f"layers.{layer}.mlp."
+    del names[ours + "gate_up"], names[ours + "down"]
+    names[ours + "router"] = (hf + "gate",)
+    for e in range(experts):
+        names[f"{ours}experts.{e}.gate_up"] = (f"{hf}experts.{e}.gate_proj", f"{hf}experts.{e}.up_proj")
+        names[f"{ours}experts.{e}.down"] = (f"{hf}experts.{e}.down_proj",)
+    return names
+
+
+def count(config: ModelConfig) -> int:
+    """The number of experts: `num_experts` in Qwen's and OLMoE's config.json, `num_local_experts`
+    in Mixtral's (and in what transformers >= 5 writes for all three)."""
+    return int(config.hf.get("num_local_experts") or config.hf.get("num_experts") or 0)
+
+
+def moe(
+    config: ModelConfig, intermediate: int, experts: int, top_k: int, normalize: bool
+) -> MixtureOfExperts:
+    return MixtureOfExperts(config.hidden_size, intermediate, experts, top_k, normalize, config.hidden_act)

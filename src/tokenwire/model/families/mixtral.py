@@ -1,0 +1,38 @@
+"""Mixtral: the Llama block with a mixture of experts for its MLP (top-k renormalised), and
+`sliding_window` on every layer where set."""
+
+from __future__ import annotations
+
+from tokenwire.model.config import ModelConfig
+from tokenwire.model.families import experts
+from tokenwire.model.families.base import Family, llama_layer, llama_names, sliding_windows
+from tokenwire.model.layers.block import DecoderLayer
+from tokenwire.model.layers.weights import WeightNames
+
+
+def _experts(config: ModelConfig) -> tuple[int, int]:
+    return experts.count(config), int(config.hf["num_experts_per_tok"])
+
+
+def assemble(config: ModelConfig) -> list[DecoderLayer]:
+    n, k = _experts(config)
+    windows = sliding_windows(config, every_layer=True)
+    return [
+        llama_layer(
+            config, i, mlp=experts.moe(config, config.intermediate_size, n, k, True), window=windows[i]
+        )
+        for i in range(config.num_layers)
+    ]
+
+
+def weight_names(config: ModelConfig) -> WeightNames:
+    names = llama_names(config)
+    for i in range(config.num_layers):
+        experts.expert_names(config, names, i, _experts(config)[0])
+    return names
+
+
+FAMILY = Family(
+    name="mixtral", architectures={"MixtralForCausalLM": "mixtral"}, assemble=assemble,
+    weight_names=weight_names, prepare=experts.prepare,
+)  # fmt: skip

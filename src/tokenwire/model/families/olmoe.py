@@ -1,0 +1,46 @@
+"""OLMoE: RMSNorm over the whole q and k projections (not per head), and a mixture of experts for
+every MLP (top-k weights as the router gives them unless `norm_topk_prob`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError, common_config
+from tokenwire.model.families import experts
+from tokenwire.model.families.base import Family, llama_layer, llama_names, qk_norm_names
+from tokenwire.model.layers.block import DecoderLayer
+from tokenwire.model.layers.weights import WeightNames
+
+
+def read_config(d: dict[str, Any], arch: str) -> ModelConfig:
+    if d.get("clip_qkv") is not None:
+        raise UnsupportedArchitectureError(f"clip_qkv in {arch}: tokenwire does not clip q/k/v")
+    return common_config(d, arch)
+
+
+def assemble(config: ModelConfig) -> list[DecoderLayer]:
+    hf = config.hf
+    n, k, norm = experts.count(config), int(hf["num_experts_per_tok"]), bool(hf.get("norm_topk_prob"))
+    return [
+        llama_layer(
+            config,
+            i,
+            mlp=experts.moe(config, config.intermediate_size, n, k, norm),
+            qk_norm=True,
+            qk_norm_per_head=False,
+        )
+        for i in range(config.num_layers)
+    ]
+
+
+def weight_names(config: ModelConfig) -> WeightNames:
+    names = qk_norm_names(config, llama_names(config))
+    for i in range(config.num_layers):
+        experts.expert_names(config, names, i, experts.count(config))
+    return names
+
+
+FAMILY = Family(
+    name="olmoe", architectures={"OlmoeForCausalLM": "olmoe"}, assemble=assemble, weight_names=weight_names,
+    read_config=read_config, prepare=experts.prepare,
+)  # fmt: skip
