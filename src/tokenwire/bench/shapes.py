@@ -74,7 +74,7 @@ def shape_file(name: str, quant: str, cache_dir: Path) -> Path:
     return path
 
 
-def _tokenizer_fields(writer: gguf.GGUFWriter) -> int:
+def copy_shipped_tokenizer(writer: gguf.GGUFWriter) -> int:
     """Copies the shipped model's tokenizer into `writer`; returns the vocabulary size."""
     reader = gguf.GGUFReader(resolve_model(None).source)
     vocab = 0
@@ -97,7 +97,7 @@ def _write(path: Path, s: Shape, quant: str) -> None:
     qtype = gguf.GGMLQuantizationType[quant]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("random weights, bench shape")
-    vocab = _tokenizer_fields(w)
+    vocab = copy_shipped_tokenizer(w)
     head_dim = s.hidden // s.heads
     w.add_block_count(s.layers)
     w.add_context_length(s.context)

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from tokenwire.model.config import ModelConfig
-from tokenwire.model.families.base import Family, llama_layer, llama_names, qk_norm_names, sliding_windows
+from tokenwire.model.families.base import (
+    GGUF_LAYER_NAMES,
+    Family,
+    GgufNames,
+    llama_layer,
+    llama_names,
+    qk_norm_names,
+    sliding_windows,
+)
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.weights import WeightNames
 
@@ -17,6 +25,14 @@ def weight_names(config: ModelConfig) -> WeightNames:
     return qk_norm_names(config, llama_names(config))
 
 
+# llama.cpp writes Qwen's q/k rows as they are (NEOX RoPE: no permutation) and the norms as
+# attn_q_norm / attn_k_norm
+GGUF = GgufNames(
+    "qwen3", "qwen3", permuted_qk=False,
+    layer={**GGUF_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+)  # fmt: skip
+
 FAMILY = Family(
-    name="qwen3", architectures={"Qwen3ForCausalLM": "qwen3"}, assemble=assemble, weight_names=weight_names
-)
+    name="qwen3", architectures={"Qwen3ForCausalLM": "qwen3"}, assemble=assemble, weight_names=weight_names,
+    gguf=GGUF,
+)  # fmt: skip
