@@ -47,12 +47,12 @@ def prepare(model: DecoderModel, state: Tensors, dtype: torch.dtype, device: tor
     return out
 
 
-def expert_names(config: ModelConfig, names: WeightNames, layer: int, experts: int) -> WeightNames:
+def expert_names(config: ModelConfig, names: WeightNames, layer: int) -> WeightNames:
     """Layer `layer`'s MLP entries in `names` replaced by its router's and experts'."""
     hf, ours = f"model.layers.{layer}.mlp.", f"layers.{layer}.mlp."
     del names[ours + "gate_up"], names[ours + "down"]
     names[ours + "router"] = (hf + "gate",)
-    for e in range(experts):
+    for e in range(count(config)):
         names[f"{ours}experts.{e}.gate_up"] = (f"{hf}experts.{e}.gate_proj", f"{hf}experts.{e}.up_proj")
         names[f"{ours}experts.{e}.down"] = (f"{hf}experts.{e}.down_proj",)
     return names

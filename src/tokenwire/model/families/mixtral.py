@@ -28,7 +28,7 @@ def assemble(config: ModelConfig) -> list[DecoderLayer]:
 def weight_names(config: ModelConfig) -> WeightNames:
     names = llama_names(config)
     for i in range(config.num_layers):
-        experts.expert_names(config, names, i, _experts(config)[0])
+        experts.expert_names(config, names, i)
     return names
 
 

@@ -36,7 +36,7 @@ def assemble(config: ModelConfig) -> list[DecoderLayer]:
 def weight_names(config: ModelConfig) -> WeightNames:
     names = qk_norm_names(config, llama_names(config))
     for i in range(config.num_layers):
-        experts.expert_names(config, names, i, experts.count(config))
+        experts.expert_names(config, names, i)
     return names
 
 

@@ -32,7 +32,7 @@ def weight_names(config: ModelConfig) -> WeightNames:
     names = qk_norm_names(config, llama_names(config))
     for i in range(config.num_layers):
         if _sparse(config, i):
-            experts.expert_names(config, names, i, experts.count(config))
+            experts.expert_names(config, names, i)
     return names
 
 

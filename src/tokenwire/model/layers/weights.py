@@ -62,7 +62,7 @@ class WeightLoader:
             (qtype,) = kinds
             assert qtype is not None
             return QuantLinear(torch.cat([self.take(n) for n in names]), qtype, target.in_features, bias)
-        if self.qtypes is None or kinds == {None}:  # float weights, kept float
+        if kinds == {None}:  # float weights (or no quantised tensors at all), kept float
             layer = nn.Linear(target.in_features, target.out_features, bias=bias is not None, device="meta")
             layer.weight = nn.Parameter(torch.cat([self.float(n) for n in names]), requires_grad=False)
             if bias is not None:
