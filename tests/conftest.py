@@ -13,7 +13,7 @@ def smollm2_source():
     """The default model, converted once into the user's cache (as `tokenwire serve` does)."""
     from tokenwire.model.loader import resolve_model
 
-    return resolve_model(None, progress=False)
+    return resolve_model(None)
 
 
 @pytest.fixture(scope="session")

@@ -7,16 +7,16 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 import tokenwire.model.gguf as gguf_module
+from tests.model.conftest import TinyGGUF
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
+from tokenwire.model.gguf_weights import GgufWeights
 from tokenwire.model.loader import (
     DEFAULT_MODEL_NAME,
     ModelSource,
@@ -28,16 +28,12 @@ from tokenwire.model.loader import (
 )
 from tokenwire.model.tokenizer import IncrementalDecoder, Tokenizer
 
-TinyGGUF = Callable[..., tuple[Path, dict[str, np.ndarray]]]
+
+def dequantized(src: ModelSource) -> dict[str, torch.Tensor]:
+    """A GGUF's weights as `--weights fp32` loads them, read from the file."""
+    assert src.gguf is not None
+    return dict(GgufWeights(src.gguf, src.config, dense=True))
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-
-
-# --- tiny synthetic GGUF files (written with gguf-py, as llama.cpp's converter lays them out) ---
-
-
-def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf q/k row permutation (HF rotate-half -> interleaved pairs)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def llamacpp_llama3_factors(
@@ -51,117 +47,6 @@ def llamacpp_llama3_factors(
         medium = 1 / ((1 - smooth) / factor + smooth)
         out.append(1.0 if wavelen < old / high else factor if wavelen > old / low else medium)
     return np.array(out, dtype=np.float32)
-
-
-def byte_alphabet() -> list[str]:
-    """GPT-2's byte-level spelling of bytes 0..255."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
-
-
-_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-@pytest.fixture
-def tiny_gguf(tmp_path: Path) -> TinyGGUF:
-    """Factory writing a small random GGUF; returns (path, the HF-named float32 weights it encodes).
-
-    Byte-level BPE vocabulary: the 256 byte tokens, "hi" (256, merge "h i"), "<s>" (257), "</s>" (258).
-    With spm=True a sentencepiece one: <unk> <s> </s>, 256 byte-fallback tokens, ▁ h i ▁h hi ▁hi."""
-    import gguf
-
-    def make(
-        arch: str = "llama",
-        *,
-        name: str = "tiny.gguf",
-        tied: bool = False,
-        add_bos: bool = True,
-        rope_freqs: np.ndarray | None = None,
-        extra_kv: dict[str, Any] | None = None,
-        theta: float = 10000.0,
-        spm: bool = False,
-    ) -> tuple[Path, dict[str, np.ndarray]]:
-        rng = np.random.default_rng(0)
-        hidden, heads, kv_heads, ffn, head_dim = 128, 2, 1, 96, 64
-        w = gguf.GGUFWriter(str(tmp_path / name), arch)
-        if spm:
-            byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-            tokens = ["<unk>", "<s>", "</s>", *byte_tokens, *"▁ h i ▁h hi ▁hi".split()]
-            w.add_tokenizer_model("llama")
-            w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 6)
-            w.add_token_scores([0.0] * 259 + [-float(i) for i in range(6)])
-            w.add_bos_token_id(1)
-            w.add_eos_token_id(2)
-        else:
-            tokens = [*byte_alphabet(), "hi", "<s>", "</s>"]
-            w.add_tokenizer_model("gpt2")
-            w.add_tokenizer_pre("default")
-            w.add_token_types([1] * 257 + [3, 3])
-            w.add_token_merges(["h i"])
-            w.add_bos_token_id(257)
-            w.add_eos_token_id(258)
-        w.add_token_list(tokens)
-        w.add_block_count(1)
-        w.add_context_length(256)
-        w.add_embedding_length(hidden)
-        w.add_feed_forward_length(ffn)
-        w.add_head_count(heads)
-        w.add_head_count_kv(kv_heads)
-        w.add_rope_dimension_count(head_dim)
-        w.add_rope_freq_base(theta)
-        w.add_layer_norm_rms_eps(1e-6)
-        w.add_add_bos_token(add_bos)
-        w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
-        for key, value in (extra_kv or {}).items():
-            (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
-
-        def rand(*shape: int) -> np.ndarray:
-            return rng.standard_normal(shape).astype(np.float32)
-
-        p = "model.layers.0."
-        hf = {"model.embed_tokens.weight": rand(len(tokens), hidden), "model.norm.weight": rand(hidden)}
-        hf |= {} if tied else {"lm_head.weight": rand(len(tokens), hidden)}
-        hf |= {f"{p}{norm}.weight": rand(hidden) for norm in ("input_layernorm", "post_attention_layernorm")}
-        for proj, rows, cols in (
-            ("self_attn.q_proj", hidden, hidden),
-            ("self_attn.k_proj", 64, hidden),
-            ("self_attn.v_proj", 64, hidden),
-            ("self_attn.o_proj", hidden, hidden),
-            ("mlp.gate_proj", ffn, hidden),
-            ("mlp.up_proj", ffn, hidden),
-            ("mlp.down_proj", hidden, ffn),
-        ):
-            hf[f"{p}{proj}.weight"] = rand(rows, cols)
-            if arch == "qwen2" and proj[-6:] in ("q_proj", "k_proj", "v_proj"):
-                hf[f"{p}{proj}.bias"] = rand(rows)
-        hf[p + "mlp.up_proj.weight"] = hf[p + "mlp.up_proj.weight"].astype(np.float16)  # an F16 tensor
-        globals_ = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-        for hf_name, value in hf.items():
-            stem, kind = hf_name.rsplit(".", 1)
-            gname = f"blk.0.{_LAYER_NAMES[stem[len(p) :]]}" if stem.startswith(p) else globals_[stem]
-            if arch == "llama" and gname.endswith(("attn_q", "attn_k")):
-                value = llamacpp_permute(value, heads if gname.endswith("q") else kv_heads)
-            w.add_tensor(f"{gname}.{kind}", value)
-        if rope_freqs is not None:
-            w.add_tensor("rope_freqs.weight", rope_freqs)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        return tmp_path / name, {k: v.astype(np.float32) for k, v in hf.items()}
-
-    return make
 
 
 # --- GGUF conversion ---------------------------------------------------------------------------
@@ -181,7 +66,7 @@ def test_default_model_converts_like_transformers(smollm2_source: ModelSource) -
     with torch.device("meta"):
         meta_model = LlamaForCausalLM(cfg)
     ref = load_gguf_checkpoint(str(src.source), return_tensors=True, model_to_load=meta_model)
-    ours = load_weights(src.model_dir)
+    ours = dequantized(src)
     assert set(ours) == set(ref["tensors"])
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32
@@ -210,9 +95,12 @@ def test_default_model_converts_like_transformers(smollm2_source: ModelSource) -
 
 def test_converted_model_answers_sensibly(smollm2_source: ModelSource) -> None:
     """End to end through transformers' LlamaForCausalLM: a wrong q/k permutation gives gibberish."""
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(smollm2_source.model_dir).eval()
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(smollm2_source.model_dir)).eval()
+    left = model.load_state_dict(dequantized(smollm2_source), strict=False)
+    assert left.missing_keys == ["lm_head.weight"] and not left.unexpected_keys  # tied to the table
+    model.tie_weights()
     tok = smollm2_source.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     with torch.no_grad():
@@ -221,7 +109,7 @@ def test_converted_model_answers_sensibly(smollm2_source: ModelSource) -> None:
 
 
 def test_second_load_reuses_cache(smollm2_source: ModelSource, monkeypatch: pytest.MonkeyPatch) -> None:
-    weights = smollm2_source.model_dir / "model.safetensors"
+    weights = smollm2_source.model_dir / "config.json"
     mtime = weights.stat().st_mtime_ns
 
     def no_conversion(*args: object, **kwargs: object) -> None:
@@ -229,7 +117,7 @@ def test_second_load_reuses_cache(smollm2_source: ModelSource, monkeypatch: pyte
 
     monkeypatch.setattr(gguf_module, "convert_gguf", no_conversion)
     start = time.perf_counter()
-    again = resolve_model(None, progress=False)  # smollm2_source used the default cache dir too
+    again = resolve_model(None)  # smollm2_source used the default cache dir too
     print(f"cached default load: {time.perf_counter() - start:.2f}s")
     assert again.model_dir == smollm2_source.model_dir and weights.stat().st_mtime_ns == mtime
     assert again.config == smollm2_source.config
@@ -246,23 +134,23 @@ def test_tiny_llama_gguf(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf_module, "convert_gguf", counting)
-        src = resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
-        again = resolve_model(str(path), cache_dir=tmp_path / "cache", name="custom", progress=False)
+        src = resolve_model(path, cache_dir=tmp_path / "cache")
+        again = resolve_model(str(path), cache_dir=tmp_path / "cache", name="custom")
     assert len(calls) == 1 and again.model_dir == src.model_dir
     stat = path.stat()  # a changed file converts again, and its old entry is removed
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf_module, "convert_gguf", counting)
-        changed = resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
+        changed = resolve_model(path, cache_dir=tmp_path / "cache")
     assert len(calls) == 2 and changed.model_dir != src.model_dir and not src.model_dir.exists()
     src = changed
     assert (src.name, again.name, src.source) == ("Tiny-Llama", "custom", path)
     assert src.model_dir.parent == tmp_path / "cache" and not list(src.model_dir.parent.glob(".tmp-*"))
-    ours = load_weights(src.model_dir)
+    assert not list(src.model_dir.glob("*.safetensors"))  # no weights copied: read from the GGUF
+    ours = dequantized(src)
     assert set(ours) == set(expected)  # incl. an untied lm_head, q/k un-permuted (GQA k too)
     for name, value in expected.items():
         np.testing.assert_array_equal(ours[name].numpy(), value, err_msg=name)
-    assert load_weights(src.model_dir, torch.bfloat16)["lm_head.weight"].dtype == torch.bfloat16
     c = src.config
     assert (c.architecture, c.tie_word_embeddings, c.attention_bias, c.rope_scaling) == (
         "LlamaForCausalLM",
@@ -277,15 +165,10 @@ def test_tiny_llama_gguf(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == [257, 256, 258]
 
 
-def test_tiny_qwen2_gguf_is_not_permuted(
-    tiny_gguf: TinyGGUF, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_tiny_qwen2_gguf_is_not_permuted(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
     path, expected = tiny_gguf("qwen2", tied=True, add_bos=False)
-    monkeypatch.setattr(gguf_module, "_MAX_SHARD_BYTES", 100_000)  # exercise sharded output
-    src = resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
-    assert len(list(src.model_dir.glob("model-*-of-*.safetensors"))) > 2
-    assert (src.model_dir / "model.safetensors.index.json").is_file()
-    ours = load_weights(src.model_dir)
+    src = resolve_model(path, cache_dir=tmp_path / "cache")
+    ours = dequantized(src)
     assert set(ours) == set(expected) and "lm_head.weight" not in ours
     for name, value in expected.items():
         np.testing.assert_array_equal(ours[name].numpy(), value, err_msg=name)
@@ -297,7 +180,7 @@ def test_tiny_qwen2_gguf_is_not_permuted(
 def test_llama3_rope_freqs_become_rope_scaling(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
     freqs = llamacpp_llama3_factors(500000.0, 64, factor=8.0, low=1.0, high=4.0, old=8192)
     path, _ = tiny_gguf(rope_freqs=freqs, theta=500000.0)
-    c = resolve_model(path, cache_dir=tmp_path / "cache", progress=False).config
+    c = resolve_model(path, cache_dir=tmp_path / "cache").config
     assert c.rope_theta == 500000.0
     assert c.rope_scaling == {
         "rope_type": "llama3",
@@ -313,7 +196,7 @@ def test_llama3_rope_freqs_become_rope_scaling(tiny_gguf: TinyGGUF, tmp_path: Pa
 def test_sentencepiece_gguf_token_bytes(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
     """Llama-2-style vocabulary: ▁ for spaces, <0xNN> byte fallback, first space stripped on decode."""
     path, _ = tiny_gguf(spm=True)
-    tok = resolve_model(path, cache_dir=tmp_path / "cache", progress=False).tokenizer
+    tok = resolve_model(path, cache_dir=tmp_path / "cache").tokenizer
     assert tok.token_bytes(tok.encode("hi", add_special_tokens=False)[0]) == b" hi"
     assert tok.token_bytes(3 + 0xE4) == b"\xe4" and tok.token_bytes(1) == b"<s>"
     for text in ["hi hi", "héllo 世界 🎉", "hi  hi"]:
@@ -330,13 +213,13 @@ def test_sentencepiece_gguf_token_bytes(tiny_gguf: TinyGGUF, tmp_path: Path) -> 
 def test_unsupported_gguf_architecture_leaves_no_cache(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
     path, _ = tiny_gguf("gpt2")
     with pytest.raises(UnsupportedArchitectureError, match="'gpt2'"):
-        resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
+        resolve_model(path, cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
     linear, _ = tiny_gguf(
         name="linear.gguf", extra_kv={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
     )
     with pytest.raises(UnsupportedArchitectureError, match="linear"):
-        resolve_model(linear, cache_dir=tmp_path / "cache", progress=False)
+        resolve_model(linear, cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").iterdir())
 
 
@@ -351,7 +234,7 @@ def test_crash_mid_conversion_leaves_no_entry(
 
     monkeypatch.setattr(gguf_module, "convert_gguf", crash)
     with pytest.raises(KeyboardInterrupt):
-        resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
+        resolve_model(path, cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").iterdir())
 
 
@@ -383,10 +266,18 @@ def test_missing_and_unreadable_models(tmp_path: Path) -> None:
         load_weights(tmp_path)
 
 
-def test_directory_model_used_in_place(smollm2_source: ModelSource) -> None:
-    src = resolve_model(smollm2_source.model_dir)
-    assert src.model_dir == smollm2_source.model_dir and src.name == smollm2_source.model_dir.name
-    assert src.config == smollm2_source.config
+def test_directory_model_used_in_place(smollm2_source: ModelSource, tmp_path: Path) -> None:
+    import shutil
+
+    from tests.tiny_models import hf_model
+
+    directory = tmp_path / "tiny-llama"
+    hf_model("llama").save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer beside the weights
+        shutil.copy(smollm2_source.model_dir / name, directory / name)
+    src = resolve_model(directory)
+    assert src.model_dir == directory and src.name == "tiny-llama" and src.gguf is None
+    assert set(load_weights(directory)) == set(hf_model("llama").state_dict())
 
 
 def test_model_names(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ TOL = 1e-4
 def pair(request, tmp_path_factory, smollm2_source):
     hf = hf_vl_model(request.param)
     directory = save_vl_model(hf, tmp_path_factory.mktemp(request.param), smollm2_source.model_dir)
-    source = resolve_model(directory, progress=False)
+    source = resolve_model(directory)
     ours = load_model(source, "fp32", torch.device("cpu"), None)
     return hf, ours
 

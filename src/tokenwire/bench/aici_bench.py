@@ -109,7 +109,7 @@ def _ms(samples: list[float]) -> float:
 
 
 def bench_masks() -> dict[str, Any]:
-    tok = resolve_model(None, progress=False).tokenizer
+    tok = resolve_model(None).tokenizer
     llt = lltokenizer_for(tok.hf, tok.eos_token_ids)
     out = {}
     for name, make, sample in (

@@ -145,7 +145,7 @@ def run_targets(targets: list[Any], cases: int, seed: int = 0) -> FuzzReport:
 
 def run_fuzz_bench(args: argparse.Namespace) -> int:
     logging.getLogger("tokenwire").setLevel(logging.ERROR)  # refusals log warnings by design
-    source = resolve_model(args.model, progress=False)
+    source = resolve_model(args.model)
     engine = Engine(
         lambda: RandomTokenModel(source.config), source.tokenizer, name=source.name, kv_cache_mb=16
     )

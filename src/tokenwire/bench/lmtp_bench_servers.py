@@ -67,7 +67,7 @@ def build_random_engine() -> Any:
     from tokenwire.engine.engine import Engine
     from tokenwire.model.loader import resolve_model
 
-    source = resolve_model(None, progress=False)
+    source = resolve_model(None)
     return Engine(lambda: RandomTokenModel(source.config), source.tokenizer, name="random", kv_cache_mb=128)
 
 

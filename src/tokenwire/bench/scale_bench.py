@@ -93,7 +93,7 @@ def hop(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     spec = ClusterSpec(replicas=1, replica_cpus=args.replica_cpus, namespace=f"tokenwire-bench-{os.getpid()}")
     connect(spec)
     actors, directory, infos = start_replicas(spec, replace(settings, threads=settings.threads))
-    source = resolve_model(settings.model, cache_dir=settings.cache_dir, progress=False)
+    source = resolve_model(settings.model, cache_dir=settings.cache_dir)
     remote = ReplicaEngine(actors, directory, infos, source.tokenizer)
     engines = {"in-process": local, "ray": remote}
     try:

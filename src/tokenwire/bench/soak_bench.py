@@ -408,7 +408,7 @@ async def _settled(engine: Any, before: dict[str, Any], timeout: float = 10.0) -
 
 def run_soak(args: argparse.Namespace) -> int:
     logging.getLogger("tokenwire").setLevel(logging.ERROR)
-    source = resolve_model(args.model, progress=False)
+    source = resolve_model(args.model)
     engine = Engine(
         lambda: RandomTokenModel(source.config),
         source.tokenizer,

@@ -80,7 +80,7 @@ def _tokenizer() -> Any:
     # local: transformers takes seconds to import (see _configs)
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(resolve_model(None, progress=False).model_dir)
+    hf = AutoTokenizer.from_pretrained(resolve_model(None).model_dir)
     hf.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     return Tokenizer(hf)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.threads import apply_threads
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.families import build_model
-from tokenwire.model.gguf import PACKED_FILE
+from tokenwire.model.gguf_weights import GgufWeights
 from tokenwire.model.images import ImagePreprocessor
 from tokenwire.model.kernels import load_kernels
 from tokenwire.model.layers.decoder import DecoderModel
@@ -25,7 +26,6 @@ from tokenwire.model.loader import (
     cache_key,
     default_cache_dir,
     default_model_path,
-    load_packed,
     load_weights,
     resolve_model,
 )
@@ -99,7 +99,7 @@ def resolve_weights(settings: EngineSettings, source: ModelSource, device: torch
     weights = settings.weights
     if weights not in WEIGHTS:
         raise ValueError(f"unknown --weights {weights!r}: use one of {', '.join(WEIGHTS)}")
-    packed = (source.model_dir / PACKED_FILE).is_file()
+    packed = source.gguf is not None
     if weights == "auto":
         quantized = packed and device.type == "cpu" and settings.dtype in ("fp32", "float32")
         return "gguf" if quantized else ("bf16" if DTYPES[settings.dtype] == torch.bfloat16 else "fp32")
@@ -138,14 +138,18 @@ def load_model(source: ModelSource, weights: str, device: torch.device, max_len:
             f"--weights {weights} is not available for {source.config.architecture}: use fp32 or bf16"
         )
     if weights == "gguf":
-        packed = load_packed(source.model_dir)
-        assert packed is not None
-        return build_model(source.config, *packed, max_positions=positions)
+        assert source.gguf is not None
+        blocks = GgufWeights(source.gguf, source.config)  # read tensor by tensor into place
+        return build_model(source.config, blocks, blocks.qtypes, max_positions=positions)
+    # float weights: a GGUF's dequantised (the only fp32 copy of one, made because asked for)
+    if source.gguf is not None:
+        state: Mapping[str, torch.Tensor] = GgufWeights(source.gguf, source.config, dense=True)
+    else:
+        state = load_weights(source.model_dir)
     if weights in ("int8", "int4"):
         qtype = Q8_0 if weights == "int8" else Q4_1
-        tensors, qtypes = quantize_state(load_weights(source.model_dir), qtype)
+        tensors, qtypes = quantize_state(state, qtype)
         return build_model(source.config, tensors, qtypes, max_positions=positions)
-    state = load_weights(source.model_dir)
     model = build_model(source.config, state, dtype=DTYPES[weights], device=device, max_positions=positions)
     if source.config.vision is not None:  # Qwen2-VL: the image preprocessor of its directory
         model.images = ImagePreprocessor.from_dir(source.model_dir)
@@ -153,8 +157,8 @@ def load_model(source: ModelSource, weights: str, device: torch.device, max_len:
 
 
 def _log_conversion(settings: EngineSettings) -> None:
-    """Say so when the model's first start converts its GGUF (tens of seconds, silent otherwise
-    when stderr is not a terminal and the conversion's progress bar is off)."""
+    """Say so when the model's first start converts its GGUF's tokenizer and config (seconds:
+    transformers' tokenizer conversion; the weights are read from the file at every load)."""
     try:
         path = Path(settings.model) if settings.model is not None else default_model_path()
         if path.suffix.lower() != ".gguf" or not path.is_file():
@@ -165,7 +169,8 @@ def _log_conversion(settings: EngineSettings) -> None:
     except OSError:
         return  # resolve_model reports what is wrong with the path
     log.info(
-        "converting %s (%.0f MiB GGUF) into %s: first start only", path, path.stat().st_size / 2**20, cache
+        "reading the tokenizer and config of %s (%.0f MiB GGUF) into %s: first start only",
+        path, path.stat().st_size / 2**20, cache,
     )
 
 
@@ -186,7 +191,6 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
     with bar.stage("model files"):  # the GGUF conversion (first start) is inside this one bar
         source = resolve_model(
             settings.model, cache_dir=settings.cache_dir, name=settings.model_name,
-            progress=settings.progress and not bar.enabled,
         )  # fmt: skip
     if time.monotonic() - started > 1:
         log.info("model files ready in %.1fs", time.monotonic() - started)

@@ -1,9 +1,10 @@
-"""Convert a llama.cpp GGUF file into a Hugging Face model directory.
+"""Read a llama.cpp GGUF file's model description into a Hugging Face model directory.
 
-The result is what transformers itself makes of the GGUF: `config.json`, float32 weights under HF
-tensor names (llama.cpp's RoPE row permutation of q/k undone), and a tokenizer built by transformers'
-GGUF tokenizer conversion, with two fixes it lacks (pre-tokenizer splits for the StarCoder/SmolLM
-family, and BOS/EOS insertion from `tokenizer.ggml.add_*_token`).
+The directory holds what transformers itself makes of the GGUF's metadata: `config.json`,
+`generation_config.json` and a tokenizer built by transformers' GGUF tokenizer conversion, with
+two fixes it lacks (pre-tokenizer splits for the StarCoder/SmolLM family, and BOS/EOS insertion
+from `tokenizer.ggml.add_*_token`). No weights: those are read from the GGUF itself at each load
+(gguf_weights.py), in the file's own blocks.
 """
 
 from __future__ import annotations
@@ -11,32 +12,25 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from safetensors.torch import save_file
-from tqdm import tqdm
 
-from tokenwire.model import quant, weight_types
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
 from tokenwire.model.families import GGUF_FAMILIES, read_config
 from tokenwire.model.families.base import Family, GgufNames
 
 # Bump when the output of convert_gguf changes. (Cache keys also hash this file's source and the
 # versions of the libraries the conversion uses; see converter_fingerprint.)
-CONVERTER_VERSION = 2  # 2: packed.safetensors beside the fp32 weights
-PACKED_FILE = "packed.safetensors"  # the GGUF's own quantised blocks (see model/quant.py)
+CONVERTER_VERSION = 3  # 3: no weights (read from the GGUF at load); 2 wrote fp32 + packed copies
 
 # llama.cpp pre-tokenizer types that split every digit off before the GPT-2 regex (llama-vocab.cpp);
 # transformers 5.23 falls back to the plain GPT-2 regex for these, which merges e.g. "a  1" differently.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
-_MAX_SHARD_BYTES = 4 << 30
 
 
 def converter_fingerprint() -> str:
@@ -215,9 +209,8 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> ModelConfig:
-    """Write config.json, model*.safetensors and tokenizer files for `gguf_path` into `out_dir`.
-
-    The architecture is checked before any tensor is read. Returns the parsed ModelConfig."""
+    """Write config.json, generation_config.json and tokenizer files for `gguf_path` into
+    `out_dir` (no tensor data is read). Returns the parsed ModelConfig."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_gguf(gguf_path)
     config = gguf_to_hf_config(reader, gguf_path)
@@ -226,90 +219,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Mo
     except UnsupportedArchitectureError as e:
         raise UnsupportedArchitectureError(f"{e} (in {gguf_path})") from e
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_weights(reader, config, out_dir, progress)
     _write_tokenizer(reader, gguf_path, out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return model_config
-
-
-def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, progress: bool) -> None:
-    """Dequantised float32 tensors as model.safetensors, or as shards of at most _MAX_SHARD_BYTES
-    (each written as soon as it is full, bounding memory) plus model.safetensors.index.json; and
-    every tensor once more in PACKED_FILE, quantised weights in their GGUF blocks."""
-    names = gguf_family(reader.fields["general.architecture"].contents()).gguf
-    assert names is not None
-    permuted = names.permuted_qk
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    parts: list[tuple[Path, list[str]]] = []
-    shard: dict[str, torch.Tensor] = {}
-    packed: dict[str, torch.Tensor] = {}
-    qtypes: dict[str, str] = {}
-    size = 0
-
-    def flush() -> None:
-        path = out_dir / f"part-{len(parts):05d}.tmp"
-        save_file(shard, str(path), metadata={"format": "pt"})
-        parts.append((path, list(shard)))
-
-    bar = tqdm(
-        reader.tensors,
-        desc="Converting GGUF",
-        unit="tensor",
-        file=sys.stderr,
-        disable=not (progress and sys.stderr.isatty()),
-    )
-    for tensor in bar:
-        name = hf_tensor_name(tensor.name, names)
-        if name is None:
-            continue
-        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        kind = tensor.name.split(".")[-2]
-        rope_rows = permuted and kind in heads
-        w = unpermute_rope_rows(w, heads[kind]) if rope_rows else np.array(w, order="C")
-        packed[name], qtype = _packed_tensor(tensor, w, heads[kind] if rope_rows else None)
-        if qtype is not None:
-            qtypes[name] = weight_types.weight_type(qtype).name
-        if shard and size + w.nbytes > _MAX_SHARD_BYTES:
-            flush()
-            shard, size = {}, 0
-        shard[name] = torch.from_numpy(w)
-        size += w.nbytes
-    flush()
-    save_file(packed, str(out_dir / PACKED_FILE), metadata={"format": "pt", "qtypes": json.dumps(qtypes)})
-    if len(parts) == 1:
-        parts[0][0].rename(out_dir / "model.safetensors")
-        return
-    weight_map: dict[str, str] = {}
-    for i, (path, names) in enumerate(parts):
-        file = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-        path.rename(out_dir / file)
-        weight_map.update(dict.fromkeys(names, file))
-    index = {"metadata": {"format": "pt"}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-# what the kernels do not run is re-quantised to, from its exact dequantised values
-REQUANTIZE_TO = weight_types.Q8_0
-
-
-def _packed_tensor(tensor: Any, dense: np.ndarray, rope_heads: int | None) -> tuple[torch.Tensor, int | None]:
-    """The tensor as the quantised path keeps it: blocks of a type the kernels run (a row of
-    weight_types) as they are in the file (rows un-permuted like `dense`), other quantised
-    matrices re-quantised to REQUANTIZE_TO once here, float tensors (norms, f16/f32 weights) as
-    float32."""
-    qtype = int(tensor.tensor_type)
-    if qtype in weight_types.BY_ID and tensor.data.ndim == 2:
-        rows = np.ascontiguousarray(tensor.data).view(np.uint8)
-        if rope_heads is not None:
-            rows = unpermute_rope_rows(rows, rope_heads)
-        return torch.from_numpy(np.array(rows, order="C")), qtype
-    is_float = tensor.tensor_type.name in ("F32", "F16", "BF16", "F64")
-    if not is_float and dense.ndim == 2 and dense.shape[1] % REQUANTIZE_TO.block == 0:
-        target = REQUANTIZE_TO.gguf_id
-        return quant.quantize(torch.from_numpy(dense), target), target
-    return torch.from_numpy(np.array(dense, dtype=np.float32, order="C")), None
 
 
 def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None:

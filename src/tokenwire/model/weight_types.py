@@ -69,10 +69,20 @@ class WeightType:
     def split_rows(self, packed: torch.Tensor) -> torch.Tensor:
         """GGUF blocks [N, nb * block_bytes] -> the kernels' row form: per row each part of its
         nb blocks (e.g. Q4_1: the nb fp16 scales, the nb fp16 minimums, the nb blocks' quants)."""
+        return self.split_rows_into(packed, torch.empty_like(packed))
+
+    def split_rows_into(self, packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """split_rows written into `out` (same shape; its final place, e.g. the weight arena:
+        no temporary as large as the tensor)."""
         n, row_bytes = packed.shape
-        blocks = packed.reshape(n, row_bytes // self.block_bytes, self.block_bytes)
+        if tuple(out.shape) != (n, row_bytes) or out.dtype != torch.uint8:
+            raise ValueError(f"split rows of {tuple(packed.shape)} need uint8 {(n, row_bytes)}, got {tuple(out.shape)}")
+        nb = row_bytes // self.block_bytes
+        blocks = packed.reshape(n, nb, self.block_bytes)
         bounds = pairwise(accumulate((size for _, size in self.parts), initial=0))
-        return torch.cat([blocks[:, :, a:b].reshape(n, -1) for a, b in bounds], dim=1)
+        for a, b in bounds:
+            out[:, nb * a : nb * b].view(n, nb, b - a).copy_(blocks[:, :, a:b])
+        return out
 
     def dequantize_reference(self, packed: np.ndarray) -> np.ndarray:
         """GGUF blocks [N, nb * block_bytes] -> float32 [N, nb * block] (numpy, for tests)."""

@@ -102,10 +102,39 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) { return {n
 
 // One layer as the model describes it (model/layers/fusion.py): weights by role, optional parts
 // absent from the dict. No rotary table: a layer without RoPE. window 0: attends every position.
+// A projection's weight: row ranges stacked in order, each in its own block type. A K-quant
+// file mixes types inside one fused projection (Q4_K_M keeps v in Q6_K beside Q4_K q and k in
+// some layers); each range keeps the file's blocks rather than one type re-quantised for all.
+// In the description: `qkv`, `qkv@1`, `qkv@2`... with `qkv_type`, `qkv_type@1`...
+struct Proj {
+  std::vector<at::Tensor> w;
+  std::vector<int64_t> type, first;  // each range's block type and first output row
+  int64_t rows = 0;
+
+  static Proj from(const c10::Dict<std::string, at::Tensor>& t, const c10::Dict<std::string, int64_t>& n,
+                   const std::string& role, int64_t K) {
+    Proj p;
+    for (int i = 0;; ++i) {
+      const std::string suffix = i == 0 ? "" : "@" + std::to_string(i);
+      if (!t.contains(role + suffix)) break;
+      TORCH_CHECK(n.contains(role + "_type" + suffix), "layer description lacks ", role, "_type", suffix);
+      p.w.push_back(t.at(role + suffix));
+      p.type.push_back(n.at(role + "_type" + suffix));
+      check_weight(p.w.back(), p.type.back(), K);
+      p.first.push_back(p.rows);
+      p.rows += p.w.back().size(0);
+    }
+    TORCH_CHECK(!p.w.empty(), "layer description lacks ", role);
+    return p;
+  }
+};
+
 struct StackLayer {
-  at::Tensor attn_norm, mlp_norm, qkv, o, gate_up, down;
+  at::Tensor attn_norm, mlp_norm;
+  Proj qkv, gate_up;
+  at::Tensor o, down;  // one weight each (one tensor in every checkpoint)
   std::optional<at::Tensor> qkv_bias, q_norm, k_norm, rope_cos, rope_sin;
-  int64_t qkv_type, o_type, gate_up_type, down_type, window, activation;
+  int64_t o_type, down_type, window, activation;
   float eps, scale;
 };
 
@@ -132,26 +161,25 @@ struct DecodeStack : torch::CustomClassHolder {
 
   void add_layer(c10::Dict<std::string, at::Tensor> t, c10::Dict<std::string, int64_t> n,
                  c10::Dict<std::string, double> f) {
-    for (const char* name : {"attn_norm", "mlp_norm", "qkv", "o", "gate_up", "down"})
+    for (const char* name : {"attn_norm", "mlp_norm", "o", "down"})
       TORCH_CHECK(t.contains(name), "layer description lacks ", name);
-    for (const char* name : {"qkv_type", "o_type", "gate_up_type", "down_type", "window", "activation"})
+    for (const char* name : {"o_type", "down_type", "window", "activation"})
       TORCH_CHECK(n.contains(name), "layer description lacks ", name);
     TORCH_CHECK(f.contains("eps") && f.contains("scale"), "layer description lacks eps or scale");
-    StackLayer L{t.at("attn_norm"), t.at("mlp_norm"), t.at("qkv"), t.at("o"), t.at("gate_up"), t.at("down"),
+    const int64_t H = t.at("attn_norm").numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    StackLayer L{t.at("attn_norm"), t.at("mlp_norm"), Proj::from(t, n, "qkv", H), Proj::from(t, n, "gate_up", H),
+                 t.at("o"), t.at("down"),
                  part(t, "qkv_bias"), part(t, "q_norm"), part(t, "k_norm"), part(t, "rope_cos"), part(t, "rope_sin"),
-                 n.at("qkv_type"), n.at("o_type"), n.at("gate_up_type"), n.at("down_type"), n.at("window"),
+                 n.at("o_type"), n.at("down_type"), n.at("window"),
                  n.at("activation"), static_cast<float>(f.at("eps")), static_cast<float>(f.at("scale"))};
-    const int64_t H = L.attn_norm.numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    const int64_t inter = L.gate_up.size(0) / 2;
+    const int64_t inter = L.gate_up.rows / 2;
     check_floats(L.attn_norm, H, "attn_norm");
     check_floats(L.mlp_norm, H, "mlp_norm");
-    check_weight(L.qkv, L.qkv_type, H);
     check_weight(L.o, L.o_type, q_size);
-    check_weight(L.gate_up, L.gate_up_type, H);
     check_weight(L.down, L.down_type, inter);
-    TORCH_CHECK(L.qkv.size(0) == q_size + 2 * kv_size && L.o.size(0) == H && L.down.size(0) == H,
+    TORCH_CHECK(L.qkv.rows == q_size + 2 * kv_size && L.o.size(0) == H && L.down.size(0) == H,
                 "projection shapes do not match the hidden size and heads");
-    check_floats(L.qkv_bias, L.qkv.size(0), "qkv bias");
+    check_floats(L.qkv_bias, L.qkv.rows, "qkv bias");
     check_floats(L.q_norm, head_dim, "q_norm");
     check_floats(L.k_norm, head_dim, "k_norm");
     TORCH_CHECK(L.q_norm.has_value() == L.k_norm.has_value(), "q_norm and k_norm come together");
@@ -163,7 +191,7 @@ struct DecodeStack : torch::CustomClassHolder {
                   "rotary tables must be contiguous float32 [max_positions, head_dim]");
     TORCH_CHECK(L.window >= 0 && (L.activation == 0 || L.activation == 1), "window must be >= 0, activation 0 or 1");
     if (!layers.empty())
-      TORCH_CHECK(layers[0].attn_norm.numel() == H && layers[0].gate_up.size(0) == L.gate_up.size(0),
+      TORCH_CHECK(layers[0].attn_norm.numel() == H && layers[0].gate_up.rows == L.gate_up.rows,
                   "every layer must have the first one's shapes");
     layers.push_back(std::move(L));
   }
@@ -206,7 +234,7 @@ struct DecodeStack : torch::CustomClassHolder {
     if (M == 0) return;
 
     const int64_t rep = num_heads / num_kv_heads, q_size = num_heads * D, kv_size = num_kv_heads * D;
-    const int64_t slices = num_heads + 2 * num_kv_heads, qkv_n = slices * D, inter = layers[0].gate_up.size(0) / 2;
+    const int64_t slices = num_heads + 2 * num_kv_heads, qkv_n = slices * D, inter = layers[0].gate_up.rows / 2;
     const int64_t half = D / 2, layer_stride = k_cache.stride(0);
     const float feps = static_cast<float>(eps), default_scale = 1.0f / std::sqrt(static_cast<float>(D));
     std::vector<float> qkv(M * qkv_n), attn(M * q_size), proj(M * H), gu(M * 2 * inter), act(M * inter);
@@ -252,6 +280,25 @@ struct DecodeStack : torch::CustomClassHolder {
         qa.quantize(in, M, K, *format);
         return &qa;
       };
+      // rows [n0, n1) of a stacked projection, each range by its own type (its activations
+      // quantised once per format in a row)
+      auto proj_rows = [&](const float* in, int64_t K, const Proj& P, std::initializer_list<std::pair<int64_t, int64_t>> ranges,
+                           float* out) {
+        const QuantizedActivations* q = nullptr;
+        const ActFormat* quantized_as = nullptr;
+        for (size_t i = 0; i < P.w.size(); ++i) {
+          const int64_t r0 = P.first[i], r1 = r0 + P.w[i].size(0);
+          const ActFormat* format = type_row(P.type[i]).act;
+          if (format != quantized_as || q == nullptr) {
+            q = quantize(in, K, P.type[i]);
+            quantized_as = format;
+          }
+          for (const auto& [n0, n1] : ranges) {
+            const int64_t a = std::max(n0, r0), b = std::min(n1, r1);
+            if (a < b) matvec_rows(in, q, M, K, P.w[i], P.type[i], a - r0, b - r0, out + r0, P.rows);
+          }
+        }
+      };
       const auto [s0, s1] = share(slices, tid, nt);                          // q/k/v head slices
       const auto [t0, t1] = share(M * num_heads, tid, nt);                   // attention (row, head)
       const auto [o0, o1] = share(H, tid, nt);                               // o and down rows
@@ -260,7 +307,7 @@ struct DecodeStack : torch::CustomClassHolder {
         float* kc = k_base + l * layer_stride;
         float* vc = v_base + l * layer_stride;
         rms_norm_rows(resid.data(), L.attn_norm.data_ptr<float>(), L.eps, M, H, h.data());
-        matvec_rows(h.data(), quantize(h.data(), H, L.qkv_type), M, H, L.qkv, L.qkv_type, s0 * D, s1 * D, qkv.data());
+        proj_rows(h.data(), H, L.qkv, {{s0 * D, s1 * D}}, qkv.data());
         // this thread's head slices: bias, the q/k norm of each head, RoPE on q and k
         // (x*cos + roll(x, D/2)*signed_sin), new keys and values into the cache
         const float* bias = L.qkv_bias.has_value() ? L.qkv_bias->data_ptr<float>() : nullptr;
@@ -309,11 +356,9 @@ SYNC
 SYNC
         for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
         rms_norm_rows(resid.data(), L.mlp_norm.data_ptr<float>(), L.eps, M, H, h.data());
-        const QuantizedActivations* in = quantize(h.data(), H, L.gate_up_type);
         const int64_t ab = swiglu_blocks[l - first];
         const auto [g0, g1] = share(inter / ab, tid, nt);  // gate/up rows in blocks of down's format
-        matvec_rows(h.data(), in, M, H, L.gate_up, L.gate_up_type, g0 * ab, g1 * ab, gu.data());
-        matvec_rows(h.data(), in, M, H, L.gate_up, L.gate_up_type, inter + g0 * ab, inter + g1 * ab, gu.data());
+        proj_rows(h.data(), H, L.gate_up, {{g0 * ab, g1 * ab}, {inter + g0 * ab, inter + g1 * ab}}, gu.data());
         QuantizedActivations* down_q = int16 ? down_in[l - first] : nullptr;
         for (int64_t m = 0; m < M; ++m)
           for (int64_t b = g0; b < g1; ++b) {  // the gated activation of this thread's gate/up rows

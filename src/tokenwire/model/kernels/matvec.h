@@ -75,10 +75,11 @@ void matmul_tiled(const float* x, int64_t M, int64_t K, const uint8_t* w, const 
 }
 
 // rows [n0, n1) of out [M, N] = x W^T: int16 activations when `qa` is given (M < 4; in the
-// format of qtype's row), else fp32
+// format of qtype's row), else fp32. `ldo`: out's row stride when W is a row range of a wider
+// output (a projection stacked from weights of several types, decode_stack.h); else N.
 void matvec_rows(const float* x, const QuantizedActivations* qa, int64_t M, int64_t K, const at::Tensor& w,
-                 int64_t qtype, int64_t n0, int64_t n1, float* out) {
-  const int64_t N = w.size(0);
+                 int64_t qtype, int64_t n0, int64_t n1, float* out, int64_t ldo = -1) {
+  const int64_t N = ldo < 0 ? w.size(0) : ldo;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (n0 >= n1) return;
   const TypeRow& type = type_row(qtype);

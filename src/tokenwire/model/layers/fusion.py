@@ -19,7 +19,7 @@ from tokenwire.model import kernels
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.mlp import GatedMLP
 from tokenwire.model.layers.rotary import RopeSpec, Rotary
-from tokenwire.model.quant import QuantLinear
+from tokenwire.model.quant import QuantLinear, StackedQuantLinear
 
 ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # decode_stack.h's gated()
 
@@ -44,7 +44,9 @@ def _layer_blocker(layer: DecoderLayer) -> str | None:
         return f"{type(mlp).__name__} feed-forward (the kernel runs one dense MLP)"
     if mlp.activation not in ACTIVATION_CODES:
         return f"activation {mlp.activation}"
-    if not all(isinstance(m, QuantLinear) for m in (attention.qkv, attention.o_proj, mlp.gate_up, mlp.down)):
+    if not all(isinstance(m, QuantLinear) for m in (attention.o_proj, mlp.down)) or not all(
+        isinstance(m, (QuantLinear, StackedQuantLinear)) for m in (attention.qkv, mlp.gate_up)
+    ):
         return "float projections (the kernel multiplies quantised blocks)"
     if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
         return "norms after attention and MLP"
@@ -63,8 +65,13 @@ def describe(
     attention, mlp, spec = layer.attention, layer.mlp, layer.attention.spec
     assert isinstance(mlp, GatedMLP)
     projections = {"qkv": attention.qkv, "o": attention.o_proj, "gate_up": mlp.gate_up, "down": mlp.down}
-    tensors = {name: linear.packed for name, linear in projections.items()}
-    ints = {f"{name}_type": int(linear.qtype) for name, linear in projections.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    ints: dict[str, int] = {}
+    for name, linear in projections.items():  # a stacked one's parts as qkv, qkv@1, ... (Proj)
+        parts = linear.parts if isinstance(linear, StackedQuantLinear) else [linear]
+        for i, part in enumerate(parts):
+            suffix = f"@{i}" if i else ""
+            tensors[name + suffix], ints[f"{name}_type{suffix}"] = part.packed, int(part.qtype)
     tensors["attn_norm"], tensors["mlp_norm"] = layer.attn_norm.scale(), layer.mlp_norm.scale()
     if attention.qkv.bias is not None:
         tensors["qkv_bias"] = attention.qkv.bias

@@ -11,19 +11,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from collections.abc import Mapping
+from itertools import groupby
+
 from tokenwire.model.layers.norm import RMSNorm
-from tokenwire.model.quant import Q8_0, QuantEmbedding, QuantLinear, dequantize, quantize
-from tokenwire.model.weight_arena import move_to_huge_pages
+from tokenwire.model.quant import QuantEmbedding, QuantLinear, StackedQuantLinear, quantize
+from tokenwire.model.weight_arena import WeightArena
+from tokenwire.model.weight_types import weight_type
 
 # module path in the stack ("layers.3.attention.qkv") -> HF tensor names without ".weight"
 WeightNames = dict[str, tuple[str, ...]]
-Tensors = dict[str, torch.Tensor]
+# HF name -> tensor: a dict, or a GGUF read tensor by tensor as asked (model/gguf_weights.py)
+Tensors = Mapping[str, torch.Tensor]
 
 
 def quantize_state(state: Tensors, qtype: int) -> tuple[Tensors, dict[str, int]]:
     """fp32 HF-named weights -> the same names with every 2-D projection/embedding quantised
     (`--weights int8|int4` on a Hugging Face directory)."""
-    out: Tensors = {}
+    out: dict[str, torch.Tensor] = {}
     qtypes: dict[str, int] = {}
     for name, tensor in state.items():
         if tensor.dim() == 2 and tensor.shape[1] % 32 == 0 and tensor.is_floating_point():
@@ -39,6 +44,7 @@ class WeightLoader:
     ) -> None:
         self.tensors, self.qtypes = tensors, qtypes
         self.dtype, self.device = dtype, device
+        self.arena = WeightArena()  # quantised weights, each written once into its place
 
     def take(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
@@ -57,26 +63,44 @@ class WeightLoader:
         bias = None
         if target.bias is not None:
             bias = torch.cat([self.float(s + ".bias") for s in stems])
-        kinds = {self.qtypes.get(n) for n in names} if self.qtypes is not None else {None}
-        if len(kinds) == 1 and None not in kinds:  # one block type: concatenate rows as they are
-            (qtype,) = kinds
-            assert qtype is not None
-            return QuantLinear(torch.cat([self.take(n) for n in names]), qtype, target.in_features, bias)
-        if kinds == {None}:  # float weights (or no quantised tensors at all), kept float
+        qtypes = self.qtypes or {}
+        # runs of names in one block type become one weight (q/k/v rows concatenated as they are)
+        runs = [(qtype, list(run)) for qtype, run in groupby(names, key=qtypes.get)]
+        if runs[0][0] is None and len(runs) == 1:  # float weights, kept float
             layer = nn.Linear(target.in_features, target.out_features, bias=bias is not None, device="meta")
             layer.weight = nn.Parameter(torch.cat([self.float(n) for n in names]), requires_grad=False)
             if bias is not None:
                 layer.bias = nn.Parameter(bias, requires_grad=False)
             return layer
-        # mixed block types (K-quant files mix them per tensor): one type for the fused rows
-        dense = [dequantize(self.take(n), self.qtypes[n], target.in_features) if n in self.qtypes
-                 else self.take(n).float() for n in names]  # fmt: skip
-        return QuantLinear.from_float(torch.cat(dense), Q8_0, bias)
+        if any(qtype is None for qtype, _ in runs):
+            floats = [n for n in names if n not in qtypes]
+            raise ValueError(f"tensors {floats} are float beside quantised ones in one projection")
+        parts = [self.packed(run, qtype, target.in_features) for qtype, run in runs]
+        if len(parts) == 1:
+            return QuantLinear(parts[0], runs[0][0], target.in_features, bias, split=True)  # type: ignore[arg-type]
+        layers = [QuantLinear(p, q, target.in_features, split=True) for p, (q, _) in zip(parts, runs, strict=True)]  # type: ignore[arg-type]
+        return StackedQuantLinear(layers, bias)
+
+    def packed(self, names: list[str], qtype: int, in_features: int) -> torch.Tensor:
+        """The rows of `names` (one block type), split for the kernels, in one arena tensor:
+        each source tensor is read and written into its place once."""
+        kind = weight_type(qtype)
+        row_bytes = kind.packed_shape(1, in_features)[1]
+        sources = [self.take(n) for n in names]  # a GGUF's are read from the file here
+        out = self.arena.take((sum(len(t) for t in sources), row_bytes))
+        at = 0
+        for name, source in zip(names, sources, strict=True):
+            if tuple(source.shape) != (len(source), row_bytes) or source.dtype != torch.uint8:
+                raise ValueError(f"tensor {name!r} is {tuple(source.shape)}, not {kind.name} rows of {in_features}")
+            kind.split_rows_into(source, out[at : at + len(source)])
+            at += len(source)
+        return out
 
     def embedding(self, stem: str, target: nn.Embedding) -> nn.Module:
         name = stem + ".weight"
         if self.qtypes is not None and name in self.qtypes:
-            return QuantEmbedding(self.take(name), self.qtypes[name], target.embedding_dim)
+            packed = self.packed([name], self.qtypes[name], target.embedding_dim)
+            return QuantEmbedding(packed, self.qtypes[name], target.embedding_dim, split=True)
         return nn.Embedding.from_pretrained(self.float(name), freeze=True)
 
 
@@ -122,5 +146,5 @@ def load_weights(
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"the checkpoint left tensors unloaded: {left[:5]}")
-    if qtypes is not None:
-        move_to_huge_pages(model)  # the decode step streams every block: weight_arena.py says why
+    if loader.arena.mappings:  # the quantised weights' memory (weight_arena.py): kept alive
+        model._weight_arena = loader.arena  # type: ignore[assignment]

@@ -18,14 +18,14 @@ def load_tokenizer(spec: str) -> Tokenizer:
     """`default` (or the default model's served name), a model directory, a .gguf file or a
     tokenizer.json file. AICI's built-in names (llama, gpt4, ...) need files we do not ship."""
     if spec in ("default", DEFAULT_MODEL_NAME):
-        return resolve_model(None, progress=False).tokenizer
+        return resolve_model(None).tokenizer
     path = Path(spec).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
-            return resolve_model(path, progress=False).tokenizer
+            return resolve_model(path).tokenizer
         return Tokenizer.from_dir(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return resolve_model(path, progress=False).tokenizer
+        return resolve_model(path).tokenizer
     if path.is_file() and path.suffix.lower() == ".json":
         return Tokenizer(PreTrainedTokenizerFast(tokenizer_file=str(path)))
     raise ValueError(

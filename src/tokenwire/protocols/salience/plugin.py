@@ -73,7 +73,7 @@ def run_chat(args: argparse.Namespace) -> int:
     from tokenwire.protocols.salience.client_session import SalienceError
 
     model = check_model_spec(args.model)
-    source = resolve_model(model, cache_dir=args.cache_dir, name=args.model_name, progress=False)
+    source = resolve_model(model, cache_dir=args.cache_dir, name=args.model_name)
     tok = source.tokenizer
     root = open(args.ca, "rb").read() if args.ca else None
     color = sys.stdout.isatty()

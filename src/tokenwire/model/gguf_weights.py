@@ -1,0 +1,133 @@
+"""A GGUF's tensors under Hugging Face names, read from the file one tensor at a time as the
+model asks for them: no converted copy on disk, and never the whole model in memory twice.
+
+Quantised tensors come as their GGUF blocks ([rows, row_bytes] uint8, the q/k rows un-permuted
+from llama.cpp's interleaved RoPE order, as the family's float path expects); the weight loader
+writes each straight into its place in the weight arena (model/layers/weights.py), so a load's
+peak memory is the weights as the file holds them plus the tensor being read. Float tensors
+(norms, biases, F32 matrices) come as float32.
+
+With `dense=True` (`--weights fp32|bf16`, or int8/int4 re-quantisation) every tensor comes as
+float32, dequantised exactly (the kernels' dequantiser for the types they run, gguf's reference
+for the others): that fp32 copy exists only when asked for.
+
+Reading uses plain file reads, not the reader's memory map: pages of a mapping stay resident
+(and counted) once touched, reads into a buffer freed after each tensor do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
+
+from tokenwire.model import kernels, weight_types
+from tokenwire.model.config import ModelConfig
+from tokenwire.model.gguf import gguf_family, hf_tensor_name, open_gguf, unpermute_rope_rows
+from tokenwire.model.quant import dequantize
+
+_FLOATS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F64: np.float64}
+# float types a tensor may also come in; kept in their type where the kernels run it as a matrix
+_WIDE_FLOATS = {GGMLQuantizationType.F16, GGMLQuantizationType.BF16, *_FLOATS}
+_READ_CHUNK = 1 << 30  # readinto() of more than 2 GiB at once is not portable
+
+
+class UnsupportedWeightTypeError(ValueError):
+    """A GGUF tensor in a block type the kernels do not run (`--weights fp32` still loads it)."""
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    gguf_name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # rows first (numpy order)
+    offset: int  # absolute file offset of its data
+    nbytes: int
+    rope_heads: int | None  # q/k rows to un-permute, by this many heads
+
+
+class GgufWeights(Mapping[str, torch.Tensor]):
+    def __init__(self, path: Path, config: ModelConfig, *, dense: bool = False) -> None:
+        self.path, self.dense = Path(path), dense
+        reader = open_gguf(self.path)
+        names = gguf_family(reader.fields["general.architecture"].contents(), path).gguf
+        assert names is not None
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+        self.tensors: dict[str, GgufTensor] = {}
+        for t in reader.tensors:
+            name = hf_tensor_name(t.name, names)
+            if name is None:
+                continue
+            kind = t.name.split(".")[-2]
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            rope = heads[kind] if names.permuted_qk and kind in heads else None
+            qtype = GGMLQuantizationType(int(t.tensor_type))
+            self.tensors[name] = GgufTensor(t.name, qtype, shape, int(t.data_offset), int(t.n_bytes), rope)
+        self.qtypes: dict[str, int] = {}  # the quantised tensors' block types (none when dense)
+        if not dense:
+            for name, t in self.tensors.items():
+                runs = int(t.qtype) in weight_types.BY_ID and len(t.shape) == 2
+                if not runs and t.qtype in _WIDE_FLOATS:
+                    continue  # a norm, a bias, a float matrix: float32
+                if not runs:
+                    runs = ", ".join(w.name for w in weight_types.WEIGHT_TYPES)
+                    raise UnsupportedWeightTypeError(
+                        f"{self.path}: tensor {t.gguf_name} is {t.qtype.name}, a weight type tokenwire's "
+                        f"kernels do not run (they run {runs}); --weights fp32 loads it dequantised"
+                    )
+                self.qtypes[name] = int(t.qtype)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    @property
+    def file_bytes(self) -> int:
+        return self.path.stat().st_size
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        raw = self._read(t)
+        if t.qtype in _FLOATS:
+            values = raw.view(_FLOATS[t.qtype]).astype(np.float32, copy=False).reshape(t.shape)
+        elif name in self.qtypes:
+            values = raw.reshape(t.shape[0], -1)
+        else:
+            values = self._dequantized(raw, t)
+        if t.rope_heads is not None:
+            values = unpermute_rope_rows(values, t.rope_heads)
+        return torch.from_numpy(np.ascontiguousarray(values))
+
+    def _read(self, t: GgufTensor) -> np.ndarray:
+        buffer = np.empty(t.nbytes, dtype=np.uint8)
+        view = memoryview(buffer)
+        with self.path.open("rb") as f:
+            f.seek(t.offset)
+            done = 0
+            while done < t.nbytes:
+                got = f.readinto(view[done : done + _READ_CHUNK])
+                if not got:
+                    raise ValueError(f"{self.path} ends inside tensor {t.gguf_name}")
+                done += got
+        return buffer
+
+    def _dequantized(self, raw: np.ndarray, t: GgufTensor) -> np.ndarray:
+        rows, cols = int(np.prod(t.shape[:-1])), t.shape[-1]
+        if int(t.qtype) in weight_types.BY_ID and kernels.loaded():
+            # the kernels' dequantiser: bit-exact with gguf's, and far faster
+            packed = torch.from_numpy(raw.reshape(rows, -1))
+            return dequantize(packed, int(t.qtype), cols).numpy().reshape(t.shape)
+        if t.qtype not in GGML_QUANT_SIZES:
+            raise UnsupportedWeightTypeError(f"{self.path}: tensor {t.gguf_name} has unknown type {t.qtype}")
+        return np.asarray(gguf_dequantize(raw, t.qtype), dtype=np.float32).reshape(t.shape)
