@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.request import GenerateOptions, SamplingParams
@@ -51,21 +52,23 @@ def test_greedy_32_tokens_equal_fp32_and_eager(engines, text: str) -> None:
     assert fused == _greedy(engines["gguf-eager"], text)
 
 
-def test_packed_cache_holds_the_files_own_blocks(smollm2_source) -> None:
+def test_quantised_weights_are_the_files_own_blocks(smollm2_source) -> None:
+    """The quantised tensors as the GGUF holds them (q/k rows un-permuted like the fp32 path),
+    read from the file; the conversion cache holds no weights."""
     from gguf import GGUFReader
 
     from tokenwire.model.gguf import unpermute_rope_rows
-    from tokenwire.model.loader import load_packed
+    from tokenwire.model.gguf_weights import GgufWeights
 
-    packed = load_packed(smollm2_source.model_dir)
-    assert packed is not None
-    tensors, qtypes = packed
+    assert not list(smollm2_source.model_dir.glob("*.safetensors"))
+    blocks = GgufWeights(smollm2_source.source, smollm2_source.config)
     reader = GGUFReader(smollm2_source.source)
     by_name = {t.name: t for t in reader.tensors}
     down = by_name["blk.3.ffn_down.weight"]
-    assert qtypes["model.layers.3.mlp.down_proj.weight"] == int(down.tensor_type)
-    np.testing.assert_array_equal(tensors["model.layers.3.mlp.down_proj.weight"].numpy(), down.data)
-    q = by_name["blk.3.attn_q.weight"]  # q/k rows un-permuted as the fp32 weights are
+    assert blocks.qtypes["model.layers.3.mlp.down_proj.weight"] == int(down.tensor_type)
+    np.testing.assert_array_equal(blocks["model.layers.3.mlp.down_proj.weight"].numpy(), down.data)
+    q = by_name["blk.3.attn_q.weight"]
     np.testing.assert_array_equal(
-        tensors["model.layers.3.self_attn.q_proj.weight"].numpy(), unpermute_rope_rows(np.array(q.data), 9)
+        blocks["model.layers.3.self_attn.q_proj.weight"].numpy(), unpermute_rope_rows(np.array(q.data), 9)
     )
+    assert "model.norm.weight" not in blocks.qtypes and blocks["model.norm.weight"].dtype == torch.float32

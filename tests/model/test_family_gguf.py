@@ -63,9 +63,7 @@ def test_qwen3_gguf_loads_like_its_hf_directory(tmp_path: Path, quant: str) -> N
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     write_gguf(hf, tmp_path / f"tiny-qwen3-{quant}.gguf", quant)
-    source = resolve_model(
-        tmp_path / f"tiny-qwen3-{quant}.gguf", cache_dir=tmp_path / "cache", progress=False
-    )
+    source = resolve_model(tmp_path / f"tiny-qwen3-{quant}.gguf", cache_dir=tmp_path / "cache")
     assert source.config.architecture == "Qwen3ForCausalLM"
     ids = torch.randint(0, 49152, (1, 60), generator=torch.Generator().manual_seed(6))
     dense = dense_logits(load_model(source, "fp32", torch.device("cpu"), None), ids)

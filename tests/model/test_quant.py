@@ -229,26 +229,37 @@ def test_fused_decode_equals_eager_layers_in_the_engine(
     assert _max_logprob_diff(fused_int16, eager) <= INT16_DECODE_LOGPROB_TOL
 
 
-def test_k_quant_tensors_become_q8_0_blocks_at_conversion() -> None:
-    """Types the kernels do not run (here Q6_K, as Q4_K_M files mix in) are re-quantised once to
-    Q8_0 from their exact dequantised values; float tensors stay float."""
-    from types import SimpleNamespace
+def test_projections_of_mixed_block_types_fuse_each_part_in_its_type(smollm2_source) -> None:
+    """q/k in Q8_0 beside v in Q4_0, gate in Q4_1 beside up in Q8_0 (K-quant files mix types
+    so): each projection is stacked from its parts, fused decode runs each part in its own type
+    and equals the eager layers (fp32 matvecs both) and the fp32 model of the same values."""
+    from tokenwire.model.quant import StackedQuantLinear
 
-    from tokenwire.model.gguf import _packed_tensor
-
-    rng = np.random.default_rng(3)
-    rows, cols, block_bytes = 8, 256, 210  # Q6_K: 256 weights in 210 bytes, fp16 d last
-    raw = rng.integers(0, 256, (rows, cols // 256 * block_bytes), dtype=np.uint8)
-    raw.reshape(-1, block_bytes)[:, 208:210] = np.array([0.01], dtype=np.float16).view(np.uint8)
-    dense = np.asarray(gguf_dequantize(raw, GGMLQuantizationType.Q6_K), dtype=np.float32)
-    tensor = SimpleNamespace(tensor_type=GGMLQuantizationType.Q6_K, data=raw)
-    packed, qtype = _packed_tensor(tensor, dense, None)
-    assert qtype == Q8_0 and packed.dtype == torch.uint8
-    back = dequantize(packed, Q8_0, cols).numpy()
-    assert np.abs(back - dense).max() <= np.abs(dense).max() / 127  # one Q8_0 step at most
-    norm = SimpleNamespace(tensor_type=GGMLQuantizationType.F32, data=dense[0])
-    kept, none = _packed_tensor(norm, dense[0], None)
-    assert none is None and kept.dtype == torch.float32 and np.array_equal(kept.numpy(), dense[0])
+    hf = hf_model("smollm2")
+    config = read_config(hf.config.to_dict())
+    mix = {"q_proj": Q8_0, "k_proj": Q8_0, "v_proj": Q4_0, "o_proj": Q4_1, "gate_proj": Q4_1,
+           "up_proj": Q8_0, "down_proj": Q4_0, "embed_tokens": Q8_0}  # fmt: skip
+    tensors, qtypes, dense = {}, {}, {}
+    for name, t in hf.state_dict().items():
+        kind = next((q for key, q in mix.items() if f".{key}." in name), None)
+        if kind is None or t.dim() != 2:
+            tensors[name] = dense[name] = t
+            continue
+        tensors[name], qtypes[name] = quantize(t, kind), kind
+        dense[name] = dequantize(tensors[name], kind, t.shape[1])
+    quantised, reference = build_model(config, tensors, qtypes), build_model(config, dense)
+    layer = quantised.layers[0]
+    assert isinstance(layer.attention.qkv, StackedQuantLinear)
+    assert isinstance(layer.mlp.gate_up, StackedQuantLinear)
+    assert quantised.fusion_blocker is None
+    tok = smollm2_source.tokenizer
+    eager = _decode_runs(quantised, tok, fuse=False, int16=False, sequences=2)
+    fused = _decode_runs(quantised, tok, fuse=True, int16=False, sequences=2)
+    assert _max_logprob_diff(fused, eager) <= 1e-4
+    exact = _decode_runs(reference, tok, fuse=False, int16=False, sequences=2)
+    assert _max_logprob_diff(eager, exact) <= 1e-4
+    fused_int16 = _decode_runs(quantised, tok, fuse=True, int16=True, sequences=2)
+    assert _max_logprob_diff(fused_int16, eager) <= INT16_DECODE_LOGPROB_TOL
 
 
 def test_row_stats_match_torch_reductions() -> None:
@@ -314,18 +325,19 @@ def test_fused_decode_readouts_equal_the_eager_layers(smollm2_source) -> None:
         torch.testing.assert_close(readouts[True][position], value, rtol=1e-4, atol=1e-4)
 
 
-def test_packed_weights_move_to_one_huge_page_mapping(monkeypatch) -> None:
-    """Every packed buffer lies in the madvise'd mapping (its start 2 MiB-aligned), the tied
-    embedding and lm_head still share one table, and the model computes what it did before."""
+def test_packed_weights_live_in_huge_page_mappings(monkeypatch) -> None:
+    """Every packed buffer lies in the arena's madvise'd mappings (each chunk 2 MiB-aligned), the
+    tied embedding and lm_head still share one table, and the model computes the same without
+    huge pages."""
     from tokenwire.model import weight_arena
 
     available = weight_arena.huge_pages_available()
-    quantised, _ = _twins(Q4_1)  # built with the move (when this kernel offers huge pages)
-    packed = {id(m): m.packed for m in quantised.modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+    quantised, _ = _twins(Q4_1)
+    packed = [m.packed for m in quantised.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
     assert quantised.lm_head.packed.data_ptr() == quantised.embed.packed.data_ptr()
     monkeypatch.setattr(weight_arena, "huge_pages_available", lambda: False)
-    plain, _ = _twins(Q4_1)  # the same weights left where loading put them
-    assert not hasattr(plain, "_weight_arena")
+    plain, _ = _twins(Q4_1)  # the same weights in mappings not advised
+    assert not plain._weight_arena.huge
     ids = torch.randint(0, 49152, (12,))
     with torch.inference_mode():
         a, _ = quantised(ids, torch.arange(12), DenseCausalAttention(1, 12))
@@ -333,8 +345,9 @@ def test_packed_weights_move_to_one_huge_page_mapping(monkeypatch) -> None:
     assert torch.equal(a, b)
     if not available:  # the fallback is checked above; the mapping itself needs the kernel's THP
         pytest.skip("transparent huge pages are off on this machine")
-    arena = torch.frombuffer(quantised._weight_arena, dtype=torch.uint8)
-    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
-    starts = sorted(t.data_ptr() for t in packed.values())
-    assert all(lo <= s and s + 1 <= hi for s in starts) and starts[0] % weight_arena.HUGE_PAGE == 0
-    assert plain.embed.packed.data_ptr() < lo or plain.embed.packed.data_ptr() >= hi
+    arena = quantised._weight_arena
+    assert arena.huge
+    mapped = [torch.frombuffer(m, dtype=torch.uint8) for m in arena.mappings]
+    spans = [(m.data_ptr(), m.data_ptr() + m.numel()) for m in mapped]
+    assert all(any(lo <= t.data_ptr() and t.data_ptr() + t.numel() <= hi for lo, hi in spans) for t in packed)
+    assert min(t.data_ptr() for t in packed) % weight_arena.HUGE_PAGE == 0

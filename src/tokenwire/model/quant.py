@@ -199,12 +199,11 @@ class QuantEmbedding(nn.Module):
 
 
 def resident_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer, each storage counted once (tied tables share one)."""
-    seen: set[int] = set()
-    total = 0
+    """Bytes of every parameter and buffer, a tensor shared by several modules counted once (a
+    tied table). Tensors' own bytes, not their storages': packed weights are views into the
+    weight arena's mappings (whose untouched tails are never resident)."""
+    sizes: dict[int, int] = {}
     for t in [*model.parameters(), *model.buffers()]:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+        key = t.data_ptr()
+        sizes[key] = max(sizes.get(key, 0), t.numel() * t.element_size())
+    return sum(sizes.values())

@@ -75,8 +75,9 @@ class WeightType:
         """split_rows written into `out` (same shape; its final place, e.g. the weight arena:
         no temporary as large as the tensor)."""
         n, row_bytes = packed.shape
-        if tuple(out.shape) != (n, row_bytes) or out.dtype != torch.uint8:
-            raise ValueError(f"split rows of {tuple(packed.shape)} need uint8 {(n, row_bytes)}, got {tuple(out.shape)}")
+        if tuple(out.shape) != (n, row_bytes) or out.dtype != packed.dtype:
+            got = f"{out.dtype} {tuple(out.shape)}"
+            raise ValueError(f"split rows of {packed.dtype} {(n, row_bytes)} cannot go into {got}")
         nb = row_bytes // self.block_bytes
         blocks = packed.reshape(n, nb, self.block_bytes)
         bounds = pairwise(accumulate((size for _, size in self.parts), initial=0))

@@ -8,11 +8,11 @@ conversion or of `--weights int8|int4` (`qtypes`: the block type of each quantis
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from collections.abc import Mapping
 from itertools import groupby
+
+import torch
+from torch import nn
 
 from tokenwire.model.layers.norm import RMSNorm
 from tokenwire.model.quant import QuantEmbedding, QuantLinear, StackedQuantLinear, quantize
@@ -75,11 +75,11 @@ class WeightLoader:
         if any(qtype is None for qtype, _ in runs):
             floats = [n for n in names if n not in qtypes]
             raise ValueError(f"tensors {floats} are float beside quantised ones in one projection")
-        parts = [self.packed(run, qtype, target.in_features) for qtype, run in runs]
+        k = target.in_features
+        parts = [QuantLinear(self.packed(run, q, k), q, k, split=True) for q, run in runs if q is not None]
         if len(parts) == 1:
-            return QuantLinear(parts[0], runs[0][0], target.in_features, bias, split=True)  # type: ignore[arg-type]
-        layers = [QuantLinear(p, q, target.in_features, split=True) for p, (q, _) in zip(parts, runs, strict=True)]  # type: ignore[arg-type]
-        return StackedQuantLinear(layers, bias)
+            return QuantLinear(parts[0].packed, parts[0].qtype, k, bias, split=True)
+        return StackedQuantLinear(parts, bias)
 
     def packed(self, names: list[str], qtype: int, in_features: int) -> torch.Tensor:
         """The rows of `names` (one block type), split for the kernels, in one arena tensor:
@@ -91,7 +91,8 @@ class WeightLoader:
         at = 0
         for name, source in zip(names, sources, strict=True):
             if tuple(source.shape) != (len(source), row_bytes) or source.dtype != torch.uint8:
-                raise ValueError(f"tensor {name!r} is {tuple(source.shape)}, not {kind.name} rows of {in_features}")
+                shape = tuple(source.shape)
+                raise ValueError(f"tensor {name!r} is {shape}, not {kind.name} rows of {in_features}")
             kind.split_rows_into(source, out[at : at + len(source)])
             at += len(source)
         return out
