@@ -17,7 +17,6 @@ from tokenwire.model.families import build_model, read_config
 from tokenwire.model.layers.attention import DenseCausalAttention
 from tokenwire.model.layers.weights import quantize_state
 from tokenwire.model.quant import (
-    DENSE_FROM_ROWS,
     Q4_0,
     Q4_1,
     Q8_0,
@@ -29,12 +28,22 @@ from tokenwire.model.quant import (
 )
 
 QTYPES = [Q4_0, Q4_1, Q8_0]
-# |quantised matmul - fp32 matmul of the dequantised weight| / max|fp32 result|: both sum the
-# same exact products in fp32, in another order (~1e-7 seen)
+# |quantised matmul with fp32 activations - fp32 matmul of the dequantised weight| / max|fp32
+# result|: both sum the same exact products in fp32, in another order (~1e-7 seen)
 MATMUL_RTOL = 2e-6
-# the fused decode layer's matvecs take int16 activations per 32-value block: its logprobs
-# differ from the fp32 layers' by up to this (SmolLM2, 2,000 tokens: mean 5.6e-4, max 7.1e-3)
+# quantised matmuls take int16 activations per 32-value block: logprobs differ from the fp32
+# activations' by up to this (SmolLM2, 2,000 tokens: mean 5.6e-4, max 7.1e-3)
 INT16_DECODE_LOGPROB_TOL = 2e-2
+
+
+@pytest.fixture
+def fp32_activations():
+    """The kernels' fp32-activation path (the exact comparison with a float matmul)."""
+    from tokenwire.model.kernels import ops
+
+    ops().set_int16_activations(False)
+    yield
+    ops().set_int16_activations(True)
 
 
 def _blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
@@ -71,8 +80,8 @@ def test_real_gguf_blocks_dequantize_bit_exactly(smollm2_source) -> None:
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 7, 32, DENSE_FROM_ROWS + 5])
-def test_quantized_linear_equals_fp32_matmul(qtype: int, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 7, 32, 300])
+def test_fp32_activation_path_equals_fp32_matmul(qtype: int, rows: int, fp32_activations: None) -> None:
     packed, reference = _blocks(130, 576, qtype, seed=rows)
     bias = torch.randn(130)
     layer = QuantLinear(packed, qtype, 576, bias)
@@ -87,11 +96,12 @@ def test_quantized_linear_equals_fp32_matmul(qtype: int, rows: int) -> None:
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("blocks", [1, 3, 8, 18, 48])
-def test_int16_decode_rows_stay_within_their_rounding_bound(qtype: int, blocks: int) -> None:
-    """The decode matvec (int16 activations per 32-value block, integer block dots, groups of 8
-    blocks with a short last one) against fp32 with the dequantised weight. Each activation is
-    off by at most max|block| / 65534 and meets the block's integer part d*q (Q4_1's minimum and
-    Q4_0's -8d go with exact fp32 block sums), so a result is off by at most that times sum d*q."""
+def test_int16_rows_stay_within_their_rounding_bound(qtype: int, blocks: int) -> None:
+    """The quantised matmul (int16 activations per 32-value block, integer block dots, groups of
+    8 blocks with a short last one; any number of rows) against fp32 with the dequantised weight.
+    Each activation is off by at most max|block| / 65534 and meets the block's integer part d*q
+    (Q4_1's minimum and Q4_0's -8d go with exact fp32 block sums), so a result is off by at most
+    that times sum d*q."""
     k = 32 * blocks
     packed, reference = _blocks(37, k, qtype, seed=blocks)
     layer = QuantLinear(packed, qtype, k)
@@ -101,10 +111,10 @@ def test_int16_decode_rows_stay_within_their_rounding_bound(qtype: int, blocks: 
     offset = {Q4_0: -8 * d, Q4_1: raw[..., 2:4].contiguous().view(torch.float16).float(), Q8_0: 0 * d}[qtype]
     integer_part = (w.view(37, blocks, 32) - offset).abs().sum(-1)  # sum |d*q| per block
     generator = torch.Generator().manual_seed(blocks)
-    for rows in (1, 2, 3):
+    for rows in (1, 2, 3, 7, 32, 300):
         x = torch.randn(rows, k, generator=generator) * torch.rand(rows, k, generator=generator) * 4
         x[0, :32] = 0  # an all-zero block
-        got, expected = layer.decode_rows(x), x @ w.T
+        got, expected = layer(x), x @ w.T
         block_max = x.abs().view(rows, blocks, 32).amax(-1)
         bound = block_max @ integer_part.T / 65534 + 1e-5 * expected.abs() + 1e-6
         assert ((got - expected).abs() <= bound).all(), (rows, (got - expected).abs().max().item())
@@ -215,18 +225,41 @@ def _max_logprob_diff(a: list[list[tuple[int, float]]], b: list[list[tuple[int, 
 def test_fused_decode_equals_eager_layers_in_the_engine(
     smollm2_source, arch: str, qtype: int, sequences: int
 ) -> None:
-    """Batched decode through the fused stack (paged KV, sequences of different lengths) gives
-    the eager layers' tokens and logprobs: to 1e-4 with fp32 matvecs, and to the documented int16
-    tolerance with the default int16 activations (under 4 rows; 5 rows take the fp32 tiles).
-    SmolLM2's tiny twin has 3 blocks per row (a short last group), Qwen2's a qkv bias."""
+    """Prefill and batched decode through the fused stack (paged KV, sequences of different
+    lengths) give the eager layers' tokens and logprobs: to 1e-4 with the same matmuls (int16
+    activations both, or fp32 both), and to the documented int16 tolerance against the eager
+    layers with fp32 activations. SmolLM2's tiny twin has 3 blocks per row (a short last group),
+    Qwen2's a qkv bias."""
     quantised, _ = _twins(qtype, arch)
     assert quantised.fusion_blocker is None  # every layer is of a kind the kernel runs
     tok = smollm2_source.tokenizer
-    eager = _decode_runs(quantised, tok, fuse=False, int16=True, sequences=sequences)  # eager is fp32
-    fused_fp32 = _decode_runs(quantised, tok, fuse=True, int16=False, sequences=sequences)
-    assert _max_logprob_diff(fused_fp32, eager) <= 1e-4
-    fused_int16 = _decode_runs(quantised, tok, fuse=True, int16=True, sequences=sequences)
-    assert _max_logprob_diff(fused_int16, eager) <= INT16_DECODE_LOGPROB_TOL
+    for int16 in (False, True):
+        eager = _decode_runs(quantised, tok, fuse=False, int16=int16, sequences=sequences)
+        fused = _decode_runs(quantised, tok, fuse=True, int16=int16, sequences=sequences)
+        assert _max_logprob_diff(fused, eager) <= 1e-4
+        if not int16:
+            exact = eager
+    assert _max_logprob_diff(fused, exact) <= INT16_DECODE_LOGPROB_TOL
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_each_row_computes_the_same_alone_or_in_a_batch(qtype: int) -> None:
+    """The int16 matmul sums every (weight row, activation row) in one order whatever the number
+    of rows: a row alone, in a batch of 37 and at any place in it gives the same bits."""
+    from tokenwire.model.kernels import ops
+
+    packed, _ = _blocks(211, 32 * 67, qtype)
+    layer = QuantLinear(packed, qtype, 32 * 67)
+    x = torch.randn(37, 32 * 67, generator=torch.Generator().manual_seed(2))
+    together = layer(x)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(37)])
+    reversed_rows = layer(x.flip(0)).flip(0)
+    assert torch.equal(together, alone) and torch.equal(together, reversed_rows)
+    ops().set_team_mode(2)  # one thread: other row ranges per task, the same bits
+    try:
+        assert torch.equal(layer(x), together)
+    finally:
+        ops().set_team_mode(1)
 
 
 def test_projections_of_mixed_block_types_fuse_each_part_in_its_type(smollm2_source) -> None:

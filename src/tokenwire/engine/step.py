@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenwire.engine.attention import AttentionGroup, PagedAttention, build_group
+from tokenwire.engine.attention import PagedAttention, build_group
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.positions import ChunkRows
 from tokenwire.engine.request import Request
@@ -59,7 +59,8 @@ def run_step(
     decode_rows: list[list[int]] = []
     decode_starts: list[int] = []
     decode_tables: list[list[int]] = []
-    groups: list[AttentionGroup] = []
+    row_tables: list[list[int]] = []  # each row's sequence's blocks, for a fused step
+    chunks: list[tuple[list[int], int, list[int]]] = []  # prefill chunks: rows, start, table
     logit_rows: list[int] = []
     logit_keys: list[tuple[int, int]] = []
     stat_rows: list[tuple[int, bool]] = []  # (index into logit rows, wants logprobs)
@@ -74,22 +75,13 @@ def run_step(
             positions.append(p)
             slots.append(table[p // bs] * bs + p % bs)
         rows = list(range(base, base + item.count))
+        row_tables += [table[: -(-(item.start + item.count) // bs)]] * item.count
         if item.count == 1:
             decode_rows.append(rows)
             decode_starts.append(item.start)
-            decode_tables.append(table[: -(-(item.start + 1) // bs)])
+            decode_tables.append(row_tables[-1])
         else:
-            groups.append(
-                build_group(
-                    [rows],
-                    [item.start],
-                    [table[: -(-(item.start + item.count) // bs)]],
-                    bs,
-                    rep,
-                    device,
-                    dtype,
-                )
-            )
+            chunks.append((rows, item.start, row_tables[-1]))
         rid = item.request.id
         opts = item.request.options
         for p in item.rows.logits:
@@ -102,13 +94,17 @@ def run_step(
             capture_keys.append((rid, p))
     attention: PagedAttention | PagedDecode
     position_tensor = torch.tensor(positions, device=device)
-    if decode_rows and not groups and model.can_fuse_decode:
-        # decode only: the stack runs as one fused kernel that reads the block tables itself
-        # (one row per sequence: the rows' positions are the decode starts)
-        width = max(len(t) for t in decode_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
+    if model.can_fuse_decode:
+        # every step, decode rows and prefill chunks alike, runs the stack as one fused kernel
+        # that reads the block tables itself (a row per token: its position, its sequence's
+        # table). One kernel for every step is what keeps a token's arithmetic the same whether
+        # it was decoded, prefilled in one chunk or several, alone or in a batch.
+        width = max(len(t) for t in row_tables)
+        padded = {id(t): t + [0] * (width - len(t)) for t in row_tables}
+        tables = torch.tensor([padded[id(t)] for t in row_tables], dtype=torch.long)
         attention = PagedDecode(kv.k, kv.v, position_tensor, tables)
     else:
+        groups = [build_group([r], [start], [t], bs, rep, device, dtype) for r, start, t in chunks]
         if decode_rows:
             groups.append(build_group(decode_rows, decode_starts, decode_tables, bs, rep, device, dtype))
         attention = PagedAttention(kv, torch.tensor(slots, device=device), groups)
@@ -133,8 +129,7 @@ def run_step(
             rows = hidden
         else:
             rows = hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]
-        # a fused decode step's lm_head takes the fused layers' int16 matvec (only DecoderModel fuses)
-        logits = (model.logits(rows, fused_decode=True) if fused else model.logits(rows)).cpu()
+        logits = model.logits(rows).cpu()
     out_logits = {key: logits[i] for i, key in enumerate(logit_keys)}
     out_hidden: dict[tuple[int, int], torch.Tensor] = {}
     if capture_rows:

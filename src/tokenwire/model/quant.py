@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 from torch import nn
@@ -31,14 +30,6 @@ Q4_0, Q4_1, Q8_0 = weight_types.Q4_0.gguf_id, weight_types.Q4_1.gguf_id, weight_
 QTYPE_NAMES = {t.gguf_id: t.name for t in weight_types.WEIGHT_TYPES}
 QTYPES = {t.name: t.gguf_id for t in weight_types.WEIGHT_TYPES}
 
-# From this many rows on, a matmul dequantises the weight into fp32 and runs GEMMs: the
-# dequantisation is paid once for many rows and MKL's GEMM catches up with our register
-# tile there (CPU time on one core, Q4_1: 3072x576 at M=96 5.7 ms ours vs 10.6 dense, M=256
-# 13.8 vs 13.9, M=512 32.9 vs 25.3; 576x1536 at M=256 7.9 vs 5.4).
-DENSE_FROM_ROWS = 256
-# ... DENSE_SLICE output features at a time, so the fp32 weight never exists whole (a 151,936 x
-# 1,536 lm_head would be 930 MB of fp32 beside its 190 MB of blocks)
-DENSE_SLICE = 2048
 
 
 def _ops():
@@ -110,36 +101,16 @@ class QuantLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantised weight (for inspection and tests; the forward never builds it whole
-        below DENSE_FROM_ROWS rows)."""
+        """The dequantised weight (for inspection and tests; the forward never builds it)."""
         return _dequantize_split(self.packed, self.qtype, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One arithmetic for any number of rows (kernels/matvec.h): int16 activations per block
+        and integer block dots, each row summed in the same order alone or in a batch, so a
+        token's logits do not depend on the batch or prefill chunk it ran in. (fp32 activations
+        instead when the kernels' int16 activations are switched off, or the type has none.)"""
         if x.dtype != torch.float32:
             raise TypeError(f"quantised linear layers take float32 activations, got {x.dtype}")
-        rows = x.numel() // self.in_features
-        if rows >= DENSE_FROM_ROWS:
-            y = self._dense_slices(x)
-        else:
-            y = _ops().qmatmul(x, self.packed, self.qtype)
-        return y if self.bias is None else y + self.bias
-
-    def _dense_slices(self, x: torch.Tensor) -> torch.Tensor:
-        if self.out_features <= DENSE_SLICE:
-            return F.linear(x, self.weight)
-        y = x.new_empty(*x.shape[:-1], self.out_features)
-        for start in range(0, self.out_features, DENSE_SLICE):
-            rows = torch.arange(start, min(start + DENSE_SLICE, self.out_features))
-            w = _dequantize_split(self.packed, self.qtype, self.in_features, rows)
-            y[..., start : start + len(rows)] = F.linear(x, w)
-        return y
-
-    def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The lm_head of a fused decode step: fewer than 4 rows take the int16-activation
-        matvec the fused layers use (their numerics), else the exact path."""
-        rows = x.numel() // self.in_features
-        if rows >= 4 or x.dtype != torch.float32:
-            return self(x)
         y = _ops().qmatmul(x, self.packed, self.qtype, True)
         return y if self.bias is None else y + self.bias
 
@@ -167,10 +138,6 @@ class StackedQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([p(x) for p in self.parts], dim=-1)
-        return y if self.bias is None else y + self.bias
-
-    def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.cat([p.decode_rows(x) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

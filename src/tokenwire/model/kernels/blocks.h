@@ -19,11 +19,10 @@
 
 namespace tw {
 
-// The fused decode stack's matvecs take int16 activations (set_int16_activations(false): the
-// fp32 path). qmatmul, which prefill chunks and unfused steps use, is always fp32: a prompt's
-// KV then comes out the same (up to summation order) whether part of it came from the prefix
-// cache (a few rows) or not (one chunk), as on the fp32 path; int16 rows there changed greedy
-// continuations after a cache hit.
+// Quantised matmuls take int16 activations, for any number of rows: every (weight row,
+// activation row) product is summed in the same order whether the row runs alone, in a batch
+// or in a prefill chunk (matvec.h), so a request's results do not depend on its company.
+// set_int16_activations(false): the fp32 path instead (tests and quality comparisons).
 inline bool g_int16_activations = true;
 
 // A weight type's row in memory is split, not GGUF's array of blocks: each part of a block (its
@@ -186,6 +185,19 @@ struct QuantizedActivations {
   void quantize(const float* x, int64_t M, int64_t K, const ActFormat& f) {
     reset(M, K, f);
     for (int64_t r = 0; r < M * nb; ++r) quantize_block(x + r * f.block, r / nb, r % nb);
+  }
+
+  // rows [m0, m0 + count) of `from`, as activations of their own (a copy): the groups of rows
+  // a many-row integer matmul hands its type's loop (matvec.h)
+  void copy_rows(const QuantizedActivations& from, int64_t m0, int64_t count) {
+    format = from.format;
+    nb = from.nb;
+    stride = from.stride;
+    q.assign(from.q.begin() + m0 * stride, from.q.begin() + (m0 + count) * stride);
+    scale.assign(from.scale.begin() + m0 * nb, from.scale.begin() + (m0 + count) * nb);
+    sum.assign(from.sum.begin() + m0 * nb, from.sum.begin() + (m0 + count) * nb);
+    scale.resize(count * nb + 8);  // the padding reset() gives
+    sum.resize(count * nb + 8);
   }
 };
 

@@ -238,7 +238,7 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t half = D / 2, layer_stride = k_cache.stride(0);
     const float feps = static_cast<float>(eps), default_scale = 1.0f / std::sqrt(static_cast<float>(D));
     std::vector<float> qkv(M * qkv_n), attn(M * q_size), proj(M * H), gu(M * 2 * inter), act(M * inter);
-    const bool int16 = kInt16Rows && M < 4 && g_int16_activations;
+    const bool int16 = kInt16Rows && g_int16_activations;
     // the input of down, quantised as the SwiGLU makes it: one buffer per activation format the
     // layers' down projections take (their type rows'); a layer's SwiGLU is shared out in
     // blocks of its format (any 8 values where the type has none)

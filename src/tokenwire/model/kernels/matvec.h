@@ -20,6 +20,11 @@ constexpr bool kInt16Rows = false;
 // FMA units rather than L2 reads of the activations set the pace.
 constexpr int64_t kRows = 3;
 
+// The integer path for many activation rows: groups of kGroupRows (the most a type's integer
+// loop takes at once) over chunks of kChunkRows weight rows.
+constexpr int64_t kGroupRows = 3;
+constexpr int64_t kChunkRows = 64;
+
 void matmul_tiled(const float* x, int64_t M, int64_t K, const uint8_t* w, const TypeRow& type, int64_t n0,
                   int64_t n1, float* out, int64_t N) {
   const int64_t nb = K / type.block, row_bytes = nb * type.block_bytes;
@@ -85,7 +90,21 @@ void matvec_rows(const float* x, const QuantizedActivations* qa, int64_t M, int6
   const TypeRow& type = type_row(qtype);
   if (qa != nullptr) {
     TORCH_INTERNAL_ASSERT_DEBUG_ONLY(qa->format == type.act);  // callers quantise for this row
-    return type.matmul_small_i16(*qa, M, K, wp, n0, n1, out, N);
+    if (M <= kGroupRows) return type.matmul_small_i16(*qa, M, K, wp, n0, n1, out, N);
+    // More rows: groups of kGroupRows activation rows over chunks of kChunkRows weight rows
+    // (kept in L2 while every group passes). A type's integer loop sums each (weight row,
+    // activation row) in an order that does not depend on how many activation rows it is
+    // given, so every row of a batch or a prefill chunk comes out bit for bit as alone.
+    thread_local std::vector<QuantizedActivations> groups;
+    const int64_t G = (M + kGroupRows - 1) / kGroupRows;
+    groups.resize(G);
+    for (int64_t g = 0; g < G; ++g) groups[g].copy_rows(*qa, g * kGroupRows, std::min(kGroupRows, M - g * kGroupRows));
+    for (int64_t c0 = n0; c0 < n1; c0 += kChunkRows) {
+      const int64_t c1 = std::min(n1, c0 + kChunkRows);
+      for (int64_t g = 0; g < G; ++g)
+        type.matmul_small_i16(groups[g], std::min(kGroupRows, M - g * kGroupRows), K, wp, c0, c1, out + g * kGroupRows * N, N);
+    }
+    return;
   }
   if (M < 4) type.matmul_small(x, M, K, wp, n0, n1, out, N);
   else matmul_tiled(x, M, K, wp, type, n0, n1, out, N);

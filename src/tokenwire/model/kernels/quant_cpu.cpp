@@ -36,12 +36,14 @@ void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::T
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  if (M < 4) {
+  const ActFormat* format = type_row(qtype).act;
+  const bool int16 = kInt16Rows && int16_rows && format != nullptr;
+  if (M < 4 || int16) {
     QuantizedActivations acts;
-    const ActFormat* format = type_row(qtype).act;
-    const bool int16 = kInt16Rows && int16_rows && format != nullptr;
     if (int16) acts.quantize(xp, M, K, *format);
-    at::parallel_for(0, N, g_team.solo() ? N : rows_per_task(K, M), [&](int64_t a, int64_t b) {
+    // many rows: one task per thread (each copies the activations into its groups once)
+    const int64_t grain = M < 4 ? rows_per_task(K, M) : (N + at::get_num_threads() - 1) / at::get_num_threads();
+    at::parallel_for(0, N, g_team.solo() ? N : grain, [&](int64_t a, int64_t b) {
       matvec_rows(xp, int16 ? &acts : nullptr, M, K, w, qtype, a, b, op);
     });
   } else {
@@ -52,7 +54,7 @@ void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::T
   }
 }
 
-// int16_rows: rows below 4 take the int16-activation matvec (when set_int16_activations is on):
+// int16_rows: take int16 activations (when set_int16_activations is on), for any number of rows;
 // the lm_head of a fused decode step: SmolLM2 5.4 -> 3.4 ms (min of 60, one thread, loaded machine)
 at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, bool int16_rows) {
   TORCH_CHECK(x_in.dtype() == at::kFloat, "activations must be float32");

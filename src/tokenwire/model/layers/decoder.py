@@ -15,7 +15,6 @@ from tokenwire.model.layers.attention import AttentionBackend
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.norm import RMSNorm
 from tokenwire.model.layers.rotary import RopeSpec, make_rotary
-from tokenwire.model.quant import QuantLinear
 
 
 @dataclass
@@ -164,13 +163,8 @@ class DecoderModel(nn.Module):
         """The fused decode kernel's handle on every layer's weights (built at the first fused step)."""
         return fusion.build_stack(list(self.layers), self.rotaries, self.norm.eps)
 
-    def logits(self, hidden: torch.Tensor, fused_decode: bool = False) -> torch.Tensor:
-        """fused_decode: the hidden states came from the fused decode layers (int16 matvecs);
-        a quantised lm_head then runs with the same numerics (QuantLinear.decode_rows)."""
-        if fused_decode and isinstance(self.lm_head, QuantLinear):
-            out = self.lm_head.decode_rows(hidden)
-        else:
-            out = self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.lm_head(hidden).float()
         if self.logit_softcap is not None:
             out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
         return out
