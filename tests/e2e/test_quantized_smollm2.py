@@ -1,5 +1,5 @@
-"""The shipped Q4_1 GGUF run as it is: same greedy text as the fp32 path, fused and eager decode
-agree, and the resident weights stay near the file's size."""
+"""The shipped Q4_1 GGUF run as it is: the fp32 path's greedy text but at near ties, fused and
+eager agree likewise, and the resident weights stay near the file's size."""
 
 from __future__ import annotations
 
@@ -45,11 +45,35 @@ def test_default_engine_runs_the_gguf_blocks(smollm2_engine) -> None:
     assert resident_bytes(model) <= 1.3 * size
 
 
+# Where two runs' greedy texts part, the exact (fp32) model must have been torn: its two
+# candidates' logprobs within this of each other (int16 activations move a logprob by ~1e-3,
+# INT16_DECODE_LOGPROB_TOL in tests/model/test_quant.py)
+NEAR_TIE = 0.05
+
+
+def _agree_or_part_at_a_tie(engines, text: str, ours: list[int], other: list[int]) -> None:
+    common = next((i for i, (a, b) in enumerate(zip(ours, other, strict=True)) if a != b), len(ours))
+    if common == len(ours):
+        return
+    reference = engines["fp32"]
+    prompt = reference.tokenizer.apply_chat_template([{"role": "user", "content": text}]) + ours[:common]
+    greedy = SamplingParams(temperature=0.0)
+    opts = GenerateOptions(max_tokens=1, sampling=greedy, logprobs=True, top_logprobs=5)
+    (event,), _ = reference.generate(None, prompt, opts).result()
+    top = dict(event.top_logprobs or [])
+    a, b = ours[common], other[common]
+    assert a in top and b in top and abs(top[a] - top[b]) <= NEAR_TIE, (common, top, a, b)
+
+
 @pytest.mark.parametrize("text", PROMPTS)
-def test_greedy_32_tokens_equal_fp32_and_eager(engines, text: str) -> None:
+def test_greedy_32_tokens_agree_with_fp32_and_eager_but_at_near_ties(engines, text: str) -> None:
+    """The quantised model's greedy text is the fp32 path's (the exact model of the file's
+    values) and the eager layers', or parts from them only where the exact model was torn
+    between two tokens (the correctness rule for quantised weights is batch invariance and
+    `bench quality`; tokens at a near tie may go either way)."""
     fused = _greedy(engines["gguf"], text)
-    assert fused == _greedy(engines["fp32"], text)
-    assert fused == _greedy(engines["gguf-eager"], text)
+    _agree_or_part_at_a_tie(engines, text, fused, _greedy(engines["fp32"], text))
+    _agree_or_part_at_a_tie(engines, text, fused, _greedy(engines["gguf-eager"], text))
 
 
 def test_quantised_weights_are_the_files_own_blocks(smollm2_source) -> None:
