@@ -39,7 +39,7 @@ def test_engine_bench_json_reports_every_measure() -> None:
     assert result["turn2_ttft"]["reuse_s"] > 0 and result["turn2_ttft"]["ratio"] > 0
     assert result["weights"] == "gguf"
     assert result["decode"].startswith("fused")  # SmolLM2's layers are all the kernel's kind
-    assert 0.9 < result["resident_weight_mb"] / result["gguf_file_mb"] < 1.3
+    assert 0.9 < result["resident_weight_mb"] / result["gguf_mb"] < 1.3
 
 
 def test_engine_bench_neighbours_report_the_speed_kept() -> None:
