@@ -153,6 +153,9 @@ def shape_file(name: str, quant: str, cache_dir: Path) -> Path:
                  path, source, quant, name)  # fmt: skip
         try:
             write(between, shape, source)
+            log.info(
+                "wrote the %s file in %.1fs; llama.cpp quantises it", source, time.perf_counter() - started
+            )
             llama_quantize(between, tmp, quant, allow_requantize=source != "F16")
         finally:
             between.unlink(missing_ok=True)
