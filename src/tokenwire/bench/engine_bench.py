@@ -8,6 +8,14 @@ Same model directory, same prompts, same machine, measured side by side:
 - prefill_1k: prompt tokens/s of a 1,000-token prompt until its first generated token;
 - turn2_ttft: time to the first token of a second turn on a long session, reusing the
   session's KV against re-prefilling the whole conversation (prefix cache off).
+Beside each speed, the weight bandwidth it implies (weight_gb_s, GB = 1e9 bytes): the bytes of
+weight matrices one forward step reads (shapes.weight_bytes, from the GGUF's own tensor sizes, the
+same figure for both engines) times forward steps per second: tok/s for a single stream, tok/s
+over the streams for N streams (a step advances each by one; the wall clock includes their
+prefill), prompts/s times the prompt's batches for the prefill (both engines take 512 tokens a
+step). And the load: our build_engine's seconds (load_s: a cold start when the file's conversion
+ran, load_cold), llama.cpp's model and contexts (llamacpp_load_s; it maps the file, which the
+first steps read), and a warm load again in a fresh process for its peak RSS (load_probe.py).
 llama.cpp runs the very GGUF through llama-cpp-python (the `bench` extra) in this process,
 interleaved round by round with ours; transformers runs the converted fp32 weights in a process
 of its own. Each figure is the median of --repeats runs.
@@ -16,7 +24,9 @@ of its own. Each figure is the median of --repeats runs.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -24,21 +34,32 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from tokenwire.bench import llamacpp_baseline
+from tokenwire.bench import llamacpp_baseline, load_probe
 from tokenwire.bench.neighbours import busy_neighbours, describe
 from tokenwire.bench.quality_bench import add_quality_parser
-from tokenwire.bench.shapes import shape_file
+from tokenwire.bench.shapes import (
+    LLAMA_CPP_QUANTS,
+    QUANTS,
+    SHAPES,
+    check,
+    shape_file,
+    shape_path,
+    weight_bytes,
+)
 from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
 from tokenwire.heap import freeze_startup_heap
 from tokenwire.model.layers.decoder import DecoderModel
-from tokenwire.model.loader import default_cache_dir
+from tokenwire.model.loader import cache_key, default_cache_dir, default_model_path
 from tokenwire.model.quant import resident_bytes
 
 QUESTIONS = [
@@ -149,13 +170,42 @@ def long_prompt(engine: Engine, n: int) -> list[int]:
     return tok.encode(text)[:n]
 
 
+def _converted(model: str | None, cache_dir: Path) -> bool | None:
+    """Whether the GGUF's first-start conversion is cached already (None: not a GGUF file)."""
+    path = Path(model) if model is not None else default_model_path()
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        return None
+    return (cache_dir / cache_key(path) / "tokenwire_source.json").is_file()
+
+
+def steps_per_s(measure: str, tok_s: float, streams: int, prompt: int, batch: int) -> float:
+    """Forward steps per second behind a measure's tok/s (see the module's docstring)."""
+    if measure == "single_stream":
+        return tok_s
+    if measure == "prefill_1k":
+        return tok_s / prompt * math.ceil(prompt / batch)
+    return tok_s / streams
+
+
 def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     settings.progress = False
+    cache_dir = settings.cache_dir or default_cache_dir()
+    shape = quant = written_s = None
     if args.shape:  # a random-weight file at a real model's widths (bench/shapes.py)
         if args.model:
             raise SystemExit("--shape and --model: give one (--shape writes its own model file)")
-        settings.model = str(shape_file(args.shape, args.quant, settings.cache_dir or default_cache_dir()))
+        shape, quant = args.shape, args.quant or "Q4_0"
+        check(shape, quant)  # one line for an unknown name, before anything is written
+        existed = shape_path(shape, quant, cache_dir).exists()
+        started = time.perf_counter()
+        settings.model = str(shape_file(shape, quant, cache_dir))
+        written_s = None if existed else time.perf_counter() - started
+    elif args.quant:
+        raise SystemExit("--quant goes with --shape (a --model file has its own types)")
+    converted = _converted(settings.model, cache_dir)
+    started = time.perf_counter()
     engine = build_engine(settings)
+    load_s = time.perf_counter() - started
     n, reps = args.decode_tokens, args.repeats
     key = f"streams_{args.streams}"
     ours: dict[str, list[float]] = {"single_stream": [], key: [], "prefill_1k": []}
@@ -166,11 +216,12 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     llama = None
     if args.llamacpp and gguf is not None and llamacpp_baseline.available():
         llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), args.streams, 512)
+    llamacpp_load_s = llama.load_s if llama is not None else None
     try:
         prompts = _prompts(engine, args.streams)
         long = long_prompt(engine, args.prefill_tokens)
-        model_dir = str(engine.source.model_dir)
-        resident_mb = engine.call_on_model_thread(lambda: resident_bytes(engine.model)).result() / 2**20
+        model_dir, name = str(engine.source.model_dir), engine.name
+        resident_mb = engine.call_on_model_thread(partial(resident_bytes, engine.model)).result() / 2**20
         freeze_startup_heap()  # as `serve` does after start-up (heap.py: a full GC costs ~170 ms)
         ours_single(engine, prompts[0], 8)  # warm-up
         if llama is not None:
@@ -190,16 +241,24 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
                         theirs[key].append(llama.streams(prompts, n))
                         theirs["prefill_1k"].append(llama.prefill(long))
         turn2 = (
-            _median(lambda: ours_turn2(engine, args.session_tokens, True), reps),
-            _median(lambda: ours_turn2(engine, args.session_tokens, False), reps),
+            _median(partial(ours_turn2, engine, args.session_tokens, True), reps),
+            _median(partial(ours_turn2, engine, args.session_tokens, False), reps),
         )
         # the engine idles (its threads asleep) while the baseline runs in its own process
         hf = hf_baseline(model_dir, prompts, n, reps, ftz=False) if args.hf else None
+        weights, decode, kv_mb = engine.weights, decode_path(engine.model), engine.kv_cache_mb
     finally:
         if llama is not None:
             llama.close()
         engine.shutdown()
-    result: dict[str, Any] = {}
+    # the probe's process loads the model again: this one's weights are freed first
+    gc.unfreeze()
+    del engine
+    gc.collect()
+    # the KV cache this engine chose (its default depends on the RAM free at the time)
+    probe = load_probe.probe(replace(settings, kv_cache_mb=kv_mb)) if args.load_probe else None
+    result: dict[str, Any] = {"shape": shape, "quant": quant}
+    step_bytes = weight_bytes(gguf) if gguf is not None else None
     hf_keys = {"single_stream": "single_decode_tok_s", key: "streams_tok_s"}
     for measure, runs in ours.items():
         row: dict[str, float] = {"tokenwire_tok_s": statistics.median(runs)}
@@ -213,19 +272,34 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
             if loaded[measure]:  # speed beside the neighbours, and kept against the quiet runs
                 row[f"{engine_key}_loaded_tok_s"] = statistics.median(loaded[measure])
                 row[f"{engine_key}_kept"] = row[f"{engine_key}_loaded_tok_s"] / row[f"{engine_key}_tok_s"]
+        for engine_key, batch in (("tokenwire", settings.max_batch_tokens), ("llamacpp", 512)):
+            if step_bytes is not None and f"{engine_key}_tok_s" in row:
+                steps = steps_per_s(measure, row[f"{engine_key}_tok_s"], args.streams, len(long), batch)
+                row[f"{engine_key}_weight_gb_s"] = step_bytes * steps / 1e9
         result[measure] = row
     result["turn2_ttft"] = {"reuse_s": turn2[0], "reprefill_s": turn2[1], "ratio": turn2[1] / turn2[0]}
-    result["weights"] = engine.weights
-    result["decode"] = decode_path(engine.model)
+    result["weights"] = weights
+    result["decode"] = decode
     if args.neighbours:
         result["neighbours"] = describe(args.neighbours, own_session=not args.neighbours_same_session)
     result["resident_weight_mb"] = resident_mb
-    if gguf is not None:
-        result["gguf_file_mb"] = gguf.stat().st_size / 2**20
+    result["gguf_mb"] = gguf.stat().st_size / 2**20 if gguf is not None else None
+    result["gguf_written_s"] = written_s  # this run wrote the --shape file (else null)
+    result["weight_mb_per_step"] = step_bytes / 2**20 if step_bytes is not None else None
+    result["load_s"] = load_s
+    result["load_cold"] = None if converted is None else not converted
+    result["llamacpp_load_s"] = llamacpp_load_s
+    result["kv_cache_mb"] = kv_mb
+    if probe is not None:
+        result["load_warm_s"] = probe["load_s"]
+        result["load_peak_rss_mb"] = probe["peak_rss_mb"]
+        result["load_rss_before_mb"] = probe["rss_before_mb"]
+        # the issue's target: peak RSS <= file + KV cache + 300 MB
+        result["load_rss_target_mb"] = (result["gguf_mb"] or 0) + probe["kv_cache_mb"] + 300
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    _print_table(result, engine.name, args, reps, llama_missing=gguf is not None and llama is None)
+    _print_table(result, name, args, reps, llama_missing=gguf is not None and llama is None)
     return 0
 
 
@@ -271,14 +345,47 @@ def _print_table(
         f"{'turn-2 TTFT reuse/re-pf':<24}{t['reuse_s'] * 1000:>9.1f} ms{t['reprefill_s'] * 1000:>9.1f} ms"
         f"{t['ratio']:>7.2f}x"
     )
-    file_mb = result.get("gguf_file_mb")
+    file_mb = result.get("gguf_mb")
     ratio = f" ({result['resident_weight_mb'] / file_mb:.2f}x the {file_mb:.1f} MiB GGUF)" if file_mb else ""
     print(f"resident weights: {result['resident_weight_mb']:.1f} MiB{ratio}")
+    _print_file_and_load(result, labels)
     print("baselines: llama.cpp (llama-cpp-python, own process, same GGUF, token ids, threads; interleaved);")
     print("transformers generate() on the converted fp32 weights in its own process; turn-2 row: re-prefill")
     print("of the whole session with the prefix cache off")
     if llama_missing:
         print("llama.cpp baseline not run: install the bench extra (`make bench`, or pip install '.[bench]')")
+
+
+def _print_file_and_load(result: dict[str, Any], labels: dict[str, str]) -> None:
+    if result["shape"] is not None:
+        written = result["gguf_written_s"]
+        note = f", written in {written:.1f}s" if written is not None else ", written before"
+        print(f"file: random weights at {result['shape']}'s widths, {result['quant']}{note}")
+    if result["weight_mb_per_step"] is not None:
+        print(f"{'weight GB/s':<24}{'tokenwire':>12}{'llama.cpp':>12}   "
+              f"({result['weight_mb_per_step']:.1f} MiB of matrices a forward step)")  # fmt: skip
+        for measure, label in labels.items():
+            row = result[measure]
+            cells = "".join(
+                f"{row[k]:>9.1f} GB/s" if k in row else f"{'-':>12}"
+                for k in ("tokenwire_weight_gb_s", "llamacpp_weight_gb_s")
+            )
+            print(f"{label:<24}{cells}")
+    cold = {True: " (first start: converted the GGUF)", False: " (conversion cached)", None: ""}
+    cold = cold[result["load_cold"]]
+    load = f"load: tokenwire {result['load_s']:.1f}s{cold}"
+    if "load_warm_s" in result:
+        load += f", {result['load_warm_s']:.1f}s warm in a fresh process"
+    if result["llamacpp_load_s"] is not None:
+        load += f"; llama.cpp {result['llamacpp_load_s']:.2f}s (mmap: its first steps read the file)"
+    print(load)
+    if "load_peak_rss_mb" in result:
+        peak, target = result["load_peak_rss_mb"], result["load_rss_target_mb"]
+        print(
+            f"load peak RSS {peak:.0f} MiB (fresh process; {result['load_rss_before_mb']:.0f} MiB before the "
+            f"load) against file + KV {result['kv_cache_mb']:.0f} MiB + 300 = {target:.0f} MiB: "
+            + ("within" if peak <= target else f"{peak - target:.0f} MiB over")
+        )
 
 
 def _print_kept(result: dict[str, Any], labels: dict[str, str]) -> None:
@@ -310,10 +417,20 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     be.add_argument("--prefill-tokens", type=int, default=1000, help="prompt length of the prefill measure")
     be.add_argument(
         "--shape",
-        help="bench a random-weight GGUF at a real model's widths instead of --model: llama-1b "
-        "(Llama-3.2-1B), llama-3b (written once into the cache, bench/shapes.py)",
+        help="bench a random-weight GGUF at a real model's widths instead of --model: "
+        f"{', '.join(SHAPES)} (written once into the cache, bench/shapes.py)",
     )
-    be.add_argument("--quant", default="Q4_0", help="the --shape file's weight type: Q4_0, Q4_1 or Q8_0")
+    be.add_argument(
+        "--quant",
+        help=f"the --shape file's weight type (default Q4_0): {', '.join(QUANTS)}; "
+        f"{', '.join(LLAMA_CPP_QUANTS)} by llama.cpp's own quantiser (the bench extra)",
+    )
+    be.add_argument(
+        "--no-load-probe",
+        dest="load_probe",
+        action="store_false",
+        help="skip the second, warm load in a fresh process that measures its peak RSS",
+    )
     be.add_argument(
         "--neighbours",
         type=int,

@@ -26,6 +26,15 @@ from typing import Any
 import numpy as np
 
 
+def quiet_llama_cpp() -> None:
+    """llama.cpp's backend initialised, with its per-load (and per-tensor quantise) chatter off."""
+    # local: llama-cpp-python, the `bench` extra (see available)
+    import llama_cpp as lc
+
+    lc.llama_backend_init()
+    lc.llama_log_set(_quiet, ctypes.c_void_p())
+
+
 def available() -> bool:
     try:
         # local: llama-cpp-python is the `bench` extra: this asks whether it is installed
@@ -41,8 +50,8 @@ class LlamaCpp:
         import llama_cpp as lc
 
         self.lc = lc
-        lc.llama_backend_init()
-        lc.llama_log_set(_quiet, ctypes.c_void_p())
+        started = time.perf_counter()
+        quiet_llama_cpp()
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), lc.llama_model_default_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
@@ -51,6 +60,8 @@ class LlamaCpp:
         self.single = self._context(seqs=1, n_ctx=2048)
         self.multi = self._context(seqs=streams, n_ctx=streams * stream_ctx)
         self.batch = lc.llama_batch_init(512, 0, max(streams, 1))
+        # what Llama(...) does: the model (mmap'd: its pages are read by the first steps) and contexts
+        self.load_s = time.perf_counter() - started
 
     def _context(self, seqs: int, n_ctx: int) -> Any:
         p = self.lc.llama_context_default_params()
@@ -134,7 +145,7 @@ class LlamaCppProcess:
             stdout=subprocess.PIPE,
             text=True,
         )
-        self._call("ready")
+        self.load_s = float(self._call("ready"))  # LlamaCpp's constructor, timed in the child
 
     def _call(self, method: str, *args: Any) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -167,7 +178,7 @@ class LlamaCppProcess:
 def _child(argv: list[str]) -> None:
     gguf, threads, streams, stream_ctx = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     llama = LlamaCpp(gguf, threads, streams, stream_ctx)
-    calls = {"ready": lambda: True, "single_decode": llama.single_decode,
+    calls = {"ready": lambda: llama.load_s, "single_decode": llama.single_decode,
              "streams": llama.streams, "prefill": llama.prefill}  # fmt: skip
     try:
         for line in sys.stdin:
