@@ -1,8 +1,9 @@
-"""How many threads the decoder layers of a step outside the fused decode kernel get: all of
-them, or one while the cores are contended.
+"""How many threads the decoder layers of a step outside the fused kernel get: all of them, or
+one while the cores are contended.
 
-Prefill chunks and mixed batches run MKL's GEMM, torch's attention and our qmatmul, each an
-OpenMP region that ends at a barrier. When another process holds one of our cores (with
+The steps of a model the fused stack does not run (a mixture of experts, post-norms, M-RoPE...,
+or --no-compile) run torch's layers, attention and our qmatmul, each an OpenMP region that ends
+at a barrier. When another process holds one of our cores (with
 autogroup scheduling a `nice 19` loop in another session weighs as much as our whole server),
 every such barrier waits out the partner's time slice. Measured on this 2-core machine
 (SmolLM2-135M, two busy loops in another session, docs/engine.md "Sharing the machine"): a
