@@ -7,8 +7,9 @@ conversion cache hold. In memory, QuantLinear and QuantEmbedding keep each row s
 (`split_rows`: the row's scales, then its minimums, then its quants; the same bytes), the form
 our kernels read: the decode matvec converts and applies eight blocks' scales at once.
 Nothing is re-quantised for these types: the
-kernels dequantise bit-exactly as gguf's reference dequantiser does. Other GGUF types (K-quants,
-IQ-quants) are converted once, at GGUF conversion, to Q8_0 from their dequantised values; a
+kernels dequantise bit-exactly as gguf's reference dequantiser does. F16 and BF16 matrices are
+types of the table too (a block of one value), kept as 16-bit floats. Other GGUF types (K-quants,
+most IQ-quants) are converted once, at GGUF conversion, to Q8_0 from their dequantised values; a
 Hugging Face directory is quantised at load with `--weights int8` (Q8_0) or `int4` (Q4_1).
 """
 
@@ -45,11 +46,33 @@ def packed_shape(out_features: int, in_features: int, qtype: int) -> tuple[int, 
     return weight_type(qtype).packed_shape(out_features, in_features)
 
 
+def _quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """fp32 [..., K] -> IQ4_NL blocks, for types gguf-py cannot quantise to: per block, d maps the
+    largest magnitude to the table's -127 (so its sign too), each weight takes the nearest table
+    value of w/d. (llama.cpp also searches nearby scales; any valid blocks serve tests and
+    from_float.)"""
+    blocks = w.reshape(-1, 32).astype(np.float32)
+    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)[:, 0]
+    d = (largest / weight_types.IQ4_VALUES[0]).astype(np.float16)
+    inverse = np.divide(1, d.astype(np.float32), out=np.zeros(len(d), np.float32), where=d != 0)
+    table = weight_types.IQ4_VALUES
+    index = np.searchsorted((table[1:] + table[:-1]) / 2, blocks * inverse[:, None]).astype(np.uint8)
+    quants = index[:, :16] | (index[:, 16:] << 4)
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), quants], axis=1)
+
+
+# types gguf-py has no quantiser for: ours
+_OWN_QUANTIZERS = {weight_types.IQ4_NL.gguf_id: _quantize_iq4_nl}
+
+
 def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     """fp32 [N, K] -> packed blocks, with gguf's reference quantiser (the llama.cpp rounding)."""
     shape = packed_shape(*weight.shape, qtype)  # names a bad feature count before gguf does
-    array = weight.detach().float().cpu().numpy()
-    packed = gguf_quantize(np.ascontiguousarray(array), GGMLQuantizationType(qtype))
+    array = np.ascontiguousarray(weight.detach().float().cpu().numpy())
+    if qtype in _OWN_QUANTIZERS:
+        packed = _OWN_QUANTIZERS[qtype](array)
+    else:
+        packed = gguf_quantize(array, GGMLQuantizationType(qtype))
     return torch.from_numpy(np.ascontiguousarray(packed)).view(torch.uint8).reshape(shape)
 
 

@@ -20,6 +20,8 @@
 #include "type_kernels.h"
 #include "types_q4.h"
 #include "types_q8.h"
+#include "types_q5_iq4.h"
+#include "types_float.h"
 
 namespace tw {
 
@@ -54,10 +56,22 @@ TypeRow make_row() {
           act, &dequant_row_t<T>, &matmul_small_t<T>, i16};
 }
 
+// the row of a float type (types_float.h: F16, BF16): no integer dot, fp32 activations only
+template <class T>
+TypeRow make_float_row() {
+  return {T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
+          nullptr, &float_dequant_row<T>, &float_matmul_small<T>, nullptr};
+}
+
 inline const TypeRow kTypes[] = {
     make_row<Q4_0>(),
     make_row<Q4_1>(),
     make_row<Q8_0>(),
+    make_row<Q5_0>(),
+    make_row<Q5_1>(),
+    make_row<IQ4_NL>(),
+    make_float_row<F16>(),
+    make_float_row<BF16>(),
 };
 
 // The one dispatch point from a type id to its row.
