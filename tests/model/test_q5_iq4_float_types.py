@@ -1,4 +1,4 @@
-"""The weight types Q5_0, Q5_1, IQ4_NL (kernels/types_q5_iq4.h) and F16, BF16 (types_float.h),
+"""The weight types Q5_0, Q5_1, IQ4_NL, IQ4_XS (kernels/types_q5_iq4.h) and F16, BF16 (types_float.h),
 run from the file's own bytes: dequantisation bit-exact with gguf, matmuls against fp32 ones with
 the dequantised weight, a 16-bit float embedding tied as the lm_head, and the fused decode stack
 over layers that mix them (F16/BF16 matrices take its fp32 path: they have no int16 format)."""
@@ -17,10 +17,11 @@ from tests.tiny_models import hf_model
 from tokenwire.model.families import build_model, read_config
 from tokenwire.model.kernels import compiler_flags, ops
 from tokenwire.model.quant import QuantEmbedding, QuantLinear, dequantize, quantize, resident_bytes
-from tokenwire.model.weight_types import BF16, F16, IQ4_NL, Q5_0, Q5_1, WeightType
+from tokenwire.model.weight_types import BF16, F16, IQ4_NL, IQ4_VALUES, IQ4_XS, Q5_0, Q5_1, WeightType
 
-TYPES = [Q5_0, Q5_1, IQ4_NL, F16, BF16]
-BLOCK_TYPES = [Q5_0, Q5_1, IQ4_NL]
+TYPES = [Q5_0, Q5_1, IQ4_NL, IQ4_XS, F16, BF16]
+BLOCK_TYPES = [Q5_0, Q5_1, IQ4_NL, IQ4_XS]
+OURS = (IQ4_NL, IQ4_XS)  # gguf-py has no quantiser for these: quant.quantize's own
 AVX2 = "-mavx2" in compiler_flags()
 
 
@@ -54,19 +55,20 @@ def _assert_same_floats(got: np.ndarray, expected: np.ndarray) -> None:
 
 @pytest.mark.parametrize("wt", TYPES, ids=_ids)
 def test_gguf_quantised_blocks_dequantise_bit_exactly(wt: WeightType) -> None:
-    """gguf's quantiser where it has one (IQ4_NL: ours), through the reference and the kernels,
-    whole and by rows."""
-    w = _weights(23, 160, seed=wt.gguf_id)
-    w[0, :32] = 0  # an all-zero block
-    if wt is IQ4_NL:
+    """gguf's quantiser where it has one (IQ4_NL, IQ4_XS: ours), through the reference and the
+    kernels, whole and by rows."""
+    cols = 5 * max(wt.block, 32)
+    w = _weights(23, cols, seed=wt.gguf_id)
+    w[0, : max(wt.block, 32)] = 0  # an all-zero block
+    if wt in OURS:
         packed = quantize(torch.from_numpy(w), wt.gguf_id).numpy()
     else:
         packed = np.ascontiguousarray(gguf_quantize(w, GGMLQuantizationType(wt.gguf_id))).view(np.uint8)
     expected = _gguf(packed, wt)
     np.testing.assert_array_equal(wt.dequantize_reference(packed), expected)
-    np.testing.assert_array_equal(dequantize(torch.from_numpy(packed), wt.gguf_id, 160).numpy(), expected)
+    np.testing.assert_array_equal(dequantize(torch.from_numpy(packed), wt.gguf_id, cols).numpy(), expected)
     rows = torch.tensor([5, 0, 22, 5])
-    got = dequantize(torch.from_numpy(packed), wt.gguf_id, 160, rows).numpy()
+    got = dequantize(torch.from_numpy(packed), wt.gguf_id, cols, rows).numpy()
     np.testing.assert_array_equal(got, expected[rows.numpy()])
 
 
@@ -74,7 +76,7 @@ def test_gguf_quantised_blocks_dequantise_bit_exactly(wt: WeightType) -> None:
 def test_random_blocks_dequantise_bit_exactly(wt: WeightType) -> None:
     """Every bit pattern, in rows of 1, 3 and 8 blocks (float types: 13 and 100 values, not
     multiples of 8)."""
-    for cols in (32, 96, 256) if wt.block == 32 else (13, 100, 256):
+    for cols in (13, 100, 256) if wt.block == 1 else (wt.block, 3 * wt.block, 8 * wt.block):
         packed = _random_bytes(17, cols, wt, seed=cols)
         with np.errstate(invalid="ignore", over="ignore"):
             expected = _gguf(packed, wt)
@@ -96,8 +98,13 @@ def test_float_types_have_no_integer_dot() -> None:
 def _unsigned_part(wt: WeightType, packed: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """|d * u| per weight, u the unsigned integer the int16 dot multiplies (the rest of the
     weight, the offset, goes with exact fp32 activation sums): Q5_0 d*q = w + 16d, Q5_1 d*q = w - m,
-    IQ4_NL d*(table + 128) = w + 128d."""
+    IQ4_NL d*(table + 128) = w + 128d, IQ4_XS the same with a sub-block's scale for d."""
     n, k = w.shape
+    if wt is IQ4_XS:  # a sub-block's scale: any weight over its table value (the table has no 0)
+        quants = packed.view(n, k // 256, 136)[..., 8:].reshape(n, k // 32, 16).long()
+        values = torch.from_numpy(IQ4_VALUES)[torch.cat([quants & 15, quants >> 4], dim=-1)]
+        blocks = w.view(n, k // 32, 32)
+        return (blocks + 128 * blocks[..., :1] / values[..., :1]).abs()
     raw = packed.view(n, k // 32, -1)
     d = raw[..., :2].contiguous().view(torch.float16).float()
     blocks = w.view(n, k // 32, 32)
@@ -106,7 +113,8 @@ def _unsigned_part(wt: WeightType, packed: torch.Tensor, w: torch.Tensor) -> tor
     return (blocks + {Q5_0.gguf_id: 16, IQ4_NL.gguf_id: 128}[wt.gguf_id] * d).abs()
 
 
-MATMUL_CASES = [(wt, cols) for wt in TYPES for cols in (96, 576)] + [(F16, 100), (BF16, 100)]
+MATMUL_CASES = [(wt, cols) for wt in TYPES if wt.block < 256 for cols in (96, 576)]
+MATMUL_CASES += [(IQ4_XS, 256), (IQ4_XS, 768), (F16, 100), (BF16, 100)]
 
 
 @pytest.mark.parametrize(
@@ -115,7 +123,7 @@ MATMUL_CASES = [(wt, cols) for wt in TYPES for cols in (96, 576)] + [(F16, 100),
 def test_qmatmul_equals_fp32_matmul_of_the_dequantised_weight(wt: WeightType, cols: int) -> None:
     """qmatmul for M = 1, 3, 7, 32, 300, int16 rows on and off, against x @ W.T in fp32 (cols 96:
     a short group of 3 blocks, a trailing single block; 576: two groups of 8 and a pair; 100 for
-    the float types: not a multiple of 8).
+    the float types: not a multiple of 8; IQ4_XS: 1 and 3 super-blocks).
     Bounds, relative to max |x @ W.T|, or absolute per output:
       * fp32 activations (int16 off, M >= 4, F16/BF16 always): MATMUL_RTOL (2e-6), the same
         exact products summed in another order;
@@ -136,8 +144,8 @@ def test_qmatmul_equals_fp32_matmul_of_the_dequantised_weight(wt: WeightType, co
         for int16 in (False, True):
             got = ops().qmatmul(x, layer.packed, wt.gguf_id, int16)
             assert got.shape == (m, rows)
-            if int16 and m < 4 and wt.block == 32 and AVX2:
-                block_max = x.abs().view(m, cols // 32, 32).amax(-1)
+            if int16 and m < 4 and wt.block > 1 and AVX2:
+                block_max = x.abs().view(m, cols // 32, 32).amax(-1)  # IQ4_XS: per sub-block
                 integer_part = _unsigned_part(wt, packed, w).sum(-1)  # [rows, blocks]
                 bound = block_max @ integer_part.T / 65534
                 bound = bound + 1e-5 * bound + 1e-5 * expected.abs() + 1e-6

@@ -55,14 +55,43 @@ def _quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
     largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)[:, 0]
     d = (largest / weight_types.IQ4_VALUES[0]).astype(np.float16)
     inverse = np.divide(1, d.astype(np.float32), out=np.zeros(len(d), np.float32), where=d != 0)
-    table = weight_types.IQ4_VALUES
-    index = np.searchsorted((table[1:] + table[:-1]) / 2, blocks * inverse[:, None]).astype(np.uint8)
+    index = _nearest_iq4(blocks * inverse[:, None])
     quants = index[:, :16] | (index[:, 16:] << 4)
     return np.concatenate([d.view(np.uint8).reshape(-1, 2), quants], axis=1)
 
 
+def _nearest_iq4(values: np.ndarray) -> np.ndarray:
+    """The index of the nearest IQ4 table value of each (scaled) weight."""
+    table = weight_types.IQ4_VALUES
+    return np.searchsorted((table[1:] + table[:-1]) / 2, values).astype(np.uint8)
+
+
+def _quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
+    """fp32 [..., K] -> IQ4_XS super-blocks: each sub-block's own scale as IQ4_NL's, d the
+    largest of them over 31, each sub-block's 6-bit ls the nearest multiple of d (clipped to
+    -32..31), its weights the nearest table values of w / (d * ls)."""
+    subs = w.reshape(-1, 8, 32).astype(np.float32)
+    largest = np.take_along_axis(subs, np.abs(subs).argmax(axis=2)[..., None], axis=2)[..., 0]  # [n, 8]
+    wanted = largest / weight_types.IQ4_VALUES[0]
+    d = (np.abs(wanted).max(axis=1) / 31).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    ls = np.clip(np.rint(np.divide(wanted, d32, out=np.zeros_like(wanted), where=d32 != 0)), -32, 31)
+    scale = d32 * ls
+    index = _nearest_iq4(subs * np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)[..., None])
+    biased = (ls + 32).astype(np.uint16)  # 0..63
+    low = (biased & 0x0F).astype(np.uint8)
+    scales_l = low[:, 0::2] | (low[:, 1::2] << 4)  # [n, 4]
+    scales_h = ((biased >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+    quants = (index[..., :16] | (index[..., 16:] << 4)).reshape(len(d), 128)
+    parts = [d.view(np.uint8).reshape(-1, 2), scales_h.view(np.uint8).reshape(-1, 2), scales_l, quants]
+    return np.concatenate(parts, axis=1)
+
+
 # types gguf-py has no quantiser for: ours
-_OWN_QUANTIZERS = {weight_types.IQ4_NL.gguf_id: _quantize_iq4_nl}
+_OWN_QUANTIZERS = {
+    weight_types.IQ4_NL.gguf_id: _quantize_iq4_nl,
+    weight_types.IQ4_XS.gguf_id: _quantize_iq4_xs,
+}
 
 
 def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:

@@ -67,6 +67,18 @@ def _iq4_nl(blocks: np.ndarray) -> np.ndarray:
     return _halves(blocks, 0) * IQ4_VALUES[indices]
 
 
+def _iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    """d, scales_h (uint16: 2 bits a sub-block), scales_l (4 bytes: a nibble a sub-block), 8
+    sub-blocks of 16 IQ4_NL nibble bytes: sub-block t weighs (d * (ls_t - 32)) * IQ4_VALUES[n]."""
+    n = len(blocks)
+    low = np.stack([blocks[:, 4:8] & 0x0F, blocks[:, 4:8] >> 4], axis=2).reshape(n, 8)
+    high = blocks[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16)) & 3
+    scales = _halves(blocks, 0) * ((low | high << 4).astype(np.float32) - np.float32(32))  # [n, 8]
+    quants = blocks[:, 8:136].reshape(n, 8, 16)
+    indices = np.concatenate([quants & 0x0F, quants >> 4], axis=2)  # [n, 8, 32]
+    return (scales[:, :, None] * IQ4_VALUES[indices]).reshape(n, 256)
+
+
 def _f16(blocks: np.ndarray) -> np.ndarray:
     return _halves(blocks, 0)
 
@@ -121,11 +133,14 @@ Q8_0 = WeightType("Q8_0", 8, 32, (("d", 2), ("qs", 32)), "i16_q8_even_odd", _q8_
 Q5_0 = WeightType("Q5_0", 6, 32, (("d", 2), ("qh_qs", 20)), "i16_byte_pairs", _q5_0)
 Q5_1 = WeightType("Q5_1", 7, 32, (("d", 2), ("m", 2), ("qh_qs", 20)), "i16_byte_pairs", _q5_1)
 IQ4_NL = WeightType("IQ4_NL", 20, 32, (("d", 2), ("qs", 16)), "i16_byte_pairs", _iq4_nl)
+IQ4_XS = WeightType(
+    "IQ4_XS", 23, 256, (("d", 2), ("scales_h", 2), ("scales_l", 4), ("qs", 128)), "i16_byte_pairs", _iq4_xs
+)
 # float matrices: a "block" of one value; no integer dot (fp32 activations, types_float.h)
 F16 = WeightType("F16", 1, 1, (("value", 2),), "", _f16)
 BF16 = WeightType("BF16", 30, 1, (("value", 2),), "", _bf16)
 
-WEIGHT_TYPES: tuple[WeightType, ...] = (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, F16, BF16)
+WEIGHT_TYPES: tuple[WeightType, ...] = (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, IQ4_XS, F16, BF16)
 BY_ID: dict[int, WeightType] = {t.gguf_id: t for t in WEIGHT_TYPES}
 BY_NAME: dict[str, WeightType] = {t.name: t for t in WEIGHT_TYPES}
 

@@ -56,11 +56,21 @@ TypeRow make_row() {
           act, &dequant_row_t<T>, &matmul_small_t<T>, i16};
 }
 
-// the row of a float type (types_float.h: F16, BF16): no integer dot, fp32 activations only
+// the row of a type that brings its own row functions (types_float.h's F16/BF16, IQ4_XS):
+// T::dequant_row, T::matmul_small and, where it has an integer dot (T::kIntDot), its Act and
+// T::matmul_small_i16
 template <class T>
-TypeRow make_float_row() {
+TypeRow make_own_row() {
+  const ActFormat* act = nullptr;
+  decltype(TypeRow::matmul_small_i16) i16 = nullptr;
+#ifdef TW_AVX2
+  if constexpr (T::kIntDot) {
+    act = &act_format<typename T::Act>();
+    i16 = &T::matmul_small_i16;
+  }
+#endif
   return {T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
-          nullptr, &float_dequant_row<T>, &float_matmul_small<T>, nullptr};
+          act, &T::dequant_row, &T::matmul_small, i16};
 }
 
 inline const TypeRow kTypes[] = {
@@ -70,8 +80,9 @@ inline const TypeRow kTypes[] = {
     make_row<Q5_0>(),
     make_row<Q5_1>(),
     make_row<IQ4_NL>(),
-    make_float_row<F16>(),
-    make_float_row<BF16>(),
+    make_own_row<IQ4_XS>(),
+    make_own_row<F16>(),
+    make_own_row<BF16>(),
 };
 
 // The one dispatch point from a type id to its row.

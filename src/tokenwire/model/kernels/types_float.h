@@ -25,11 +25,16 @@ inline float bf16_to_float(const uint8_t* p) {
 }
 
 // The traits of a float type: kId, kName, a block of 1 value in 2 bytes, one split part (the
-// values), the scalar conversion of value i and the AVX2 one of values i..i+7.
+// values), the scalar conversion of value i and the AVX2 one of values i..i+7, and the row
+// functions make_own_row takes (no integer dot).
 struct F16 : SplitLayout<2> {
   static constexpr int64_t kId = 1;
   static constexpr const char* kName = "F16";
   static constexpr int kBlock = 1;
+  static constexpr bool kIntDot = false;
+  static void dequant_row(const uint8_t* row, int64_t n, float* out);
+  static void matmul_small(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* out,
+                           int64_t N);
   static float value(const uint8_t* row, int64_t i) { return half_to_float(row + 2 * i); }
 #ifdef TW_AVX2
   static __m256 values8(const uint8_t* row, int64_t i) {
@@ -42,6 +47,10 @@ struct BF16 : SplitLayout<2> {
   static constexpr int64_t kId = 30;
   static constexpr const char* kName = "BF16";
   static constexpr int kBlock = 1;
+  static constexpr bool kIntDot = false;
+  static void dequant_row(const uint8_t* row, int64_t n, float* out);
+  static void matmul_small(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* out,
+                           int64_t N);
   static float value(const uint8_t* row, int64_t i) { return bf16_to_float(row + 2 * i); }
 #ifdef TW_AVX2
   static __m256 values8(const uint8_t* row, int64_t i) {
@@ -108,6 +117,17 @@ void float_matmul_small(const float* x, int64_t M, int64_t K, const uint8_t* w, 
     case 2: return float_matmul_small_m<T, 2>(x, K, w, n0, n1, out, N);
     default: return float_matmul_small_m<T, 3>(x, K, w, n0, n1, out, N);
   }
+}
+
+inline void F16::dequant_row(const uint8_t* row, int64_t n, float* out) { float_dequant_row<F16>(row, n, out); }
+inline void BF16::dequant_row(const uint8_t* row, int64_t n, float* out) { float_dequant_row<BF16>(row, n, out); }
+inline void F16::matmul_small(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                              float* out, int64_t N) {
+  float_matmul_small<F16>(x, M, K, w, n0, n1, out, N);
+}
+inline void BF16::matmul_small(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                               float* out, int64_t N) {
+  float_matmul_small<BF16>(x, M, K, w, n0, n1, out, N);
 }
 
 }  // namespace tw

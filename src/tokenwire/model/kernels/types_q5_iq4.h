@@ -1,5 +1,6 @@
 // Weight types Q5_0, Q5_1 and IQ4_NL: 32 weights per block and an fp16 scale d, like Q4_0/Q4_1,
-// and one activation format for the three of them (i16_byte_pairs).
+// and one activation format for the three of them (i16_byte_pairs); IQ4_XS (at the end: 256-weight
+// super-blocks of IQ4_NL's sub-blocks) takes it too.
 //   Q5_0: d, 4 bytes of high bits qh, 16 nibble bytes qs: weight i is d*(q-16), q = its nibble
 //         (the low nibble of qs[i] for i < 16, the high nibble of qs[i-16] after) + 16 * bit i of
 //         qh (little-endian).
@@ -19,7 +20,7 @@
 //   IQ4_NL: the nibble indexes the table with one vpshufb;
 //   4 vpmaddwd against the pair's int16 activations (i16_byte_pairs' slot order).
 // The decode matvec (M=1, int16 activations; fp32: the eager path's) is bound by its instructions,
-// not by memory: Q4_0 runs ~80 a group of 8 blocks, IQ4_NL ~100, Q5 ~140. F16/BF16 (no integer
+// not by memory: Q4_0 runs ~80 a group of 8 blocks, IQ4_NL ~100, IQ4_XS ~112, Q5 ~140. F16/BF16 (no integer
 // dot, types_float.h) stream at the memory's pace. Measured on the 2-core AMD EPYC (Zen 5, 32 MiB
 // L3: every matrix below fits but F16/BF16 8192x2048, 32 MiB) with other work on the machine; min
 // of 30 calls, torch.set_num_threads(1); us per call (GB/s of weight bytes):
@@ -29,6 +30,7 @@
 //   Q5_0    152 (18.9)   412 ( 7.0)     590 (19.5)  1644 ( 7.0)
 //   Q5_1    154 (20.5)   377 ( 8.3)     595 (21.2)  1498 ( 8.4)
 //   IQ4_NL   98 (24.2)   248 ( 9.5)     375 (25.2)   987 ( 9.6)
+//   IQ4_XS  114 (19.5)   254 ( 8.8)     439 (20.3)  1022 ( 8.7)
 //   F16          -       132 (63.8)         -        796 (42.2)
 //   BF16         -       134 (62.7)         -        854 (39.3)
 // Two threads roughly halve these when the other core is free (2048x2048: Q4_0 fp32 134, Q5_0
@@ -181,6 +183,15 @@ inline void bytes_to_ints(__m128i lo, __m128i hi, __m256i ints[4], bool is_signe
   }
 }
 
+// an IQ4 block's (16 nibble bytes') 32 weights: scale * table[nibble], as four vectors of 8
+inline void iq4_values(const uint8_t* q16, __m256 scale, __m256 w[4]) {
+  const __m128i q = bp_load16(q16), nibble = _mm_set1_epi8(0x0f), table = iq4_table(false);
+  __m256i ints[4];
+  bytes_to_ints(_mm_shuffle_epi8(table, _mm_and_si128(q, nibble)),
+                _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), nibble)), ints, true);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(ints[i]));
+}
+
 // a Q5 block's 32 values (0..31) as four vectors of 8 int32
 inline void q5_ints(const uint8_t* qh_qs, int64_t j, __m256i ints[4]) {
   __m256i lo, hi;
@@ -265,19 +276,164 @@ struct IQ4_NL : SplitLayout<2, 16> {
   }
 #ifdef TW_AVX2
   static void dequant_block_avx2(const uint8_t* row, int64_t nb, int64_t j, __m256 w[4]) {
-    const __m256 d = _mm256_set1_ps(half_to_float(part(row, nb, kScalePart) + 2 * j));
-    const __m128i q = bp_load16(part(row, nb, kQuantPart) + 16 * j), nibble = _mm_set1_epi8(0x0f);
-    const __m128i table = iq4_table(false);
-    __m256i ints[4];
-    bytes_to_ints(_mm_shuffle_epi8(table, _mm_and_si128(q, nibble)),
-                  _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), nibble)), ints, true);
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(ints[i]));
+    iq4_values(part(row, nb, kQuantPart) + 16 * j, _mm256_set1_ps(half_to_float(part(row, nb, kScalePart) + 2 * j)), w);
   }
   static __m256i dots8(const uint8_t* quants, const int16_t* x, int64_t j, int64_t count) {
     return dots8_byte_pairs<&iq4_pair_bytes<false>, &iq4_pair_bytes<true>>(quants, x, j, count);
   }
   static constexpr bool kHasOffset = true;  // the table's +128
   static __m256 offset8(const uint8_t*, int64_t, int64_t, __m256 d) { return _mm256_mul_ps(d, _mm256_set1_ps(-128.0f)); }
+#endif
+};
+
+// IQ4_XS: super-blocks of 256 weights in 136 bytes: an fp16 d, then 8 sub-blocks of 32 weights,
+// each with a 6-bit scale ls (its low 4 bits in scales_l, 4 bytes of nibbles; its high 2 in
+// scales_h, a little-endian uint16) and IQ4_NL's nibbles (16 bytes a sub-block, as an IQ4_NL
+// block's): weight = (d * (ls - 32)) * table[nibble], exact in fp32 (11 + 6 + 8 bits), as gguf.
+// A sub-block is a block of the activations (i16_byte_pairs): the integer dot of a super-block
+// is IQ4_NL's of 8 blocks, scaled by its 8 sub-block scales as one vector. Its own row functions
+// (make_own_row): type_kernels.h's templates take one fp16 scale per block.
+struct IQ4_XS : SplitLayout<2, 2, 4, 128> {
+  static constexpr int64_t kId = 23;
+  static constexpr const char* kName = "IQ4_XS";
+  static constexpr int kBlock = 256;
+  static constexpr int kScalePart = 0, kHighPart = 1, kLowPart = 2, kQuantPart = 3;
+  static constexpr bool kIntDot = true;
+  using Act = ActI16BytePairs;
+
+  // the scale of sub-block t of super-block j: d * (ls - 32)
+  static float sub_scale(const uint8_t* row, int64_t nb, int64_t j, int t) {
+    uint16_t high;
+    std::memcpy(&high, part(row, nb, kHighPart) + 2 * j, 2);
+    const int low = part(row, nb, kLowPart)[4 * j + t / 2] >> (4 * (t % 2)) & 0x0f;
+    const int ls = low | (high >> (2 * t) & 3) << 4;
+    return half_to_float(part(row, nb, kScalePart) + 2 * j) * static_cast<float>(ls - 32);
+  }
+#ifdef TW_AVX2
+  // the eight sub-block scales of super-block j as one vector
+  static __m256 scales8(const uint8_t* row, int64_t nb, int64_t j) {
+    uint16_t high;
+    std::memcpy(&high, part(row, nb, kHighPart) + 2 * j, 2);
+    const __m256i low4 = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(bp_load4(part(row, nb, kLowPart) + 4 * j)),
+                          _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+        _mm256_set1_epi32(0x0f));
+    const __m256i high2 = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(high), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), _mm256_set1_epi32(3));
+    const __m256i ls = _mm256_or_si256(low4, _mm256_slli_epi32(high2, 4));
+    const __m256 d = _mm256_set1_ps(half_to_float(part(row, nb, kScalePart) + 2 * j));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+  }
+#endif
+
+  // super-block j's 256 weights
+  static void dequant_super(const uint8_t* row, int64_t nb, int64_t j, float* out) {
+    const uint8_t* q = part(row, nb, kQuantPart) + 128 * j;
+#ifdef TW_AVX2
+    float scales[8];
+    _mm256_storeu_ps(scales, scales8(row, nb, j));
+    for (int t = 0; t < 8; ++t) {
+      __m256 w[4];
+      iq4_values(q + 16 * t, _mm256_set1_ps(scales[t]), w);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 32 * t + 8 * i, w[i]);
+    }
+#else
+    for (int t = 0; t < 8; ++t) {
+      const float dl = sub_scale(row, nb, j, t);
+      for (int i = 0; i < 16; ++i) {
+        out[32 * t + i] = dl * static_cast<float>(kIq4Values[q[16 * t + i] & 0x0f]);
+        out[32 * t + i + 16] = dl * static_cast<float>(kIq4Values[q[16 * t + i] >> 4]);
+      }
+    }
+#endif
+  }
+
+  static void dequant_row(const uint8_t* row, int64_t nb, float* out) {
+    for (int64_t j = 0; j < nb; ++j) dequant_super(row, nb, j, out + 256 * j);
+  }
+
+  // fp32 activations, M < 4: as matmul_small_avx2, a sub-block's weights in registers at a time
+  template <int M>
+  static void matmul_small_m(const float* x, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* out,
+                             int64_t N) {
+    const int64_t nb = K / kBlock, row_bytes = nb * kBlockBytes;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+#ifdef TW_AVX2
+      constexpr int kAcc = M == 1 ? 4 : 2;
+      __m256 acc[M][kAcc];
+      for (int m = 0; m < M; ++m)
+        for (int a = 0; a < kAcc; ++a) acc[m][a] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < nb; ++j) {
+        float scales[8];
+        _mm256_storeu_ps(scales, scales8(row, nb, j));
+        const uint8_t* q = part(row, nb, kQuantPart) + 128 * j;
+        for (int t = 0; t < 8; ++t) {
+          __m256 wv[4];
+          iq4_values(q + 16 * t, _mm256_set1_ps(scales[t]), wv);
+          for (int m = 0; m < M; ++m) {
+            const float* xb = x + m * K + 256 * j + 32 * t;
+            for (int i = 0; i < 4; ++i)
+              acc[m][i % kAcc] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + 8 * i), acc[m][i % kAcc]);
+          }
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        __m256 total = acc[m][0];
+        for (int a = 1; a < kAcc; ++a) total = _mm256_add_ps(total, acc[m][a]);
+        out[m * N + n] = hsum(total);
+      }
+#else
+      float acc[M] = {}, wb[kBlock];
+      for (int64_t j = 0; j < nb; ++j) {
+        dequant_super(row, nb, j, wb);
+        for (int m = 0; m < M; ++m)
+          for (int i = 0; i < kBlock; ++i) acc[m] += wb[i] * x[m * K + j * kBlock + i];
+      }
+      for (int m = 0; m < M; ++m) out[m * N + n] = acc[m];
+#endif
+    }
+  }
+
+  static void matmul_small(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                           float* out, int64_t N) {
+    if (M == 1) matmul_small_m<1>(x, K, w, n0, n1, out, N);
+    else if (M == 2) matmul_small_m<2>(x, K, w, n0, n1, out, N);
+    else matmul_small_m<3>(x, K, w, n0, n1, out, N);
+  }
+
+#ifdef TW_AVX2
+  // int16 activations, M < 4: as type_kernels.h's matmul_small_i16 with a super-block for a
+  // group of 8 blocks, scaled by its sub-block scales (the table's -128 with exact sums)
+  template <int M>
+  static void matmul_small_i16_m(const QuantizedActivations& a, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                                 float* out, int64_t N) {
+    const int64_t nb = K / kBlock, row_bytes = nb * kBlockBytes;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      const uint8_t* quants = part(row, nb, kQuantPart);
+      __m256 acc[M], extra[M];
+      for (int m = 0; m < M; ++m) acc[m] = extra[m] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < nb; ++j) {
+        const __m256 scales = scales8(row, nb, j), offset = _mm256_mul_ps(scales, _mm256_set1_ps(-128.0f));
+        for (int m = 0; m < M; ++m) {
+          const int64_t r = m * a.nb + 8 * j;
+          const __m256i dots = dots8_byte_pairs<&iq4_pair_bytes<false>, &iq4_pair_bytes<true>>(
+              quants, a.q.data() + m * a.stride, 8 * j, 8);
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scales, _mm256_loadu_ps(a.scale.data() + r)), acc[m]);
+          extra[m] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a.sum.data() + r), extra[m]);
+        }
+      }
+      for (int m = 0; m < M; ++m) out[m * N + n] = hsum(acc[m]) + hsum(extra[m]);
+    }
+  }
+
+  static void matmul_small_i16(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0,
+                               int64_t n1, float* out, int64_t N) {
+    if (M == 1) matmul_small_i16_m<1>(a, K, w, n0, n1, out, N);
+    else if (M == 2) matmul_small_i16_m<2>(a, K, w, n0, n1, out, N);
+    else matmul_small_i16_m<3>(a, K, w, n0, n1, out, N);
+  }
 #endif
 };
 
