@@ -5,8 +5,8 @@
 // half) and multiplies with fp32 FMAs. Exact as gguf's dequantiser: both conversions are exact.
 // K need not be a multiple of 8 (a tail of single values).
 //
-// The decode matvec streams at the memory's pace: one thread, M=1, 2048x2048 (in L3) 132 us
-// (64 GB/s), 8192x2048 (32 MiB: DRAM) 796 us (42 GB/s); types_q5_iq4.h has the table.
+// The decode matvec streams at the memory's pace: one thread, M=1, 2048x2048 (in L3) 138 us
+// (61 GB/s), 8192x2048 (32 MiB: DRAM) 826 us (41 GB/s); types_q5_iq4.h has the table.
 //
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
 #pragma once

@@ -16,28 +16,29 @@
 // widens them as Q8_0 does, even and odd bytes of 16-bit words with a mask and a shift:
 //   nibbles: one 32-byte load for two blocks' qs, a mask and a shift (as Q4);
 //   Q5's fifth bit: the pair's qh broadcast per 128-bit lane, a vpshufb giving each byte its qh
-//   byte, a test of its bit (and + cmpeq), 16 where set, or-ed into the nibble;
+//   byte, its bit isolated (and), 16 where set (vpsignb), or-ed into the nibble;
 //   IQ4_NL: the nibble indexes the table with one vpshufb;
 //   4 vpmaddwd against the pair's int16 activations (i16_byte_pairs' slot order).
 // The decode matvec (M=1, int16 activations; fp32: the eager path's) is bound by its instructions,
-// not by memory: Q4_0 runs ~80 a group of 8 blocks, IQ4_NL ~100, IQ4_XS ~112, Q5 ~140. F16/BF16 (no integer
-// dot, types_float.h) stream at the memory's pace. Measured on the 2-core AMD EPYC (Zen 5, 32 MiB
-// L3: every matrix below fits but F16/BF16 8192x2048, 32 MiB) with other work on the machine; min
-// of 30 calls, torch.set_num_threads(1); us per call (GB/s of weight bytes):
+// not by memory: Q4_0 runs ~80 a group of 8 blocks, IQ4_NL ~100, IQ4_XS ~112, Q5 ~130. F16/BF16
+// (no integer dot, types_float.h) stream at the memory's pace. Measured on the 2-core AMD EPYC
+// (Zen 5, 32 MiB L3: every matrix below fits but F16/BF16 8192x2048, 32 MiB) with other work on
+// the machine; min of 30 calls, torch.set_num_threads(1); us per call (GB/s of weight bytes):
 //                    2048x2048                  8192x2048
 //             int16        fp32          int16        fp32
-//   Q4_0     86 (27.4)   266 ( 8.9)     313 (30.1)  1063 ( 8.9)
-//   Q5_0    152 (18.9)   412 ( 7.0)     590 (19.5)  1644 ( 7.0)
-//   Q5_1    154 (20.5)   377 ( 8.3)     595 (21.2)  1498 ( 8.4)
-//   IQ4_NL   98 (24.2)   248 ( 9.5)     375 (25.2)   987 ( 9.6)
-//   IQ4_XS  114 (19.5)   254 ( 8.8)     439 (20.3)  1022 ( 8.7)
-//   F16          -       132 (63.8)         -        796 (42.2)
-//   BF16         -       134 (62.7)         -        854 (39.3)
-// Two threads roughly halve these when the other core is free (2048x2048: Q4_0 fp32 134, Q5_0
-// int16 81, IQ4_NL 52, F16 69 us); runs whose other core was busy took a time slice (~8 ms).
-// Q5 costs ~1.8x Q4_0: its fifth bits take 5 operations per 32 weights; keeping qh apart from qs
-// in the split row (one load less and no blend per pair) would save ~2 of ~35 per pair, but the
-// driver hands dots8 only one part.
+//   Q4_0     82 (28.7)   268 ( 8.8)     317 (29.7)  1057 ( 8.9)
+//   Q5_0    143 (20.1)   390 ( 7.4)     559 (20.7)  1560 ( 7.4)
+//   Q5_1    144 (21.9)   362 ( 8.7)     575 (21.9)  1459 ( 8.6)
+//   IQ4_NL   98 (24.0)   251 ( 9.4)     381 (24.8)  1000 ( 9.4)
+//   IQ4_XS  116 (19.2)   256 ( 8.7)     450 (19.8)  1023 ( 8.7)
+//   F16          -       138 (60.8)         -        826 (40.6)
+//   BF16         -       136 (61.6)         -        866 (38.7)
+// Two threads, when the other core was free (else a call took a time slice, ~8 ms), int16 (F16,
+// BF16: fp32) us at 2048x2048 / 8192x2048: Q4_0 49 / 171, Q5_0 77 / 287, Q5_1 77 / 287, IQ4_NL
+// 55 / 197, IQ4_XS 75 / 231, F16 74 / 275, BF16 73 / 280 (8192x2048: 55, 40, 44, 48, 39, 122, 120
+// GB/s). Q5 costs ~1.7x Q4_0: its fifth bits take 4 operations per 32 weights (vpshufb, and,
+// vpsignb, or); keeping qh apart from qs in the split row (one load less and no blend per pair)
+// would save ~2 of ~32 a pair more, but the driver hands dots8 only one part of the row.
 //
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
 #pragma once
@@ -108,21 +109,20 @@ inline void q5_pair_bytes(const uint8_t* qh_qs, int64_t j, __m256i& lo, __m256i&
     qs = _mm256_inserti128_si256(_mm256_castsi128_si256(bp_load16(a + 4)), bp_load16(a + 24), 1);
     h = _mm256_blend_epi32(_mm256_set1_epi32(bp_load4(a)), _mm256_set1_epi32(bp_load4(a + 20)), 0xf0);
   }
-  const __m256i nibble = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16);
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
   lo = _mm256_and_si256(qs, nibble);
   hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), nibble);
   // byte p of lo is weight p (p < 16 within its lane): bit p%8 of qh byte p/8; of hi, weight
-  // 16 + p: qh byte 2 + p/8
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  // 16 + p: qh byte 2 + p/8. The bit, isolated, is 0 or 2^(p%8) as a signed byte: vpsignb of 16
+  // by it gives 0 or 16 (the byte of bit 7 is negative: -16 there, whose sign flips back).
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i sixteen = _mm256_set1_epi64x(static_cast<int64_t>(0xf010101010101010ull));
   const __m256i pick_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
                                            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m256i pick_hi = _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,  //
                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256i clear_lo = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, pick_lo), bit), zero);
-  const __m256i clear_hi = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, pick_hi), bit), zero);
-  lo = _mm256_or_si256(lo, _mm256_andnot_si256(clear_lo, sixteen));
-  hi = _mm256_or_si256(hi, _mm256_andnot_si256(clear_hi, sixteen));
+  lo = _mm256_or_si256(lo, _mm256_sign_epi8(sixteen, _mm256_and_si256(_mm256_shuffle_epi8(h, pick_lo), bit)));
+  hi = _mm256_or_si256(hi, _mm256_sign_epi8(sixteen, _mm256_and_si256(_mm256_shuffle_epi8(h, pick_hi), bit)));
 }
 
 // IQ4_NL's table as bytes: kIq4Values + 128 (for the dot) or as they are (dequantisation)
