@@ -37,7 +37,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "gguf", "fp32", "bf16", "int8", "int4"],
         help="weight format: auto = a GGUF's own quantisation on the CPU (else --dtype); gguf = the "
-        "file's Q4_0/Q4_1/Q8_0 blocks as they are; int8/int4 = quantise at load (Q8_0/Q4_1)",
+        "file's Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL/IQ4_XS blocks and F16/BF16 matrices as they are; "
+        "int8/int4 = quantise at load (Q8_0/Q4_1)",
     )
     g.add_argument(
         "--no-compile",

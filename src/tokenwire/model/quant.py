@@ -9,7 +9,8 @@ our kernels read: the decode matvec converts and applies eight blocks' scales at
 Nothing is re-quantised: the kernels dequantise bit-exactly as gguf's reference dequantiser
 does, and a GGUF holding a type they do not run is refused at load (gguf_weights.py). A fused
 projection whose parts come in different types (q/k/v of a K-quant mix) is a StackedQuantLinear,
-each part in its own type. A Hugging Face directory is quantised at load with `--weights int8`
+each part in its own type. F16 and BF16 matrices are types of the table too (a block of
+one value), kept as 16-bit floats. A Hugging Face directory is quantised at load with `--weights int8`
 (Q8_0) or `int4` (Q4_1).
 """
 
@@ -40,11 +41,62 @@ def packed_shape(out_features: int, in_features: int, qtype: int) -> tuple[int, 
     return weight_type(qtype).packed_shape(out_features, in_features)
 
 
+def _quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """fp32 [..., K] -> IQ4_NL blocks, for types gguf-py cannot quantise to: per block, d maps the
+    largest magnitude to the table's -127 (so its sign too), each weight takes the nearest table
+    value of w/d. (llama.cpp also searches nearby scales; any valid blocks serve tests and
+    from_float.)"""
+    blocks = w.reshape(-1, 32).astype(np.float32)
+    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)[:, 0]
+    d = (largest / weight_types.IQ4_VALUES[0]).astype(np.float16)
+    inverse = np.divide(1, d.astype(np.float32), out=np.zeros(len(d), np.float32), where=d != 0)
+    index = _nearest_iq4(blocks * inverse[:, None])
+    quants = index[:, :16] | (index[:, 16:] << 4)
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), quants], axis=1)
+
+
+def _nearest_iq4(values: np.ndarray) -> np.ndarray:
+    """The index of the nearest IQ4 table value of each (scaled) weight."""
+    table = weight_types.IQ4_VALUES
+    return np.searchsorted((table[1:] + table[:-1]) / 2, values).astype(np.uint8)
+
+
+def _quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
+    """fp32 [..., K] -> IQ4_XS super-blocks: each sub-block's own scale as IQ4_NL's, d the
+    largest of them over 31, each sub-block's 6-bit ls the nearest multiple of d (clipped to
+    -32..31), its weights the nearest table values of w / (d * ls)."""
+    subs = w.reshape(-1, 8, 32).astype(np.float32)
+    largest = np.take_along_axis(subs, np.abs(subs).argmax(axis=2)[..., None], axis=2)[..., 0]  # [n, 8]
+    wanted = largest / weight_types.IQ4_VALUES[0]
+    d = (np.abs(wanted).max(axis=1) / 31).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    ls = np.clip(np.rint(np.divide(wanted, d32, out=np.zeros_like(wanted), where=d32 != 0)), -32, 31)
+    scale = d32 * ls
+    index = _nearest_iq4(subs * np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)[..., None])
+    biased = (ls + 32).astype(np.uint16)  # 0..63
+    low = (biased & 0x0F).astype(np.uint8)
+    scales_l = low[:, 0::2] | (low[:, 1::2] << 4)  # [n, 4]
+    scales_h = ((biased >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+    quants = (index[..., :16] | (index[..., 16:] << 4)).reshape(len(d), 128)
+    parts = [d.view(np.uint8).reshape(-1, 2), scales_h.view(np.uint8).reshape(-1, 2), scales_l, quants]
+    return np.concatenate(parts, axis=1)
+
+
+# types gguf-py has no quantiser for: ours
+_OWN_QUANTIZERS = {
+    weight_types.IQ4_NL.gguf_id: _quantize_iq4_nl,
+    weight_types.IQ4_XS.gguf_id: _quantize_iq4_xs,
+}
+
+
 def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     """fp32 [N, K] -> packed blocks, with gguf's reference quantiser (the llama.cpp rounding)."""
     shape = packed_shape(*weight.shape, qtype)  # names a bad feature count before gguf does
-    array = weight.detach().float().cpu().numpy()
-    packed = gguf_quantize(np.ascontiguousarray(array), GGMLQuantizationType(qtype))
+    array = np.ascontiguousarray(weight.detach().float().cpu().numpy())
+    if qtype in _OWN_QUANTIZERS:
+        packed = _OWN_QUANTIZERS[qtype](array)
+    else:
+        packed = gguf_quantize(array, GGMLQuantizationType(qtype))
     return torch.from_numpy(np.ascontiguousarray(packed)).view(torch.uint8).reshape(shape)
 
 

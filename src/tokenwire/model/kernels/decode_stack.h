@@ -177,6 +177,8 @@ struct DecodeStack : torch::CustomClassHolder {
     check_floats(L.mlp_norm, H, "mlp_norm");
     check_weight(L.o, L.o_type, q_size);
     check_weight(L.down, L.down_type, inter);
+    // the SwiGLU is shared out in whole vectors of 8 (types without an activation format: F16, BF16)
+    TORCH_CHECK(inter % 8 == 0, "the intermediate size ", inter, " is not a multiple of 8");
     TORCH_CHECK(L.qkv.rows == q_size + 2 * kv_size && L.o.size(0) == H && L.down.size(0) == H,
                 "projection shapes do not match the hidden size and heads");
     check_floats(L.qkv_bias, L.qkv.rows, "qkv bias");

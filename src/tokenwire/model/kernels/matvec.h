@@ -43,7 +43,7 @@ void matmul_tiled(const float* x, int64_t M, int64_t K, const uint8_t* w, const 
       for (auto& row : acc)
         for (auto& a : row) a = _mm256_setzero_ps();
       const float* x0 = x + m * K;
-      for (int64_t k = 0; k < K; k += 8) {
+      for (int64_t k = 0; k + 8 <= K; k += 8) {
         const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k), v2 = _mm256_loadu_ps(w2 + k);
         for (int i = 0; i < 4; ++i) {
           const __m256 xv = _mm256_loadu_ps(x0 + i * K + k);
@@ -57,6 +57,12 @@ void matmul_tiled(const float* x, int64_t M, int64_t K, const uint8_t* w, const 
       float sums[3][4];
       for (int r = 0; r < 3; ++r)
         for (int i = 0; i < 4; ++i) sums[r][i] = hsum(acc[r][i]);
+      for (int64_t k = K - K % 8; k < K; ++k)  // the tail where K is not a multiple of 8 (float types' block is 1)
+        for (int i = 0; i < 4; ++i) {
+          sums[0][i] += w0[k] * x0[i * K + k];
+          sums[1][i] += w1[k] * x0[i * K + k];
+          sums[2][i] += w2[k] * x0[i * K + k];
+        }
       for (int64_t r = 0; r < rows; ++r)
         for (int i = 0; i < 4; ++i) out[(m + i) * N + n + r] = sums[r][i];
     }
@@ -64,16 +70,7 @@ void matmul_tiled(const float* x, int64_t M, int64_t K, const uint8_t* w, const 
     for (; m < M; ++m) {
       for (int64_t r = 0; r < rows; ++r) {
         const float* wr = buf.data() + r * K;
-        const float* xm = x + m * K;
-#ifdef TW_AVX2
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(xm + k), a);
-        out[m * N + n + r] = hsum(a);
-#else
-        float a = 0;
-        for (int64_t k = 0; k < K; ++k) a += wr[k] * xm[k];
-        out[m * N + n + r] = a;
-#endif
+        out[m * N + n + r] = dot(wr, x + m * K, K);
       }
     }
   }

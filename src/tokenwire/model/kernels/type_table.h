@@ -20,6 +20,8 @@
 #include "type_kernels.h"
 #include "types_q4.h"
 #include "types_q8.h"
+#include "types_q5_iq4.h"
+#include "types_float.h"
 
 namespace tw {
 
@@ -54,10 +56,33 @@ TypeRow make_row() {
           act, &dequant_row_t<T>, &matmul_small_t<T>, i16};
 }
 
+// the row of a type that brings its own row functions (types_float.h's F16/BF16, IQ4_XS):
+// T::dequant_row, T::matmul_small and, where it has an integer dot (T::kIntDot), its Act and
+// T::matmul_small_i16
+template <class T>
+TypeRow make_own_row() {
+  const ActFormat* act = nullptr;
+  decltype(TypeRow::matmul_small_i16) i16 = nullptr;
+#ifdef TW_AVX2
+  if constexpr (T::kIntDot) {
+    act = &act_format<typename T::Act>();
+    i16 = &T::matmul_small_i16;
+  }
+#endif
+  return {T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
+          act, &T::dequant_row, &T::matmul_small, i16};
+}
+
 inline const TypeRow kTypes[] = {
     make_row<Q4_0>(),
     make_row<Q4_1>(),
     make_row<Q8_0>(),
+    make_row<Q5_0>(),
+    make_row<Q5_1>(),
+    make_row<IQ4_NL>(),
+    make_own_row<IQ4_XS>(),
+    make_own_row<F16>(),
+    make_own_row<BF16>(),
 };
 
 // The one dispatch point from a type id to its row.
