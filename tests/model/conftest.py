@@ -139,3 +139,13 @@ def tiny_gguf(tmp_path: Path) -> TinyGGUF:
         return tmp_path / name, {k: v.astype(np.float32) for k, v in hf.items()}
 
     return make
+
+
+@pytest.fixture
+def fp32_activations():
+    """The kernels' fp32-activation path (the exact comparison with a float matmul)."""
+    from tokenwire.model.kernels import ops
+
+    ops().set_int16_activations(False)
+    yield
+    ops().set_int16_activations(True)

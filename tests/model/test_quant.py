@@ -36,16 +36,6 @@ MATMUL_RTOL = 2e-6
 INT16_DECODE_LOGPROB_TOL = 2e-2
 
 
-@pytest.fixture
-def fp32_activations():
-    """The kernels' fp32-activation path (the exact comparison with a float matmul)."""
-    from tokenwire.model.kernels import ops
-
-    ops().set_int16_activations(False)
-    yield
-    ops().set_int16_activations(True)
-
-
 def _blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2, (rows, 1))).astype(np.float32)
