@@ -12,8 +12,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from tests.random_blocks import offsets, random_blocks
 from tests.tiny_models import hf_model
+from tokenwire.model import weight_types
 from tokenwire.model.families import build_model, read_config
+from tokenwire.model.kernels import ops
 from tokenwire.model.layers.attention import DenseCausalAttention
 from tokenwire.model.layers.weights import quantize_state
 from tokenwire.model.quant import (
@@ -29,6 +32,7 @@ from tokenwire.model.quant import (
 )
 
 QTYPES = [Q4_0, Q4_1, Q8_0]
+K_QTYPES = [t.gguf_id for t in (weight_types.Q4_K, weight_types.Q5_K, weight_types.Q6_K)]
 # |quantised matmul - fp32 matmul of the dequantised weight| / max|fp32 result|: both sum the
 # same exact products in fp32, in another order (~1e-7 seen)
 MATMUL_RTOL = 2e-6
@@ -110,12 +114,44 @@ def test_int16_decode_rows_stay_within_their_rounding_bound(qtype: int, blocks: 
         assert ((got - expected).abs() <= bound).all(), (rows, (got - expected).abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", K_QTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 32, 300])
+def test_k_quant_matmul_equals_fp32_matmul(qtype: int, rows: int) -> None:
+    """K-quant super-blocks (3 per row) through qmatmul, fp32 and int16 activations, against
+    x @ W.T with W dequantised by gguf's rules. fp32 (M >= 4, or int16 off): the same exact
+    products summed in fp32 in another order, within 2e-6 of sum |x w| (seen: 3e-7). int16 rows
+    (M < 4): the documented rounding of each activation (max|its block| / 65534, blocks of 32,
+    Q6_K's of 16 inside them) times the integer part of the weights (what is left with the
+    offset -dmin*m or Q6_K's -32 d*scale taken out: those meet the exact fp32 block sums), plus
+    the fp32 rounding of the terms, 1e-6 of sum |x| (|w| + |offset|) (seen: 2e-8)."""
+    wt = weight_types.weight_type(qtype)
+    k = 3 * wt.block
+    packed = random_blocks(67, k, wt, seed=rows)
+    w = torch.from_numpy(wt.dequantize_reference(packed))
+    offset = torch.from_numpy(offsets(packed, wt))
+    split = wt.split_rows(torch.from_numpy(packed))
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=generator) * torch.rand(rows, k, generator=generator) * 4
+    x[0, :32] = 0  # an all-zero activation block
+    expected = x @ w.T
+    fp32 = ops().qmatmul(x, split, qtype, False)
+    assert ((fp32 - expected).abs() <= 2e-6 * (x.abs() @ w.abs().T)).all()
+    got = ops().qmatmul(x, split, qtype, True)
+    if rows >= 4:  # int16 rows are for decode matvecs: from 4 rows on, the fp32 tiles
+        assert torch.equal(got, fp32)
+        return
+    block_max = x.abs().view(rows, -1, 32).amax(-1)
+    integer_part = (w - offset).abs().view(67, -1, 32).sum(-1)
+    bound = block_max @ integer_part.T / 65534 + 1e-6 * (x.abs() @ (w.abs() + offset.abs()).T)
+    assert ((got - expected).abs() <= bound).all(), (got - expected).abs().max().item()
+
+
 def test_quantized_layers_reject_what_they_cannot_run() -> None:
     packed, _ = _blocks(4, 64, Q8_0)
     with pytest.raises(ValueError, match="not uint8"):
         QuantLinear(packed, Q8_0, 96)  # wrong feature count for these bytes
     with pytest.raises(ValueError, match="unsupported quantisation type"):
-        QuantLinear(packed, 12, 64)
+        QuantLinear(packed, 16, 64)  # IQ2_XXS
     with pytest.raises(TypeError, match="float32 activations"):
         QuantLinear(packed, Q8_0, 64)(torch.randn(2, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="multiple of the 32-weight block"):
@@ -229,19 +265,83 @@ def test_fused_decode_equals_eager_layers_in_the_engine(
     assert _max_logprob_diff(fused_int16, eager) <= INT16_DECODE_LOGPROB_TOL
 
 
-def test_k_quant_tensors_become_q8_0_blocks_at_conversion() -> None:
-    """Types the kernels do not run (here Q6_K, as Q4_K_M files mix in) are re-quantised once to
-    Q8_0 from their exact dequantised values; float tensors stay float."""
+def _k_quant_model() -> torch.nn.Module:
+    """A two-layer Llama (hidden 256, 4 heads of 64, MLP 512) whose projections are random K-quant
+    blocks, the three types mixed over roles and layers: the two down projections take different
+    int16 formats (Q6_K's 16-value blocks, Q5_K's 32)."""
+    from tokenwire.model.config import ModelConfig
+    from tokenwire.model.layers.attention import Attention, AttentionSpec
+    from tokenwire.model.layers.block import DecoderLayer
+    from tokenwire.model.layers.decoder import DecoderModel
+    from tokenwire.model.layers.mlp import GatedMLP
+    from tokenwire.model.layers.rotary import RopeSpec
+
+    config = ModelConfig("Toy", 49152, 256, 512, 2, 4, 2, 64, max_position_embeddings=256)
+    roles = [  # qkv, o, gate_up, down
+        (weight_types.Q4_K, weight_types.Q5_K, weight_types.Q4_K, weight_types.Q6_K),
+        (weight_types.Q6_K, weight_types.Q4_K, weight_types.Q6_K, weight_types.Q5_K),
+    ]
+
+    def layer(i: int) -> DecoderLayer:
+        attention = Attention(i, 256, AttentionSpec(4, 2, 64), 1e-5)
+        rope = RopeSpec.make("default", 10000.0, 64)
+        return DecoderLayer(i, 256, attention, GatedMLP(256, 512, "silu"), eps=1e-5, rope=rope)
+
+    torch.manual_seed(11)
+    model = DecoderModel(config, [layer(i) for i in range(2)])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    for block, types in zip(model.layers, roles, strict=True):
+        projections = (
+            (block.attention, "qkv"),
+            (block.attention, "o_proj"),
+            (block.mlp, "gate_up"),
+            (block.mlp, "down"),
+        )
+        for (owner, name), wt in zip(projections, types, strict=True):
+            n, k = getattr(owner, name).weight.shape
+            packed = random_blocks(n, k, wt, seed=n + k, magnitude=(1e-5, 1e-4))
+            setattr(owner, name, QuantLinear(torch.from_numpy(packed), wt.gguf_id, k))
+    model.finish_build("cpu")
+    return model.eval().requires_grad_(False)
+
+
+def test_fused_decode_runs_k_quant_weights(smollm2_source) -> None:
+    """The fused decode stack with K-quant projections (their rows' functions and int16 formats)
+    gives the eager layers' tokens and logprobs: to 1e-4 with fp32 matvecs, to the int16
+    tolerance with int16 activations."""
+    model = _k_quant_model()
+    assert model.fusion_blocker is None
+    tok = smollm2_source.tokenizer
+    eager = _decode_runs(model, tok, fuse=False, int16=True, sequences=2)
+    assert _max_logprob_diff(_decode_runs(model, tok, fuse=True, int16=False, sequences=2), eager) <= 1e-4
+    fused_int16 = _decode_runs(model, tok, fuse=True, int16=True, sequences=2)
+    assert _max_logprob_diff(fused_int16, eager) <= INT16_DECODE_LOGPROB_TOL
+
+
+def test_conversion_keeps_k_quant_blocks_and_requantises_other_types_to_q8_0() -> None:
+    """K-quant tensors (Q6_K here, as Q4_K_M files mix in) stay the file's blocks, rows as they
+    are; types the kernels do not run (IQ4_XS here) are re-quantised once to Q8_0 from their
+    exact dequantised values; float tensors stay float."""
     from types import SimpleNamespace
 
     from tokenwire.model.gguf import _packed_tensor
 
-    rng = np.random.default_rng(3)
-    rows, cols, block_bytes = 8, 256, 210  # Q6_K: 256 weights in 210 bytes, fp16 d last
-    raw = rng.integers(0, 256, (rows, cols // 256 * block_bytes), dtype=np.uint8)
-    raw.reshape(-1, block_bytes)[:, 208:210] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    rows, cols = 8, 256
+    raw = random_blocks(rows, cols, weight_types.Q6_K, seed=3)
     dense = np.asarray(gguf_dequantize(raw, GGMLQuantizationType.Q6_K), dtype=np.float32)
     tensor = SimpleNamespace(tensor_type=GGMLQuantizationType.Q6_K, data=raw)
+    packed, qtype = _packed_tensor(tensor, dense, None)
+    assert qtype == weight_types.Q6_K.gguf_id and np.array_equal(packed.numpy(), raw)
+    np.testing.assert_array_equal(dequantize(packed, qtype, cols).numpy(), dense)
+
+    rng = np.random.default_rng(3)
+    block_bytes = 136  # IQ4_XS: 256 weights in 136 bytes, fp16 d first
+    raw = rng.integers(0, 256, (rows, cols // 256 * block_bytes), dtype=np.uint8)
+    raw.reshape(-1, block_bytes)[:, 0:2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    dense = np.asarray(gguf_dequantize(raw, GGMLQuantizationType.IQ4_XS), dtype=np.float32)
+    tensor = SimpleNamespace(tensor_type=GGMLQuantizationType.IQ4_XS, data=raw)
     packed, qtype = _packed_tensor(tensor, dense, None)
     assert qtype == Q8_0 and packed.dtype == torch.uint8
     back = dequantize(packed, Q8_0, cols).numpy()

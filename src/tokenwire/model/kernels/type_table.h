@@ -20,6 +20,7 @@
 #include "type_kernels.h"
 #include "types_q4.h"
 #include "types_q8.h"
+#include "types_k.h"
 
 namespace tw {
 
@@ -54,10 +55,27 @@ TypeRow make_row() {
           act, &dequant_row_t<T>, &matmul_small_t<T>, i16};
 }
 
+// a K-quant type's row: its own functions (types_k.h's k_* templates over its traits)
+template <class T>
+TypeRow make_k_row() {
+#ifdef TW_AVX2
+  const ActFormat* act = &act_format<typename T::Act>();
+  auto i16 = &k_matmul_i16<T>;
+#else
+  const ActFormat* act = nullptr;
+  decltype(TypeRow::matmul_small_i16) i16 = nullptr;
+#endif
+  return {T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
+          act, &k_dequant_row<T>, &k_matmul_small<T>, i16};
+}
+
 inline const TypeRow kTypes[] = {
     make_row<Q4_0>(),
     make_row<Q4_1>(),
     make_row<Q8_0>(),
+    make_k_row<Q4_K>(),
+    make_k_row<Q6_K>(),
+    make_k_row<Q5_K>(),
 };
 
 // The one dispatch point from a type id to its row.
