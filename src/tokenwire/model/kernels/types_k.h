@@ -203,8 +203,18 @@ struct K45 : K45Traits<kHighBits> {
   // block's exact fp32 sum
   template <int M>
   static void dot_i16(const uint8_t* row, int64_t nb, int64_t j, const QuantizedActivations& a, __m256 acc[M]) {
-    const __m256 d = _mm256_set1_ps(half_to_float(B::field(row, nb, j, B::kD)));
-    const __m256 dmin = _mm256_set1_ps(half_to_float(B::field(row, nb, j, B::kDmin)));
+    static_assert(B::field_offset(B::kDmin) == 2 || kSplitK, "d and dmin are read as one pair");
+    __m256 d, dmin;
+    if constexpr (kSplitK) {
+      d = _mm256_set1_ps(half_to_float(B::field(row, nb, j, B::kD)));
+      dmin = _mm256_set1_ps(half_to_float(B::field(row, nb, j, B::kDmin)));
+    } else {  // the pair in one conversion
+      uint32_t pair;
+      std::memcpy(&pair, B::field(row, nb, j, B::kD), 4);
+      const __m256 both = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair))));
+      d = _mm256_permutevar8x32_ps(both, _mm256_setzero_si256());
+      dmin = _mm256_permutevar8x32_ps(both, _mm256_set1_epi32(1));
+    }
     uint8_t sc[8], m[8];
     k4_scales(B::field(row, nb, j, B::kScales), sc, m);
     // B, the high nibbles, are masked in place (16 q, no shift): ds's odd lanes carry the 1/16
