@@ -32,7 +32,8 @@ from tokenwire.model.quant import (
 )
 
 QTYPES = [Q4_0, Q4_1, Q8_0]
-K_QTYPES = [t.gguf_id for t in (weight_types.Q4_K, weight_types.Q5_K, weight_types.Q6_K)]
+K_TYPES = (weight_types.Q2_K, weight_types.Q3_K, weight_types.Q4_K, weight_types.Q5_K, weight_types.Q6_K)
+K_QTYPES = [t.gguf_id for t in K_TYPES]
 # |quantised matmul - fp32 matmul of the dequantised weight| / max|fp32 result|: both sum the
 # same exact products in fp32, in another order (~1e-7 seen)
 MATMUL_RTOL = 2e-6
@@ -120,10 +121,11 @@ def test_k_quant_matmul_equals_fp32_matmul(qtype: int, rows: int) -> None:
     """K-quant super-blocks (3 per row) through qmatmul, fp32 and int16 activations, against
     x @ W.T with W dequantised by gguf's rules. fp32 (M >= 4, or int16 off): the same exact
     products summed in fp32 in another order, within 2e-6 of sum |x w| (seen: 3e-7). int16 rows
-    (M < 4): the documented rounding of each activation (max|its block| / 65534, blocks of 32,
-    Q6_K's of 16 inside them) times the integer part of the weights (what is left with the
-    offset -dmin*m or Q6_K's -32 d*scale taken out: those meet the exact fp32 block sums), plus
-    the fp32 rounding of the terms, 1e-6 of sum |x| (|w| + |offset|) (seen: 2e-8)."""
+    (M < 4): the documented rounding of each activation (max|its block| / 65534, blocks of 32 or,
+    for Q2_K, Q3_K, Q6_K, of 16 inside them) times the integer part of the weights (what is left
+    with the offset -dmin*m, Q3_K's -4 d*scale or Q6_K's -32 d*scale taken out: those meet the
+    exact fp32 block sums), plus the fp32 rounding of the terms, 1e-6 of sum |x| (|w| + |offset|)
+    (seen: 2e-8)."""
     wt = weight_types.weight_type(qtype)
     k = 3 * wt.block
     packed = random_blocks(67, k, wt, seed=rows)
@@ -267,8 +269,8 @@ def test_fused_decode_equals_eager_layers_in_the_engine(
 
 def _k_quant_model() -> torch.nn.Module:
     """A two-layer Llama (hidden 256, 4 heads of 64, MLP 512) whose projections are random K-quant
-    blocks, the three types mixed over roles and layers: the two down projections take different
-    int16 formats (Q6_K's 16-value blocks, Q5_K's 32)."""
+    blocks, the five types mixed over roles and layers: the two down projections take different
+    int16 formats (Q6_K's and Q2_K's)."""
     from tokenwire.model.config import ModelConfig
     from tokenwire.model.layers.attention import Attention, AttentionSpec
     from tokenwire.model.layers.block import DecoderLayer
@@ -278,8 +280,8 @@ def _k_quant_model() -> torch.nn.Module:
 
     config = ModelConfig("Toy", 49152, 256, 512, 2, 4, 2, 64, max_position_embeddings=256)
     roles = [  # qkv, o, gate_up, down
-        (weight_types.Q4_K, weight_types.Q5_K, weight_types.Q4_K, weight_types.Q6_K),
-        (weight_types.Q6_K, weight_types.Q4_K, weight_types.Q6_K, weight_types.Q5_K),
+        (weight_types.Q4_K, weight_types.Q5_K, weight_types.Q2_K, weight_types.Q6_K),
+        (weight_types.Q3_K, weight_types.Q4_K, weight_types.Q6_K, weight_types.Q2_K),
     ]
 
     def layer(i: int) -> DecoderLayer:

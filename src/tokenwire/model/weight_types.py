@@ -92,6 +92,39 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     return (scale[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
 
 
+def _k23_low_bits(packed: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 64 qs bytes [n, 64] -> 2-bit q [n, 256]: weight 32t + i of each 128-weight half
+    is bits 2t.. of byte i of the half's 32."""
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    return ((packed.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 256)
+
+
+def _q2_k(blocks: np.ndarray) -> np.ndarray:
+    """Q2_K (16 scale bytes, 64 qs, fp16 d, dmin): sub-block s of 16 is (d * (scale[s] & 15)) * q
+    - dmin * (scale[s] >> 4)."""
+    n = blocks.shape[0]
+    scales = blocks[:, :16]
+    q = _k23_low_bits(blocks[:, 16:80]).astype(np.float32).reshape(n, 16, 16)
+    scale = _halves(blocks, 80) * (scales & 0x0F).astype(np.float32)
+    minimum = _halves(blocks, 82) * (scales >> 4).astype(np.float32)
+    return (scale[:, :, None] * q - minimum[:, :, None]).reshape(n, 256)
+
+
+def _q3_k(blocks: np.ndarray) -> np.ndarray:
+    """Q3_K (32 hmask, 64 qs, 12 scale bytes, fp16 d): weight 32g + i is its 2 bits less 4 where
+    bit g of hmask byte i is clear, times d * (6-bit scale - 32) of its 16; scale s's low nibble
+    is byte s % 8's (high for s >= 8), its two high bits bits 2 * (s // 4) of byte 8 + s % 4."""
+    n = blocks.shape[0]
+    packed = blocks[:, 96:108]
+    low = np.concatenate([packed[:, :8] & 0x0F, packed[:, :8] >> 4], axis=1)
+    high = (packed[:, None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
+    scales = (low | (high.reshape(n, 16) << 4)).astype(np.float32) - np.float32(32)
+    bits = (blocks[:, None, :32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n, g, i]
+    q = _k23_low_bits(blocks[:, 32:96]).astype(np.float32) - 4 * (1 - bits.reshape(n, 256)).astype(np.float32)
+    scale = _halves(blocks, 108) * scales
+    return (scale[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
+
+
 @dataclass(frozen=True)
 class WeightType:
     name: str
@@ -139,7 +172,10 @@ Q4_K = WeightType("Q4_K", 12, 256, (("block", 144),), "i16_k_pairs", _q4_k)
 Q6_K = WeightType("Q6_K", 14, 256, (("block", 210),), "i16_k_quads", _q6_k)
 Q5_K = WeightType("Q5_K", 13, 256, (("block", 176),), "i16_k_pairs", _q5_k)
 
-WEIGHT_TYPES: tuple[WeightType, ...] = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K)
+Q3_K = WeightType("Q3_K", 11, 256, (("block", 110),), "i16_even_odd16", _q3_k)
+Q2_K = WeightType("Q2_K", 10, 256, (("block", 84),), "i16_even_odd16", _q2_k)
+
+WEIGHT_TYPES: tuple[WeightType, ...] = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q3_K, Q2_K)
 BY_ID: dict[int, WeightType] = {t.gguf_id: t for t in WEIGHT_TYPES}
 BY_NAME: dict[str, WeightType] = {t.name: t for t in WEIGHT_TYPES}
 

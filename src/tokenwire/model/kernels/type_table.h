@@ -21,6 +21,7 @@
 #include "types_q4.h"
 #include "types_q8.h"
 #include "types_k.h"
+#include "types_k23.h"
 
 namespace tw {
 
@@ -76,6 +77,8 @@ inline const TypeRow kTypes[] = {
     make_k_row<Q4_K>(),
     make_k_row<Q6_K>(),
     make_k_row<Q5_K>(),
+    make_k_row<Q3_K>(),
+    make_k_row<Q2_K>(),
 };
 
 // The one dispatch point from a type id to its row.

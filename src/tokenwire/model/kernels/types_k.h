@@ -112,6 +112,14 @@ inline __m256 bytes8_to_floats(const uint8_t* p) {  // 8 unsigned bytes as 8 flo
 
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// Four 32-weight blocks' integer dots (8 lanes each, the first 16 weights in lanes 0-3) -> the
+// sums of their eight 16-weight halves, in order (two rounds of hadd leave [0 2 4 6 | 1 3 5 7]:
+// one permute, rather than one on each of the scales, activation scales and sums)
+inline __m256i sub_dots16(const __m256i v[4]) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // 32 int8 weights (one vector) -> 4 vectors of 8 floats times their scale, stored
 inline void store_scaled_i8(__m256i q, __m256 lo_scale, __m256 hi_scale, float* out) {
   const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
@@ -121,13 +129,32 @@ inline void store_scaled_i8(__m256i q, __m256 lo_scale, __m256 hi_scale, float* 
   _mm256_storeu_ps(out + 24, _mm256_mul_ps(hi_scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))));
 }
 
-// 32 unsigned bytes (one vector) -> d * q - m for the 32 weights of a sub-block, stored; d * q
-// is exact, so the fused form rounds once, as gguf's d * q - m does
-inline void store_affine_u8(__m256i q, __m256 d, __m256 neg_m, float* out) {
+// 32 unsigned bytes (one vector) -> d * q - m for 32 weights, stored (d_lo, m_lo for the first
+// 16, d_hi, m_hi for the rest); d * q is exact, so the fused form rounds once, as gguf's d * q - m
+inline void store_affine_u8(__m256i q, __m256 d_lo, __m256 neg_m_lo, __m256 d_hi, __m256 neg_m_hi, float* out) {
   const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
   const __m128i parts[4] = {a, _mm_srli_si128(a, 8), b, _mm_srli_si128(b, 8)};
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 4; ++i) {
+    const __m256 d = i < 2 ? d_lo : d_hi, neg_m = i < 2 ? neg_m_lo : neg_m_hi;
     _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), neg_m));
+  }
+}
+
+// a K type's fp16 d and dmin (fields kD, kDmin of layout L), broadcast: the file's blocks keep
+// them side by side, one conversion
+template <class L, int kD, int kDmin>
+inline void d_dmin(const uint8_t* row, int64_t nb, int64_t j, __m256& d, __m256& dmin) {
+  if constexpr (kSplitK) {
+    d = _mm256_set1_ps(half_to_float(L::field(row, nb, j, kD)));
+    dmin = _mm256_set1_ps(half_to_float(L::field(row, nb, j, kDmin)));
+  } else {
+    static_assert(L::field_offset(kDmin) == L::field_offset(kD) + 2, "dmin follows d");
+    uint32_t pair;
+    std::memcpy(&pair, L::field(row, nb, j, kD), 4);
+    const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));
+    d = _mm256_broadcastss_ps(both);
+    dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(both));
+  }
 }
 #endif
 
@@ -193,8 +220,10 @@ struct K45 : K45Traits<kHighBits> {
         hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
         hb = _mm256_srli_epi16(hb, 2);
       }
-      store_affine_u8(lo, _mm256_set1_ps(ds[2 * c]), _mm256_set1_ps(ms[2 * c]), out + 64 * c);
-      store_affine_u8(hi, _mm256_set1_ps(ds[2 * c + 1]), _mm256_set1_ps(ms[2 * c + 1]), out + 64 * c + 32);
+      const __m256 d_a = _mm256_set1_ps(ds[2 * c]), m_a = _mm256_set1_ps(ms[2 * c]);
+      const __m256 d_b = _mm256_set1_ps(ds[2 * c + 1]), m_b = _mm256_set1_ps(ms[2 * c + 1]);
+      store_affine_u8(lo, d_a, m_a, d_a, m_a, out + 64 * c);
+      store_affine_u8(hi, d_b, m_b, d_b, m_b, out + 64 * c + 32);
     }
   }
 
@@ -203,18 +232,8 @@ struct K45 : K45Traits<kHighBits> {
   // block's exact fp32 sum
   template <int M>
   static void dot_i16(const uint8_t* row, int64_t nb, int64_t j, const QuantizedActivations& a, __m256 acc[M]) {
-    static_assert(B::field_offset(B::kDmin) == 2 || kSplitK, "d and dmin are read as one pair");
     __m256 d, dmin;
-    if constexpr (kSplitK) {
-      d = _mm256_set1_ps(half_to_float(B::field(row, nb, j, B::kD)));
-      dmin = _mm256_set1_ps(half_to_float(B::field(row, nb, j, B::kDmin)));
-    } else {  // the pair in one conversion
-      uint32_t pair;
-      std::memcpy(&pair, B::field(row, nb, j, B::kD), 4);
-      const __m256 both = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair))));
-      d = _mm256_permutevar8x32_ps(both, _mm256_setzero_si256());
-      dmin = _mm256_permutevar8x32_ps(both, _mm256_set1_epi32(1));
-    }
+    d_dmin<B, B::kD, B::kDmin>(row, nb, j, d, dmin);
     uint8_t sc[8], m[8];
     k4_scales(B::field(row, nb, j, B::kScales), sc, m);
     // B, the high nibbles, are masked in place (16 q, no shift): ds's odd lanes carry the 1/16
@@ -315,14 +334,11 @@ struct Q6_K : KLayout<kSplitK, 128, 64, 16, 2> {
     const __m256 d = _mm256_set1_ps(half_to_float(field(row, nb, j, kD)));
     const uint8_t* ql = field(row, nb, j, kQl);
     const uint8_t* qh = field(row, nb, j, kQh);
-    // the 16 scales in the hadds' order: per half [0 2 4 6 | 1 3 5 7] (+ 8)
-    const __m128i s = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(field(row, nb, j, kScales))),
-                                       _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(field(row, nb, j, kScales)));
     // blocks c + 2 (the high nibbles) are masked in place, 16 q: their lanes carry the 1/16
-    const __m256 dq = _mm256_mul_ps(d, _mm256_setr_ps(1, 1, 0.0625f, 0.0625f, 1, 1, 0.0625f, 0.0625f));
+    const __m256 dq = _mm256_mul_ps(d, _mm256_setr_ps(1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f));
     const __m256 ds[2] = {_mm256_mul_ps(dq, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s))),
                           _mm256_mul_ps(dq, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8))))};
-    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     const __m256i low = _mm256_set1_epi16(0x0f), high = _mm256_set1_epi16(0xf0);
     const __m256i bits45 = _mm256_set1_epi16(0x30), bits89 = _mm256_set1_epi16(0x300);
     for (int r = 0; r < M; ++r) {
@@ -344,12 +360,11 @@ struct Q6_K : KLayout<kSplitK, 128, 64, 16, 2> {
           v[c + 2] = _mm256_add_epi32(_mm256_madd_epi16(k1, _mm256_loadu_si256(xv + 1)),
                                       _mm256_madd_epi16(k3, _mm256_loadu_si256(xv + 3)));
         }
-        const __m256i sub = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        const __m256i sub = sub_dots16(v);
         const int64_t blocks = r * a.nb + j * 16 + 8 * h;
-        const __m256 xscale = _mm256_permutevar8x32_ps(_mm256_loadu_ps(a.scale.data() + blocks), order);
-        const __m256 xsum = _mm256_permutevar8x32_ps(_mm256_loadu_ps(a.sum.data() + blocks), order);
+        const __m256 xscale = _mm256_loadu_ps(a.scale.data() + blocks), xsum = _mm256_loadu_ps(a.sum.data() + blocks);
         // ds * (dot * xscale - 32 * xsum), where blocks c + 2's dots are of 16 q: 512 * xsum
-        const __m256 offset = _mm256_mul_ps(_mm256_setr_ps(32, 32, 512, 512, 32, 32, 512, 512), xsum);
+        const __m256 offset = _mm256_mul_ps(_mm256_setr_ps(32, 32, 32, 32, 512, 512, 512, 512), xsum);
         acc[r] = _mm256_fmadd_ps(ds[h], _mm256_fmsub_ps(_mm256_cvtepi32_ps(sub), xscale, offset), acc[r]);
       }
     }
