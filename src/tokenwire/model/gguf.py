@@ -40,10 +40,12 @@ _MAX_SHARD_BYTES = 4 << 30
 
 
 def converter_fingerprint() -> str:
-    """Changes whenever the conversion may give a different result: this module's source, or the
-    gguf / transformers / tokenizers versions it relies on."""
+    """Changes whenever the conversion may give a different result: this module's source, the
+    weight types it keeps as they are (weight_types' rows: a type added there no longer becomes
+    Q8_0), or the gguf / transformers / tokenizers versions it relies on."""
     h = hashlib.sha256(f"v{CONVERTER_VERSION}".encode())
     h.update(Path(__file__).read_bytes())
+    h.update(f"kept {sorted(weight_types.BY_ID)}".encode())
     for dist in ("gguf", "transformers", "tokenizers"):
         try:
             h.update(f"{dist}={metadata.version(dist)}".encode())

@@ -5,10 +5,12 @@ in_features / block * block_bytes], one row of blocks per output feature, exactl
 (q/k rows un-permuted like the fp32 path); that is what `quantize`, `dequantize` and the
 conversion cache hold. In memory, QuantLinear and QuantEmbedding keep each row split
 (`split_rows`: the row's scales, then its minimums, then its quants; the same bytes), the form
-our kernels read: the decode matvec converts and applies eight blocks' scales at once.
+our kernels read: the decode matvec converts and applies eight blocks' scales at once (the
+K-quants keep their 256-weight super-blocks as the file has them: a one-part layout).
 Nothing is re-quantised for these types: the
-kernels dequantise bit-exactly as gguf's reference dequantiser does. Other GGUF types (K-quants,
-IQ-quants) are converted once, at GGUF conversion, to Q8_0 from their dequantised values; a
+kernels dequantise bit-exactly as gguf's reference dequantiser does. Other GGUF types
+(IQ-quants...) are converted once, at GGUF conversion, to Q8_0 from their dequantised values, as
+is a fused projection whose parts differ in type (weights.py); a
 Hugging Face directory is quantised at load with `--weights int8` (Q8_0) or `int4` (Q4_1).
 """
 

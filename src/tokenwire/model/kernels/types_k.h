@@ -8,24 +8,28 @@
 //     of 128 weights, weight r is the (r / 64)th nibble of ql byte r % 64 with bits 2 (r / 32)
 //     and up of qh byte r % 32 above it, minus 32; it weighs (d*scale) * q (exact).
 // These types write their own inner loops (type_kernels.h's fit 32-weight blocks) and fill
-// their rows with them (make_own_row, type_table.h).
+// their rows with them (make_k_row, type_table.h).
 //
 // Split-row layout: none (one part, the file's blocks). Splitting a row into its fields (Q4_K:
-// d, dmin, scales, qs) lets a group of 8 blocks convert their scales at once; but a super-block
-// already fills a vector with its 8 (Q6_K 16) sub-block scales, so d and dmin are one broadcast
-// per 256 weights either way. Measured (decode matvec, one core, us, split -> one part): Q4_K
-// 2048x2048 56.9 -> 56.6, 8192x2048 240 -> 239; Q6_K 2048x2048 87.7 -> 87.7, 8192x2048 372 ->
-// 371: the same, so the rows stay as the file has them.
+// d, dmin, scales, qs) lets the 32-weight types convert 8 blocks' scales at once; but a super-
+// block's own 8 (Q6_K, Q2_K, Q3_K: 16) sub-block scales already fill a vector, and d and dmin are
+// one conversion per 256 weights either way. Measured (decode matvec below, one core, us, split
+// -> one part, Q4_0 82.6 -> 80.3 in the same runs): 2048x2048 Q4_K 96.4 -> 92.2, Q5_K 156 ->
+// 147, Q6_K 149 -> 139, Q3_K 165 -> 158, Q2_K 113 -> 103; 8192x2048 Q4_K 385 -> 369, Q6_K 581 ->
+// 541: one part is no slower (a few % faster: one stream per row, d and dmin in one load).
 //
-// Decode matvec (M = 1, int16 activations), one core, us per call and weight bytes / time (min
-// of 5 rounds of 30 calls, types interleaved; Zen 5 EPYC shared with other work):
-//            2048x2048          8192x2048
-//   Q4_0     81.9  28.8 GB/s    310  30.4 GB/s   (the reference: same bytes as Q4_K)
-//   Q4_K     97.2  24.3 GB/s    375  25.2 GB/s
-//   Q5_K      151  19.1 GB/s    581  19.8 GB/s
-//   Q6_K      145  23.8 GB/s    569  24.2 GB/s
-// Compute-bound, not bandwidth-bound (Q8_0 streams 48 GB/s here): vpmaddwd's 16 per 256 weights
-// take half the vector ports, and the per-super-block reductions and scales add ~20%.
+// Decode matvec (M = 1, int16 activations: qmatmul(x, w, type, True)), us per call and weight
+// bytes / time; min over 8 rounds of 30 calls, the types interleaved in each round; Zen 5 EPYC,
+// 2 cores, shared with other work (types_k23.h has Q2_K, Q3_K from the same runs):
+//                 one thread                       two threads
+//            2048x2048       8192x2048        2048x2048       8192x2048
+//   Q4_0     80.3 29.4 GB/s  308 30.7 GB/s    53.6 44.0 GB/s  186 50.6 GB/s   (the reference)
+//   Q4_K     92.2 25.6 GB/s  369 25.6 GB/s    52.6 44.9 GB/s  191 49.5 GB/s
+//   Q5_K      147 19.6 GB/s  582 19.8 GB/s    79.8 36.1 GB/s  305 37.8 GB/s
+//   Q6_K      139 24.8 GB/s  541 25.4 GB/s    75.2 45.7 GB/s  289 47.7 GB/s
+// One core is compute-bound, as Q4_0 is (Q8_0 streams 48 GB/s on one): int16 activations take
+// 16 vpmaddwd per 256 weights whatever the type, plus the unpacking; a super-block's scales and
+// reductions cost Q4_K ~15% over Q4_0, Q5_K's fifth bit three operations per 16 weights.
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
 #pragma once
 

@@ -8,11 +8,12 @@
 //     (exact).
 // The rows' layout, drivers and timing notes are types_k.h's (these are its K types' kin).
 //
-// Decode matvec (M = 1, int16 activations), one core, measured as in types_k.h (the same run):
-//            2048x2048          8192x2048
-//   Q4_0     80.1  29.5 GB/s    306  30.9 GB/s
-//   Q3_K      158  11.4 GB/s    620  11.6 GB/s
-//   Q2_K      103  13.3 GB/s    403  13.7 GB/s
+// Decode matvec (M = 1, int16 activations), measured with types_k.h's table (the same runs):
+//                 one thread                       two threads
+//            2048x2048       8192x2048        2048x2048       8192x2048
+//   Q4_0     80.3 29.4 GB/s  308 30.7 GB/s    53.6 44.0 GB/s  186 50.6 GB/s
+//   Q3_K      158 11.4 GB/s  620 11.6 GB/s    85.7 21.0 GB/s  329 21.9 GB/s
+//   Q2_K      103 13.4 GB/s  405 13.6 GB/s    58.0 23.7 GB/s  216 25.5 GB/s
 // Per weight these do as many vpmaddwd as the 4-bit types (int16 activations: 16 per 256), so
 // their time is about Q4_K's while their bytes are fewer; Q3_K's third bit costs three more
 // operations per 16 weights.
