@@ -12,8 +12,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from tests.random_blocks import HALVES, offsets, random_blocks
 from tests.tiny_models import hf_model
+from tokenwire.model import weight_types
 from tokenwire.model.families import build_model, read_config
+from tokenwire.model.kernels import ops
 from tokenwire.model.layers.attention import DenseCausalAttention
 from tokenwire.model.layers.weights import quantize_state
 from tokenwire.model.quant import (
@@ -28,6 +31,8 @@ from tokenwire.model.quant import (
 )
 
 QTYPES = [Q4_0, Q4_1, Q8_0]
+K_TYPES = (weight_types.Q2_K, weight_types.Q3_K, weight_types.Q4_K, weight_types.Q5_K, weight_types.Q6_K)
+K_QTYPES = [t.gguf_id for t in K_TYPES]
 # |quantised matmul with fp32 activations - fp32 matmul of the dequantised weight| / max|fp32
 # result|: both sum the same exact products in fp32, in another order (~1e-7 seen)
 MATMUL_RTOL = 2e-6
@@ -110,12 +115,42 @@ def test_int16_rows_stay_within_their_rounding_bound(qtype: int, blocks: int) ->
         assert ((got - expected).abs() <= bound).all(), (rows, (got - expected).abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", K_QTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 32, 300])
+def test_k_quant_matmul_equals_fp32_matmul(qtype: int, rows: int) -> None:
+    """K-quant super-blocks (3 per row) through qmatmul, fp32 and int16 activations, against
+    x @ W.T with W dequantised by gguf's rules. fp32 activations (int16 off): the same exact
+    products summed in fp32 in another order, within 2e-6 of sum |x w| (seen: 3e-7). int16 rows
+    (any M): the documented rounding of each activation (max|its block| / 65534, blocks of 32 or,
+    for Q2_K, Q3_K, Q6_K, of 16 inside them) times the integer part of the weights (what is left
+    with the offset -dmin*m, Q3_K's -4 d*scale or Q6_K's -32 d*scale taken out: those meet the
+    exact fp32 block sums), plus the fp32 rounding of the terms, 1e-6 of sum |x| (|w| + |offset|)
+    (seen: 2e-8)."""
+    wt = weight_types.weight_type(qtype)
+    k = 3 * wt.block
+    packed = random_blocks(67, k, wt, seed=rows)
+    w = torch.from_numpy(wt.dequantize_reference(packed))
+    offset = torch.from_numpy(offsets(packed, wt))
+    split = wt.split_rows(torch.from_numpy(packed))
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=generator) * torch.rand(rows, k, generator=generator) * 4
+    x[0, :32] = 0  # an all-zero activation block
+    expected = x @ w.T
+    fp32 = ops().qmatmul(x, split, qtype, False)
+    assert ((fp32 - expected).abs() <= 2e-6 * (x.abs() @ w.abs().T)).all()
+    got = ops().qmatmul(x, split, qtype, True)
+    block_max = x.abs().view(rows, -1, 32).amax(-1)
+    integer_part = (w - offset).abs().view(67, -1, 32).sum(-1)
+    bound = block_max @ integer_part.T / 65534 + 1e-6 * (x.abs() @ (w.abs() + offset.abs()).T)
+    assert ((got - expected).abs() <= bound).all(), (got - expected).abs().max().item()
+
+
 def test_quantized_layers_reject_what_they_cannot_run() -> None:
     packed, _ = _blocks(4, 64, Q8_0)
     with pytest.raises(ValueError, match="not uint8"):
         QuantLinear(packed, Q8_0, 96)  # wrong feature count for these bytes
     with pytest.raises(ValueError, match="unsupported quantisation type"):
-        QuantLinear(packed, 12, 64)
+        QuantLinear(packed, 16, 64)  # IQ2_XXS
     with pytest.raises(TypeError, match="float32 activations"):
         QuantLinear(packed, Q8_0, 64)(torch.randn(2, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="multiple of the 32-weight block"):
@@ -232,15 +267,19 @@ def test_fused_decode_equals_eager_layers_in_the_engine(
     assert _max_logprob_diff(fused, exact) <= INT16_DECODE_LOGPROB_TOL
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_each_row_computes_the_same_alone_or_in_a_batch(qtype: int) -> None:
-    """The int16 matmul sums every (weight row, activation row) in one order whatever the number
-    of rows: a row alone, in a batch of 37 and at any place in it gives the same bits."""
+@pytest.mark.parametrize("wt", [t for t in weight_types.WEIGHT_TYPES if t.activation], ids=lambda t: t.name)
+def test_each_row_computes_the_same_alone_or_in_a_batch(wt: weight_types.WeightType) -> None:
+    """Every type's int16 matmul sums each (weight row, activation row) in one order whatever the
+    number of rows: a row alone, in a batch of 37 and at any place in it gives the same bits."""
     from tokenwire.model.kernels import ops
 
-    packed, _ = _blocks(211, 32 * 67, qtype)
-    layer = QuantLinear(packed, qtype, 32 * 67)
-    x = torch.randn(37, 32 * 67, generator=torch.Generator().manual_seed(2))
+    k = 256 * 9  # whole super-blocks, and a short last group of 32-weight blocks (72 = 8*9)
+    if wt.name in HALVES:  # K-quants: valid random blocks (no quantiser in gguf-py)
+        packed = torch.from_numpy(random_blocks(211, k, wt, magnitude=(1e-4, 1e-2)))
+    else:
+        packed = quantize(torch.randn(211, k, generator=torch.Generator().manual_seed(1)), wt.gguf_id)
+    layer = QuantLinear(packed, wt.gguf_id, k)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(2))
     together = layer(x)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(37)])
     reversed_rows = layer(x.flip(0)).flip(0)
@@ -283,6 +322,63 @@ def test_projections_of_mixed_block_types_fuse_each_part_in_its_type(smollm2_sou
     assert _max_logprob_diff(eager, exact) <= 1e-4
     fused_int16 = _decode_runs(quantised, tok, fuse=True, int16=True, sequences=2)
     assert _max_logprob_diff(fused_int16, eager) <= INT16_DECODE_LOGPROB_TOL
+
+
+def _k_quant_model() -> torch.nn.Module:
+    """A two-layer Llama (hidden 256, 4 heads of 64, MLP 512) whose projections are random K-quant
+    blocks, the five types mixed over roles and layers: the two down projections take different
+    int16 formats (Q6_K's and Q2_K's)."""
+    from tokenwire.model.config import ModelConfig
+    from tokenwire.model.layers.attention import Attention, AttentionSpec
+    from tokenwire.model.layers.block import DecoderLayer
+    from tokenwire.model.layers.decoder import DecoderModel
+    from tokenwire.model.layers.mlp import GatedMLP
+    from tokenwire.model.layers.rotary import RopeSpec
+
+    config = ModelConfig("Toy", 49152, 256, 512, 2, 4, 2, 64, max_position_embeddings=256)
+    roles = [  # qkv, o, gate_up, down
+        (weight_types.Q4_K, weight_types.Q5_K, weight_types.Q2_K, weight_types.Q6_K),
+        (weight_types.Q3_K, weight_types.Q4_K, weight_types.Q6_K, weight_types.Q2_K),
+    ]
+
+    def layer(i: int) -> DecoderLayer:
+        attention = Attention(i, 256, AttentionSpec(4, 2, 64), 1e-5)
+        rope = RopeSpec.make("default", 10000.0, 64)
+        return DecoderLayer(i, 256, attention, GatedMLP(256, 512, "silu"), eps=1e-5, rope=rope)
+
+    torch.manual_seed(11)
+    model = DecoderModel(config, [layer(i) for i in range(2)])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    for block, types in zip(model.layers, roles, strict=True):
+        projections = (
+            (block.attention, "qkv"),
+            (block.attention, "o_proj"),
+            (block.mlp, "gate_up"),
+            (block.mlp, "down"),
+        )
+        for (owner, name), wt in zip(projections, types, strict=True):
+            n, k = getattr(owner, name).weight.shape
+            packed = random_blocks(n, k, wt, seed=n + k, magnitude=(1e-5, 1e-4))
+            setattr(owner, name, QuantLinear(torch.from_numpy(packed), wt.gguf_id, k))
+    model.finish_build("cpu")
+    return model.eval().requires_grad_(False)
+
+
+def test_fused_decode_runs_k_quant_weights(smollm2_source) -> None:
+    """The fused stack with K-quant projections (their rows' functions and int16 formats) gives
+    the eager layers' tokens and logprobs to 1e-4 with the same matmuls (int16 activations both,
+    or fp32 both), and the fp32-activation run's to the int16 tolerance."""
+    model = _k_quant_model()
+    assert model.fusion_blocker is None
+    tok = smollm2_source.tokenizer
+    runs = {}
+    for int16 in (False, True):
+        eager = _decode_runs(model, tok, fuse=False, int16=int16, sequences=2)
+        runs[int16] = _decode_runs(model, tok, fuse=True, int16=int16, sequences=2)
+        assert _max_logprob_diff(runs[int16], eager) <= 1e-4
+    assert _max_logprob_diff(runs[True], runs[False]) <= INT16_DECODE_LOGPROB_TOL
 
 
 def test_row_stats_match_torch_reductions() -> None:

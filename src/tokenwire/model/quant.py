@@ -5,7 +5,8 @@ in_features / block * block_bytes], one row of blocks per output feature, exactl
 (q/k rows un-permuted like the fp32 path); that is what `quantize`, `dequantize` and the
 conversion cache hold. In memory, QuantLinear and QuantEmbedding keep each row split
 (`split_rows`: the row's scales, then its minimums, then its quants; the same bytes), the form
-our kernels read: the decode matvec converts and applies eight blocks' scales at once.
+our kernels read: the decode matvec converts and applies eight blocks' scales at once (the
+K-quants keep their 256-weight super-blocks as the file has them: a one-part layout).
 Nothing is re-quantised: the kernels dequantise bit-exactly as gguf's reference dequantiser
 does, and a GGUF holding a type they do not run is refused at load (gguf_weights.py). A fused
 projection whose parts come in different types (q/k/v of a K-quant mix) is a StackedQuantLinear,

@@ -88,6 +88,88 @@ def _bf16(blocks: np.ndarray) -> np.ndarray:
     return (blocks.copy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _k4_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales [n, 12] -> (scales, minimums) as float32 [n, 8, 1]:
+    entries 0..3 are the low 6 bits of bytes 0..3 (minimums: 4..7); entries 4..7 the low (high)
+    nibbles of bytes 8..11 with the top two bits of bytes 0..3 (4..7) above them."""
+    a, b, c = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=1)
+    minimums = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=1)
+    return scales.astype(np.float32)[:, :, None], minimums.astype(np.float32)[:, :, None]
+
+
+def _k45(blocks: np.ndarray, high_bits: bool) -> np.ndarray:
+    """Q4_K (d, dmin, 12 scale bytes, 128 qs) and Q5_K (the same with 32 qh bytes before qs):
+    sub-block s of 32 is (d * sc[s]) * q - dmin * m[s]; its 4-bit q are the low (s even) or high
+    nibbles of qs chunk s // 2, Q5_K's fifth bit is bit s of qh byte i."""
+    n = blocks.shape[0]
+    scales, minimums = _k4_scales(blocks[:, 4:16])
+    start = 48 if high_bits else 16
+    chunks = blocks[:, start : start + 128].reshape(n, 4, 1, 32)
+    q = ((chunks >> np.array([0, 4], dtype=np.uint8)[:, None]) & 0x0F).reshape(n, 8, 32)
+    if high_bits:
+        bits = (blocks[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+        q = q | (bits << 4)
+    scale = _halves(blocks, 0)[:, :, None] * scales
+    minimum = _halves(blocks, 2)[:, :, None] * minimums
+    return (scale * q.astype(np.float32) - minimum).reshape(n, 256)
+
+
+def _q4_k(blocks: np.ndarray) -> np.ndarray:
+    return _k45(blocks, high_bits=False)
+
+
+def _q5_k(blocks: np.ndarray) -> np.ndarray:
+    return _k45(blocks, high_bits=True)
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K (128 ql, 64 qh, 16 int8 scales, fp16 d): weight r of a 128-weight half is nibble
+    r // 64 of ql byte r % 64 with bits 2 * (r // 32) of qh byte r % 32 above, minus 32, times
+    d * scale[16-weight sub-block]."""
+    n = blocks.shape[0]
+    ql = blocks[:, :128].reshape(n, 2, 64)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [n, half, 128]
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    high = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3).reshape(n, 2, 128)
+    q = (low | (high << 4)).astype(np.float32) - np.float32(32)
+    scale = _halves(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]
+    return (scale[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
+
+
+def _k23_low_bits(packed: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 64 qs bytes [n, 64] -> 2-bit q [n, 256]: weight 32t + i of each 128-weight half
+    is bits 2t.. of byte i of the half's 32."""
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    return ((packed.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 256)
+
+
+def _q2_k(blocks: np.ndarray) -> np.ndarray:
+    """Q2_K (16 scale bytes, 64 qs, fp16 d, dmin): sub-block s of 16 is (d * (scale[s] & 15)) * q
+    - dmin * (scale[s] >> 4)."""
+    n = blocks.shape[0]
+    scales = blocks[:, :16]
+    q = _k23_low_bits(blocks[:, 16:80]).astype(np.float32).reshape(n, 16, 16)
+    scale = _halves(blocks, 80) * (scales & 0x0F).astype(np.float32)
+    minimum = _halves(blocks, 82) * (scales >> 4).astype(np.float32)
+    return (scale[:, :, None] * q - minimum[:, :, None]).reshape(n, 256)
+
+
+def _q3_k(blocks: np.ndarray) -> np.ndarray:
+    """Q3_K (32 hmask, 64 qs, 12 scale bytes, fp16 d): weight 32g + i is its 2 bits less 4 where
+    bit g of hmask byte i is clear, times d * (6-bit scale - 32) of its 16; scale s's low nibble
+    is byte s % 8's (high for s >= 8), its two high bits bits 2 * (s // 4) of byte 8 + s % 4."""
+    n = blocks.shape[0]
+    packed = blocks[:, 96:108]
+    low = np.concatenate([packed[:, :8] & 0x0F, packed[:, :8] >> 4], axis=1)
+    high = (packed[:, None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
+    scales = (low | (high.reshape(n, 16) << 4)).astype(np.float32) - np.float32(32)
+    bits = (blocks[:, None, :32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n, g, i]
+    q = _k23_low_bits(blocks[:, 32:96]).astype(np.float32) - 4 * (1 - bits.reshape(n, 256)).astype(np.float32)
+    scale = _halves(blocks, 108) * scales
+    return (scale[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
+
+
 @dataclass(frozen=True)
 class WeightType:
     name: str
@@ -151,7 +233,17 @@ IQ4_XS = WeightType(
 F16 = WeightType("F16", 1, 1, (("value", 2),), "", _f16)
 BF16 = WeightType("BF16", 30, 1, (("value", 2),), "", _bf16)
 
-WEIGHT_TYPES: tuple[WeightType, ...] = (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, IQ4_XS, F16, BF16)
+# K-quants: 256-weight super-blocks, kept as the file's blocks (one part; types_k.h measures why)
+Q4_K = WeightType("Q4_K", 12, 256, (("block", 144),), "i16_k_pairs", _q4_k)
+Q6_K = WeightType("Q6_K", 14, 256, (("block", 210),), "i16_k_quads", _q6_k)
+Q5_K = WeightType("Q5_K", 13, 256, (("block", 176),), "i16_k_pairs", _q5_k)
+
+Q3_K = WeightType("Q3_K", 11, 256, (("block", 110),), "i16_even_odd16", _q3_k)
+Q2_K = WeightType("Q2_K", 10, 256, (("block", 84),), "i16_even_odd16", _q2_k)
+
+WEIGHT_TYPES: tuple[WeightType, ...] = (
+    Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, IQ4_XS, F16, BF16, Q4_K, Q6_K, Q5_K, Q3_K, Q2_K
+)
 BY_ID: dict[int, WeightType] = {t.gguf_id: t for t in WEIGHT_TYPES}
 BY_NAME: dict[str, WeightType] = {t.name: t for t in WEIGHT_TYPES}
 

@@ -22,6 +22,8 @@
 #include "types_q8.h"
 #include "types_q5_iq4.h"
 #include "types_float.h"
+#include "types_k.h"
+#include "types_k23.h"
 
 namespace tw {
 
@@ -73,6 +75,20 @@ TypeRow make_own_row() {
           act, &T::dequant_row, &T::matmul_small, i16};
 }
 
+// a K-quant type's row: its own functions (types_k.h's k_* templates over its traits)
+template <class T>
+TypeRow make_k_row() {
+#ifdef TW_AVX2
+  const ActFormat* act = &act_format<typename T::Act>();
+  auto i16 = &k_matmul_i16<T>;
+#else
+  const ActFormat* act = nullptr;
+  decltype(TypeRow::matmul_small_i16) i16 = nullptr;
+#endif
+  return {T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
+          act, &k_dequant_row<T>, &k_matmul_small<T>, i16};
+}
+
 inline const TypeRow kTypes[] = {
     make_row<Q4_0>(),
     make_row<Q4_1>(),
@@ -83,6 +99,11 @@ inline const TypeRow kTypes[] = {
     make_own_row<IQ4_XS>(),
     make_own_row<F16>(),
     make_own_row<BF16>(),
+    make_k_row<Q4_K>(),
+    make_k_row<Q6_K>(),
+    make_k_row<Q5_K>(),
+    make_k_row<Q3_K>(),
+    make_k_row<Q2_K>(),
 };
 
 // The one dispatch point from a type id to its row.
