@@ -114,3 +114,42 @@ def test_loading_a_gguf_costs_its_size_in_memory(smollm2_source, tmp_path: Path)
     m = json.loads(out.stdout.strip().splitlines()[-1])
     grown = m["peak"] - m["before"]
     assert grown <= m["file"] + (80 << 20), f"RSS grew {grown >> 20} MiB for a {m['file'] >> 20} MiB file"
+
+
+TINY_K_QUANT = Path(__file__).parent.parent / "data" / "tiny-llama-Q4_K_M.gguf"  # make_tiny_kquant.py
+# int16 activations against fp32 ones on that model: the logits' largest gap over their largest
+# magnitude (measured 2.1e-4 through its 4 random layers; each activation is rounded to 1/65534
+# of its block's largest value)
+INT16_LOGIT_RTOL = 1e-3
+
+
+def test_a_k_quant_mix_written_by_llama_cpp_runs_as_its_blocks(tmp_path: Path) -> None:
+    """llama.cpp's Q4_K_M recipe on a tiny random Llama: Q4_K, and Q6_K for v and down in the
+    last layers and for the output. Every tensor stays in its type (v beside q/k: a stacked
+    projection), resident like the file, and the logits are the fp32 model's of the same values:
+    to 1e-5 of their scale with fp32 activations, to INT16_LOGIT_RTOL with the int16 ones."""
+    from tokenwire.model.kernels import ops
+    from tokenwire.model.quant import resident_bytes
+
+    source = resolve_model(TINY_K_QUANT, cache_dir=tmp_path / "cache")
+    model = load_model(source, "gguf", CPU, None)
+    q4_k, q6_k = BY_NAME["Q4_K"].gguf_id, BY_NAME["Q6_K"].gguf_id
+    first, last = model.layers[0].attention.qkv, model.layers[3].attention.qkv
+    assert isinstance(first, QuantLinear) and first.qtype == q4_k
+    assert isinstance(last, StackedQuantLinear) and [p.qtype for p in last.parts] == [q4_k, q6_k]
+    assert model.layers[3].mlp.down.qtype == q6_k and model.lm_head.qtype == q6_k
+    assert model.fusion_blocker is None
+    assert resident_bytes(model) <= 1.05 * TINY_K_QUANT.stat().st_size
+    dense = load_model(source, "fp32", CPU, None)
+    ids = torch.tensor([257, 104, 105, 32, 116, 104, 101, 114, 101, 33])
+    with torch.inference_mode():
+        exact = dense.logits(dense(ids, torch.arange(10), DenseCausalAttention(1, 10))[0])
+        int16 = model.logits(model(ids, torch.arange(10), DenseCausalAttention(1, 10))[0])
+        ops().set_int16_activations(False)
+        try:
+            fp32 = model.logits(model(ids, torch.arange(10), DenseCausalAttention(1, 10))[0])
+        finally:
+            ops().set_int16_activations(True)
+    scale = exact.abs().max()
+    assert (fp32 - exact).abs().max() <= 1e-5 * scale
+    assert (int16 - exact).abs().max() <= INT16_LOGIT_RTOL * scale
