@@ -26,19 +26,24 @@ from typing import Any
 import numpy as np
 
 
+def llama_cpp_module() -> Any:
+    """llama-cpp-python, imported when first needed; ImportError where it is not installed."""
+    # local: llama-cpp-python is the `bench` extra, absent from `make test`'s environment
+    import llama_cpp
+
+    return llama_cpp
+
+
 def quiet_llama_cpp() -> None:
     """llama.cpp's backend initialised, with its per-load (and per-tensor quantise) chatter off."""
-    # local: llama-cpp-python, the `bench` extra (see available)
-    import llama_cpp as lc
-
+    lc = llama_cpp_module()
     lc.llama_backend_init()
     lc.llama_log_set(_quiet, ctypes.c_void_p())
 
 
 def available() -> bool:
     try:
-        # local: llama-cpp-python is the `bench` extra: this asks whether it is installed
-        import llama_cpp  # noqa: F401
+        llama_cpp_module()
     except ImportError:
         return False
     return True
@@ -46,9 +51,7 @@ def available() -> bool:
 
 class LlamaCpp:
     def __init__(self, gguf: Path, threads: int, streams: int, stream_ctx: int) -> None:
-        # local: llama-cpp-python, the `bench` extra (see available)
-        import llama_cpp as lc
-
+        lc = llama_cpp_module()
         self.lc = lc
         started = time.perf_counter()
         quiet_llama_cpp()

@@ -42,6 +42,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from tokenwire.bench.llamacpp_baseline import llama_cpp_module, quiet_llama_cpp
 from tokenwire.model.loader import resolve_model
 
 log = logging.getLogger("tokenwire.bench.shapes")
@@ -121,8 +122,7 @@ def check(name: str, quant: str) -> None:
 def _llama_ftype(quant: str) -> int:
     """llama.cpp's LLAMA_FTYPE_MOSTLY_<quant>, or one line saying what is missing."""
     try:
-        # local: llama-cpp-python is the `bench` extra, needed only for llama.cpp's mixes
-        import llama_cpp
+        llama_cpp = llama_cpp_module()
     except ImportError:
         raise ValueError(f"--quant {quant} is quantised by llama.cpp: {BENCH_EXTRA}") from None
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}", None)
@@ -281,11 +281,7 @@ def _make(rng: np.random.Generator, shape: tuple[int, ...], kind: Q) -> np.ndarr
 def llama_quantize(source: Path, dest: Path, quant: str, allow_requantize: bool = False) -> None:
     """llama.cpp's own quantiser (llama-cpp-python, the `bench` extra): `quant`'s per-tensor mix."""
     ftype = _llama_ftype(quant)
-    # local: llama-cpp-python is the `bench` extra (_llama_ftype said it is installed)
-    import llama_cpp
-
-    from tokenwire.bench.llamacpp_baseline import quiet_llama_cpp
-
+    llama_cpp = llama_cpp_module()  # installed: _llama_ftype said so
     quiet_llama_cpp()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
