@@ -48,8 +48,11 @@ def compiler_flags() -> list[str]:
     is an inline template whose `#pragma omp parallel` is ignored without it, and every kernel
     then ran on one thread (the loader maps torch's own libgomp for the extension)."""
     flags = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
-    if {"avx2", "fma", "f16c"} <= _cpu_flags():
+    cpu = _cpu_flags()
+    if {"avx2", "fma", "f16c"} <= cpu:
         flags += ["-mavx2", "-mfma", "-mf16c"]
+        if "avx_vnni" in cpu:  # vpdpwssd: the integer dots' multiply and add in one (blocks.h)
+            flags.append("-mavxvnni")
     return flags
 
 

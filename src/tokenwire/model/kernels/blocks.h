@@ -110,6 +110,17 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 }
 
 #ifdef TW_AVX2
+// acc + the pairwise int16 products of a and b summed into int32 lanes: one vpdpwssd where the
+// CPU has AVX-VNNI (-mavxvnni), else vpmaddwd then vpaddd. The same integers either way (both
+// wrap modulo 2^32), so results do not depend on the instruction set; VNNI saves the add.
+inline __m256i dot_acc(__m256i acc, __m256i a, __m256i b) {
+#ifdef __AVXVNNI__
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 // eight blocks' lane vectors -> one vector of their eight sums (block t in lane t)
 inline __m256i sum_lanes8(const __m256i v[8]) {
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));

@@ -266,10 +266,8 @@ struct K45 : K45Traits<kHighBits> {
           hb = _mm256_srli_epi16(hb, 2);
         }
         const __m256i* xv = reinterpret_cast<const __m256i*>(x + 64 * c);
-        h[c] = _mm256_hadd_epi32(_mm256_add_epi32(_mm256_madd_epi16(k0, _mm256_loadu_si256(xv)),
-                                                  _mm256_madd_epi16(k2, _mm256_loadu_si256(xv + 2))),
-                                 _mm256_add_epi32(_mm256_madd_epi16(k1, _mm256_loadu_si256(xv + 1)),
-                                                  _mm256_madd_epi16(k3, _mm256_loadu_si256(xv + 3))));
+        h[c] = _mm256_hadd_epi32(dot_acc(_mm256_madd_epi16(k0, _mm256_loadu_si256(xv)), k2, _mm256_loadu_si256(xv + 2)),
+                                 dot_acc(_mm256_madd_epi16(k1, _mm256_loadu_si256(xv + 1)), k3, _mm256_loadu_si256(xv + 3)));
       }
       // [A0 B0 A1 B1 | the same] halves of the sub-block dots, then the two halves summed
       const __m256i h01 = _mm256_hadd_epi32(h[0], h[1]), h23 = _mm256_hadd_epi32(h[2], h[3]);
@@ -360,9 +358,8 @@ struct Q6_K : KLayout<kSplitK, 128, 64, 16, 2> {
           const __m256i k3 = _mm256_or_si256(_mm256_and_si256(w8, high), _mm256_and_si256(right, bits89));
           hb = _mm256_srli_epi16(hb, 2);
           const __m256i* xv = reinterpret_cast<const __m256i*>(x + 128 * h + 64 * c);
-          v[c] = _mm256_add_epi32(_mm256_madd_epi16(k0, _mm256_loadu_si256(xv)), _mm256_madd_epi16(k2, _mm256_loadu_si256(xv + 2)));
-          v[c + 2] = _mm256_add_epi32(_mm256_madd_epi16(k1, _mm256_loadu_si256(xv + 1)),
-                                      _mm256_madd_epi16(k3, _mm256_loadu_si256(xv + 3)));
+          v[c] = dot_acc(_mm256_madd_epi16(k0, _mm256_loadu_si256(xv)), k2, _mm256_loadu_si256(xv + 2));
+          v[c + 2] = dot_acc(_mm256_madd_epi16(k1, _mm256_loadu_si256(xv + 1)), k3, _mm256_loadu_si256(xv + 3));
         }
         const __m256i sub = sub_dots16(v);
         const int64_t blocks = r * a.nb + j * 16 + 8 * h;

@@ -102,8 +102,8 @@ struct Q2_K : KLayout<kSplitK, 16, 64, 2, 2> {
         for (int t = 0; t < 4; ++t) {
           const __m256i field_t = _mm256_set1_epi16(static_cast<int16_t>(3 << (2 * t)));
           const __m256i* xv = reinterpret_cast<const __m256i*>(x + 128 * h + 32 * t);
-          v[t] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(w, field_t), _mm256_loadu_si256(xv)),
-                                  _mm256_madd_epi16(_mm256_and_si256(w8, field_t), _mm256_loadu_si256(xv + 1)));
+          v[t] = dot_acc(_mm256_madd_epi16(_mm256_and_si256(w, field_t), _mm256_loadu_si256(xv)),
+                         _mm256_and_si256(w8, field_t), _mm256_loadu_si256(xv + 1));
         }
         const int64_t blocks = r * a.nb + j * 16 + 8 * h;
         const __m256 xscale = _mm256_loadu_ps(a.scale.data() + blocks), xsum = _mm256_loadu_ps(a.sum.data() + blocks);
@@ -212,7 +212,7 @@ struct Q3_K : KLayout<kSplitK, 32, 64, 12, 2> {
           even = _mm256_slli_epi16(even, 1);
           odd = _mm256_slli_epi16(odd, 1);
           const __m256i* xv = reinterpret_cast<const __m256i*>(x + 128 * h + 32 * t);
-          v[t] = _mm256_add_epi32(_mm256_madd_epi16(e, _mm256_loadu_si256(xv)), _mm256_madd_epi16(o, _mm256_loadu_si256(xv + 1)));
+          v[t] = dot_acc(_mm256_madd_epi16(e, _mm256_loadu_si256(xv)), o, _mm256_loadu_si256(xv + 1));
         }
         const int64_t blocks = r * a.nb + j * 16 + 8 * h;
         const __m256 xscale = _mm256_loadu_ps(a.scale.data() + blocks), xsum = _mm256_loadu_ps(a.sum.data() + blocks);

@@ -42,9 +42,9 @@ inline __m256i pair_dot_q4(const uint8_t* q, const int16_t* x) {
   const __m256i low = _mm256_set1_epi16(0x0f);
   const __m256i* xv = reinterpret_cast<const __m256i*>(x);
   __m256i s = _mm256_madd_epi16(_mm256_and_si256(w, low), _mm256_loadu_si256(xv));
-  s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), _mm256_loadu_si256(xv + 1)));
-  s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 8), low), _mm256_loadu_si256(xv + 2)));
-  return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_srli_epi16(w, 12), _mm256_loadu_si256(xv + 3)));
+  s = dot_acc(s, _mm256_and_si256(_mm256_srli_epi16(w, 4), low), _mm256_loadu_si256(xv + 1));
+  s = dot_acc(s, _mm256_and_si256(_mm256_srli_epi16(w, 8), low), _mm256_loadu_si256(xv + 2));
+  return dot_acc(s, _mm256_srli_epi16(w, 12), _mm256_loadu_si256(xv + 3));
 }
 
 // a trailing single Q4 block (its activations in the first 8 words of each nibble vector), as

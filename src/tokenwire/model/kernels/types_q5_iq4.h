@@ -91,9 +91,9 @@ inline __m256i byte_pair_dot(__m256i lo, __m256i hi, const int16_t* x) {
   const __m256i even = _mm256_set1_epi16(0x00ff);
   const __m256i* xv = reinterpret_cast<const __m256i*>(x);
   __m256i s = _mm256_madd_epi16(_mm256_and_si256(lo, even), _mm256_loadu_si256(xv));
-  s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_srli_epi16(lo, 8), _mm256_loadu_si256(xv + 1)));
-  s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_and_si256(hi, even), _mm256_loadu_si256(xv + 2)));
-  return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_srli_epi16(hi, 8), _mm256_loadu_si256(xv + 3)));
+  s = dot_acc(s, _mm256_srli_epi16(lo, 8), _mm256_loadu_si256(xv + 1));
+  s = dot_acc(s, _mm256_and_si256(hi, even), _mm256_loadu_si256(xv + 2));
+  return dot_acc(s, _mm256_srli_epi16(hi, 8), _mm256_loadu_si256(xv + 3));
 }
 
 // Q5 weight bytes (0..31) of blocks j, j+1 of a row's qh_qs part; with kSingle block j alone,

@@ -25,7 +25,7 @@ inline __m256i block_dot_q8(const uint8_t* q, const int16_t* x) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
   const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), odd = _mm256_srai_epi16(w, 8);
   const __m256i* xv = reinterpret_cast<const __m256i*>(x);
-  return _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xv)), _mm256_madd_epi16(odd, _mm256_loadu_si256(xv + 1)));
+  return dot_acc(_mm256_madd_epi16(even, _mm256_loadu_si256(xv)), odd, _mm256_loadu_si256(xv + 1));
 }
 #endif
 
