@@ -62,6 +62,64 @@ inline float softmax_numerators(float* scores, int64_t len) {
   return total;
 }
 
+// The attention of one (row, head) over its positions [from, len): scores q.k * scale, then the
+// values weighed by softmax. Each position's score and each value's term are computed the same
+// way whatever the row, the step or the number of positions (positions are taken in fours with
+// the tail padded, never as one scalar tail), so a row's attention does not depend on its step.
+// Measured (SmolLM2's fused stack, one 512-row prefill step, 2 threads, min of 3): rows at
+// positions 1500-2011 2.45 -> 2.05 s, 500-1011 1.40 -> 1.26 s, 0-511 0.95 -> 0.97 s, against
+// one hsum per position and the output accumulated through memory.
+template <class KeyAt>
+inline void key_scores(const float* q, const KeyAt& key, int64_t from, int64_t len, int64_t D, float scale,
+                       float* scores) {
+#ifdef TW_AVX2
+  if (D % 8 == 0) {
+    for (int64_t t = from; t < len; t += 4) {
+      __m256 acc[4];
+      for (int i = 0; i < 4; ++i) {
+        acc[i] = _mm256_setzero_ps();
+        if (t + i >= len) continue;  // padding: a zero score, not stored
+        const float* k = key(t + i);
+        for (int64_t d = 0; d < D; d += 8)
+          acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc[i]);
+      }
+      // the four sums at once: [a0 a1 a2 a3] in the low lanes
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      float four[4];
+      _mm_storeu_ps(four, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+      for (int i = 0; i < 4 && t + i < len; ++i) scores[t + i - from] = four[i];
+    }
+    return;
+  }
+#endif
+  for (int64_t t = from; t < len; ++t) scores[t - from] = dot(q, key(t), D) * scale;
+}
+
+// out[D] = sum over positions of (score / total) * value, in position order; the output is held
+// in registers 64 values at a time (the same FMAs, in the same order, as through memory)
+template <class ValueAt>
+inline void weigh_values(const float* scores, float total, const ValueAt& value, int64_t from, int64_t len,
+                         int64_t D, float* out) {
+#ifdef TW_AVX2
+  if (D % 64 == 0) {
+    for (int64_t c = 0; c < D; c += 64) {
+      __m256 o[8];
+      for (auto& r : o) r = _mm256_setzero_ps();
+      for (int64_t t = from; t < len; ++t) {
+        const __m256 w = _mm256_set1_ps(scores[t - from] / total);
+        const float* v = value(t) + c;
+        for (int i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), o[i]);
+      }
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + c + 8 * i, o[i]);
+    }
+    return;
+  }
+#endif
+  std::fill(out, out + D, 0.0f);
+  for (int64_t t = from; t < len; ++t) axpy(scores[t - from] / total, value(t), out, D);
+}
+
 // out = act(gate) * up for n values (a multiple of 8); act 0 = SiLU, 1 = GELU (tanh form)
 inline void gated(const float* gate, const float* up, float* out, int64_t n, int64_t act) {
 #ifdef TW_AVX2
@@ -345,13 +403,11 @@ SYNC
           const float* q = qkv.data() + m * qkv_n + head * D;
           const int64_t* table = tables + m * max_blocks;
           scores.resize(len - from);
-          for (int64_t t = from; t < len; ++t)
-            scores[t - from] = dot(q, kc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D, D) * scale;
+          auto key = [&](int64_t t) { return kc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D; };
+          auto value = [&](int64_t t) { return vc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D; };
+          key_scores(q, key, from, len, D, scale, scores.data());
           const float total = softmax_numerators(scores.data(), len - from);
-          float* o = attn.data() + m * q_size + head * D;
-          std::fill(o, o + D, 0.0f);
-          for (int64_t t = from; t < len; ++t)
-            axpy(scores[t - from] / total, vc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D, o, D);
+          weigh_values(scores.data(), total, value, from, len, D, attn.data() + m * q_size + head * D);
         }
 SYNC
         matvec_rows(attn.data(), quantize(attn.data(), q_size, L.o_type), M, q_size, L.o, L.o_type, o0, o1, proj.data());
