@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -24,3 +26,36 @@ def smollm2_engine():
     engine = build_engine(EngineSettings(progress=False, kv_cache_mb=256))
     yield engine
     engine.shutdown()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_source) -> Path:
+    """A Hugging Face directory: SmolLM2's tokenizer with a 2-layer random-weight Llama
+    (tests/tiny_models.py)."""
+    from tests.tiny_models import hf_model
+
+    out = tmp_path_factory.mktemp("tiny-smollm2")
+    hf_model("smollm2").save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (smollm2_source.model_dir / name).exists():
+            shutil.copy(smollm2_source.model_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_source):
+    """transformers' LlamaForCausalLM holding the shipped GGUF's weights, dequantised exactly (the
+    fp32 reference; the conversion cache keeps no weights, so they are read from the file)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tokenwire.model.gguf_weights import GgufWeights
+
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(smollm2_source.model_dir)).eval()
+    weights = GgufWeights(smollm2_source.source, smollm2_source.config, dense=True)
+    left = model.load_state_dict(dict(weights), strict=False)
+    assert left.missing_keys == ["lm_head.weight"] and not left.unexpected_keys  # tied to the table
+    model.tie_weights()
+    return model

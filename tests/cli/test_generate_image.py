@@ -53,14 +53,14 @@ def test_generate_with_two_images(vl_dir, tmp_path, capsys):
     assert events[-1]["prompt_tokens"] == done.prompt_tokens == len(tokens)
 
 
-def test_text_only_model_refuses_images(smollm2_source, tmp_path, capsys):
+def test_text_only_model_refuses_images(tiny_model_dir, tmp_path, capsys):
     image = tmp_path / "x.png"
     image.write_bytes(png(56, 56))
     argv = [
         "generate",
         "hi",
         "--model",
-        str(smollm2_source.model_dir),
+        str(tiny_model_dir),
         "--image",
         str(image),
         "--kv-cache-mb",

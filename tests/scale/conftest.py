@@ -6,7 +6,6 @@ stall the server: every request writes an access-log line)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -18,8 +17,6 @@ import pytest
 
 from tests.serve_process import kill_if_running
 from tokenwire.bench.inprocess import free_ports
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 @pytest.fixture(scope="session")
@@ -33,19 +30,6 @@ def ray_address() -> Iterator[str]:
     )  # fmt: skip
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_source) -> Path:
-    """SmolLM2's tokenizer with a 2-layer random-weight Llama (tests/tiny_models.py) on disk."""
-    from tests.tiny_models import hf_model
-
-    out = tmp_path_factory.mktemp("tiny-smollm2")
-    hf_model("smollm2").save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (smollm2_source.model_dir / name).exists():
-            shutil.copy(smollm2_source.model_dir / name, out / name)
-    return out
 
 
 class ServeProcess:
