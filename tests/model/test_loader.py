@@ -160,6 +160,14 @@ def test_tiny_llama_gguf(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == [257, 256, 258]
 
 
+def test_a_conversion_directory_names_its_gguf(smollm2_source: ModelSource) -> None:
+    """A GGUF's conversion directory given as the model (the AICI runtime's --tokenizer, the
+    transformers baseline): the same model, its weights read from the GGUF it names."""
+    again = resolve_model(smollm2_source.model_dir)
+    assert again.gguf == smollm2_source.source and again.model_dir == smollm2_source.model_dir
+    assert again.config == smollm2_source.config
+
+
 def test_tiny_qwen2_gguf_is_not_permuted(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
     path, expected = tiny_gguf("qwen2", tied=True, add_bos=False)
     src = resolve_model(path, cache_dir=tmp_path / "cache")

@@ -15,7 +15,24 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tokenwire.model.gguf_weights import GgufWeights
+from tokenwire.model.loader import resolve_model
+
+
+def _reference(model_dir: str) -> torch.nn.Module:
+    """transformers' model of the directory; for a GGUF's conversion directory (no weights of
+    its own), its config with the GGUF's weights dequantised exactly."""
+    source = resolve_model(model_dir)
+    if source.gguf is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    left = model.load_state_dict(dict(GgufWeights(source.gguf, source.config, dense=True)), strict=False)
+    if left.unexpected_keys or set(left.missing_keys) - {"lm_head.weight"}:
+        raise ValueError(f"{model_dir}: transformers' names differ from the GGUF's: {left}")
+    model.tie_weights()  # a tied lm_head: the embedding's table
+    return model.eval()
 
 
 def main() -> None:
@@ -26,7 +43,7 @@ def main() -> None:
         torch.set_flush_denormal(True)
     prompts: list[list[int]] = json.loads(open(prompts_file).read())
     torch.set_grad_enabled(False)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _reference(model_dir)
 
     def generate(ids: torch.Tensor, mask: torch.Tensor, tokens: int) -> float:
         start = time.perf_counter()

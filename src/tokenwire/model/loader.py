@@ -101,7 +101,10 @@ def resolve_model(
         source = Path(model).expanduser()
     if not source.exists():
         raise FileNotFoundError(f"model not found: {source}")
-    if source.is_dir():
+    converted = _converted_from(source)
+    if converted is not None:  # a GGUF's conversion directory: the weights are its GGUF's
+        model_dir, source = source, converted
+    elif source.is_dir():
         model_dir = source
     elif source.suffix.lower() == ".gguf":
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -111,7 +114,7 @@ def resolve_model(
             f"unsupported model file {source}: expected a .gguf file or a Hugging Face model directory"
         )
     config = _load_config(model_dir, source)
-    _check_model_dir(model_dir, weights=source.is_dir())
+    _check_model_dir(model_dir, weights=source.is_dir())  # a GGUF's are read from the file
     tokenizer = Tokenizer.from_dir(model_dir, config)
     name = name or model_name_for(source)
     return ModelSource(name=name, model_dir=model_dir, config=config, tokenizer=tokenizer, source=source)
@@ -155,6 +158,18 @@ def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
         raise
     _remove_superseded(cache_dir, source, keep=final)
     return final
+
+
+def _converted_from(directory: Path) -> Path | None:
+    """The GGUF file a conversion directory was made from (its marker names it), where it is
+    one and the file still exists; None for any other path."""
+    if not directory.is_dir() or not _is_complete(directory):
+        return None
+    try:
+        gguf_path = Path(json.loads((directory / _MARKER).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return gguf_path if gguf_path.is_file() else None
 
 
 def _is_complete(model_dir: Path) -> bool:

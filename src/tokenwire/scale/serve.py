@@ -71,9 +71,7 @@ def build_replicated(settings: EngineSettings, args: argparse.Namespace) -> Repl
         replica_gpus=args.replica_gpus,
     )
     # the front-end needs the tokenizer (protocols encode and decode here), not the weights
-    source = resolve_model(
-        settings.model, cache_dir=settings.cache_dir, name=settings.model_name, progress=False
-    )
+    source = resolve_model(settings.model, cache_dir=settings.cache_dir, name=settings.model_name)
     connect(spec)
     actors, directory, infos = start_replicas(spec, settings)
     engine = ReplicaEngine(
