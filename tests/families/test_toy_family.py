@@ -110,3 +110,14 @@ def test_a_layer_the_kernel_does_not_know_decodes_eager_and_says_why() -> None:
     model.__dict__.pop("fusion_blocker", None)
     assert model.fusion_blocker == "layer 2: norms after attention and MLP" and not model.can_fuse_decode
     assert decode_path(model) == "eager: layer 2: norms after attention and MLP"
+
+
+def test_an_intermediate_size_not_a_multiple_of_8_decodes_eager_and_says_why() -> None:
+    """The kernel shares the gated activation out in vectors of 8 (decode_stack.h): such a layer
+    is named by the blocker instead of failing at the first fused step."""
+    model = toy_model()
+    hidden = model.layers[1].mlp.down.out_features
+    model.layers[1].mlp = GatedMLP(hidden, 100)  # 100 = 8 * 12 + 4
+    model.__dict__.pop("fusion_blocker", None)
+    assert model.fusion_blocker == "layer 1: intermediate size 100 (not a multiple of 8)"
+    assert not model.can_fuse_decode

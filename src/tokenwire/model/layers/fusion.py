@@ -44,6 +44,8 @@ def _layer_blocker(layer: DecoderLayer) -> str | None:
         return f"{type(mlp).__name__} feed-forward (the kernel runs one dense MLP)"
     if mlp.activation not in ACTIVATION_CODES:
         return f"activation {mlp.activation}"
+    if mlp.down.in_features % 8:  # the kernel shares the gated activation out in vectors of 8
+        return f"intermediate size {mlp.down.in_features} (not a multiple of 8)"
     if not all(isinstance(m, QuantLinear) for m in (attention.o_proj, mlp.down)) or not all(
         isinstance(m, (QuantLinear, StackedQuantLinear)) for m in (attention.qkv, mlp.gate_up)
     ):
