@@ -47,15 +47,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_source) -> 
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_source):
-    """transformers' LlamaForCausalLM holding the shipped GGUF's weights, dequantised exactly (the
-    fp32 reference; the conversion cache keeps no weights, so they are read from the file)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' model holding the shipped GGUF's weights, dequantised exactly (the fp32
+    reference; the conversion cache keeps no weights, so they are read from the file)."""
+    from tokenwire.bench.hf_baseline import transformers_model
 
-    from tokenwire.model.gguf_weights import GgufWeights
-
-    model = LlamaForCausalLM(LlamaConfig.from_pretrained(smollm2_source.model_dir)).eval()
-    weights = GgufWeights(smollm2_source.source, smollm2_source.config, dense=True)
-    left = model.load_state_dict(dict(weights), strict=False)
-    assert left.missing_keys == ["lm_head.weight"] and not left.unexpected_keys  # tied to the table
-    model.tie_weights()
-    return model
+    return transformers_model(str(smollm2_source.model_dir))

@@ -17,22 +17,18 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tests.model.conftest import byte_alphabet
 from tokenwire.bench.shapes import llama_quantize
 
 OUT = Path(__file__).with_name("tiny-llama-Q4_K_M.gguf")
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, HEAD_DIM = 256, 4, 4, 2, 512, 64
 
 
-def byte_tokens() -> list[str]:
-    """GPT-2's byte-level spelling of bytes 0..255, then "hi", <s>, </s>."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return [*(chr(b) if b in keep else chr(next(extra)) for b in range(256)), "hi", "<s>", "</s>"]
 
 
 def write_f16(path: Path) -> None:
     rng = np.random.default_rng(24)
-    tokens = byte_tokens()
+    tokens = [*byte_alphabet(), "hi", "<s>", "</s>"]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny random llama")
     w.add_tokenizer_model("gpt2")

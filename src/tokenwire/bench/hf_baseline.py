@@ -21,7 +21,7 @@ from tokenwire.model.gguf_weights import GgufWeights
 from tokenwire.model.loader import resolve_model
 
 
-def _reference(model_dir: str) -> torch.nn.Module:
+def transformers_model(model_dir: str) -> torch.nn.Module:
     """transformers' model of the directory; for a GGUF's conversion directory (no weights of
     its own), its config with the GGUF's weights dequantised exactly."""
     source = resolve_model(model_dir)
@@ -43,7 +43,7 @@ def main() -> None:
         torch.set_flush_denormal(True)
     prompts: list[list[int]] = json.loads(open(prompts_file).read())
     torch.set_grad_enabled(False)
-    model = _reference(model_dir)
+    model = transformers_model(model_dir)
 
     def generate(ids: torch.Tensor, mask: torch.Tensor, tokens: int) -> float:
         start = time.perf_counter()

@@ -99,14 +99,14 @@ def resolve_weights(settings: EngineSettings, source: ModelSource, device: torch
     weights = settings.weights
     if weights not in WEIGHTS:
         raise ValueError(f"unknown --weights {weights!r}: use one of {', '.join(WEIGHTS)}")
-    packed = source.gguf is not None
+    is_gguf = source.gguf is not None
     if weights == "auto":
-        quantized = packed and device.type == "cpu" and settings.dtype in ("fp32", "float32")
+        quantized = is_gguf and device.type == "cpu" and settings.dtype in ("fp32", "float32")
         return "gguf" if quantized else ("bf16" if DTYPES[settings.dtype] == torch.bfloat16 else "fp32")
     if weights in ("gguf", "int8", "int4"):
         if device.type != "cpu":
             raise ValueError(f"--weights {weights} runs on the CPU only; use fp32 or bf16 on {device}")
-        if weights == "gguf" and not packed:
+        if weights == "gguf" and not is_gguf:
             raise ValueError(
                 f"--weights gguf needs a GGUF model; {source.source} is not one (try int8 or int4)"
             )

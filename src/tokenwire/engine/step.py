@@ -59,7 +59,7 @@ def run_step(
     decode_rows: list[list[int]] = []
     decode_starts: list[int] = []
     decode_tables: list[list[int]] = []
-    row_tables: list[list[int]] = []  # each row's sequence's blocks, for a fused step
+    item_tables: list[tuple[list[int], int]] = []  # each item's blocks and rows, for a fused step
     chunks: list[tuple[list[int], int, list[int]]] = []  # prefill chunks: rows, start, table
     logit_rows: list[int] = []
     logit_keys: list[tuple[int, int]] = []
@@ -75,13 +75,14 @@ def run_step(
             positions.append(p)
             slots.append(table[p // bs] * bs + p % bs)
         rows = list(range(base, base + item.count))
-        row_tables += [table[: -(-(item.start + item.count) // bs)]] * item.count
+        blocks = table[: -(-(item.start + item.count) // bs)]
+        item_tables.append((blocks, item.count))
         if item.count == 1:
             decode_rows.append(rows)
             decode_starts.append(item.start)
-            decode_tables.append(row_tables[-1])
+            decode_tables.append(blocks)
         else:
-            chunks.append((rows, item.start, row_tables[-1]))
+            chunks.append((rows, item.start, blocks))
         rid = item.request.id
         opts = item.request.options
         for p in item.rows.logits:
@@ -99,9 +100,9 @@ def run_step(
         # that reads the block tables itself (a row per token: its position, its sequence's
         # table). One kernel for every step is what keeps a token's arithmetic the same whether
         # it was decoded, prefilled in one chunk or several, alone or in a batch.
-        width = max(len(t) for t in row_tables)
-        padded = {id(t): t + [0] * (width - len(t)) for t in row_tables}
-        tables = torch.tensor([padded[id(t)] for t in row_tables], dtype=torch.long)
+        width = max(len(t) for t, _ in item_tables)
+        rows_tables = [row for t, n in item_tables for row in [t + [0] * (width - len(t))] * n]
+        tables = torch.tensor(rows_tables, dtype=torch.long)
         attention = PagedDecode(kv.k, kv.v, position_tensor, tables)
     else:
         groups = [build_group([r], [start], [t], bs, rep, device, dtype) for r, start, t in chunks]

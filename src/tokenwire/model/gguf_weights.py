@@ -54,7 +54,7 @@ class GgufTensor:
 
 class GgufWeights(Mapping[str, torch.Tensor]):
     def __init__(self, path: Path, config: ModelConfig, *, dense: bool = False) -> None:
-        self.path, self.dense = Path(path), dense
+        self.path = Path(path)
         reader = open_gguf(self.path)
         names = gguf_family(reader.fields["general.architecture"].contents(), path).gguf
         assert names is not None
@@ -72,14 +72,14 @@ class GgufWeights(Mapping[str, torch.Tensor]):
         self.qtypes: dict[str, int] = {}  # the quantised tensors' block types (none when dense)
         if not dense:
             for name, t in self.tensors.items():
-                runs = int(t.qtype) in weight_types.BY_ID and len(t.shape) == 2
-                if not runs and t.qtype in _WIDE_FLOATS:
+                kept = int(t.qtype) in weight_types.BY_ID and len(t.shape) == 2
+                if not kept and t.qtype in _WIDE_FLOATS:
                     continue  # a norm, a bias, a float matrix: float32
-                if not runs:
-                    runs = ", ".join(w.name for w in weight_types.WEIGHT_TYPES)
+                if not kept:
+                    known = ", ".join(w.name for w in weight_types.WEIGHT_TYPES)
                     raise UnsupportedWeightTypeError(
                         f"{self.path}: tensor {t.gguf_name} is {t.qtype.name}, a weight type tokenwire's "
-                        f"kernels do not run (they run {runs}); --weights fp32 loads it dequantised"
+                        f"kernels do not run (they run {known}); --weights fp32 loads it dequantised"
                     )
                 self.qtypes[name] = int(t.qtype)
 
@@ -91,10 +91,6 @@ class GgufWeights(Mapping[str, torch.Tensor]):
 
     def __contains__(self, name: object) -> bool:
         return name in self.tensors
-
-    @property
-    def file_bytes(self) -> int:
-        return self.path.stat().st_size
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self.tensors[name]

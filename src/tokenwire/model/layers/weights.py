@@ -76,10 +76,10 @@ class WeightLoader:
             floats = [n for n in names if n not in qtypes]
             raise ValueError(f"tensors {floats} are float beside quantised ones in one projection")
         k = target.in_features
-        parts = [QuantLinear(self.packed(run, q, k), q, k, split=True) for q, run in runs if q is not None]
-        if len(parts) == 1:
-            return QuantLinear(parts[0].packed, parts[0].qtype, k, bias, split=True)
-        return StackedQuantLinear(parts, bias)
+        blocks = [(self.packed(run, q, k), q) for q, run in runs]
+        if len(blocks) == 1:
+            return QuantLinear(*blocks[0], k, bias, split=True)
+        return StackedQuantLinear([QuantLinear(packed, q, k, split=True) for packed, q in blocks], bias)
 
     def packed(self, names: list[str], qtype: int, in_features: int) -> torch.Tensor:
         """The rows of `names` (one block type), split for the kernels, in one arena tensor:
