@@ -87,7 +87,7 @@ void matvec_rows(const float* x, const QuantizedActivations* qa, int64_t M, int6
   const TypeRow& type = type_row(qtype);
   if (qa != nullptr) {
     TORCH_INTERNAL_ASSERT_DEBUG_ONLY(qa->format == type.act);  // callers quantise for this row
-    if (M <= kGroupRows) return type.matmul_small_i16(*qa, M, K, wp, n0, n1, out, N);
+    if (M <= kGroupRows || type.any_rows) return type.matmul_small_i16(*qa, M, K, wp, n0, n1, out, N);
     // More rows: groups of kGroupRows activation rows over chunks of kChunkRows weight rows
     // (kept in L2 while every group passes). A type's integer loop sums each (weight row,
     // activation row) in an order that does not depend on how many activation rows it is

@@ -24,6 +24,7 @@
 #include "types_float.h"
 #include "types_k.h"
 #include "types_k23.h"
+#include "lanes_avx512.h"
 
 namespace tw {
 
@@ -43,7 +44,23 @@ struct TypeRow {
   // the same from activations quantised in `act`'s format (nullptr where act is)
   void (*matmul_small_i16)(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0,
                            int64_t n1, float* out, int64_t N);
+  // matmul_small_i16 takes any number of rows (the AVX-512 lane kernels), not only M < 4
+  bool any_rows = false;
 };
+
+// Where the CPU has AVX-512, a type with lane kernels (lanes_avx512.h) takes them for every
+// number of rows, with their activation format, in place of its AVX2 integer rows.
+template <class T>
+TypeRow with_lanes(TypeRow row) {
+#ifdef TW_AVX512
+  if constexpr (Lanes<T>::kHas) {
+    row.act = &act_format<typename Lanes<T>::Act>();
+    row.matmul_small_i16 = &lanes_matmul<T>;
+    row.any_rows = true;
+  }
+#endif
+  return row;
+}
 
 template <class T>
 TypeRow make_row() {
@@ -54,8 +71,8 @@ TypeRow make_row() {
   const ActFormat* act = nullptr;
   decltype(TypeRow::matmul_small_i16) i16 = nullptr;
 #endif
-  return {T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
-          act, &dequant_row_t<T>, &matmul_small_t<T>, i16};
+  return with_lanes<T>({T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
+                        act, &dequant_row_t<T>, &matmul_small_t<T>, i16});
 }
 
 // the row of a type that brings its own row functions (types_float.h's F16/BF16, IQ4_XS):
@@ -85,8 +102,8 @@ TypeRow make_k_row() {
   const ActFormat* act = nullptr;
   decltype(TypeRow::matmul_small_i16) i16 = nullptr;
 #endif
-  return {T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
-          act, &k_dequant_row<T>, &k_matmul_small<T>, i16};
+  return with_lanes<T>({T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
+                        act, &k_dequant_row<T>, &k_matmul_small<T>, i16});
 }
 
 inline const TypeRow kTypes[] = {

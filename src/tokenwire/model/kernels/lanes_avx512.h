@@ -1,0 +1,297 @@
+// The AVX-512 integer matmul of the common types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): one block per
+// int32 lane. A step is 16 blocks (the 32- or 16-value units that carry one activation scale);
+// a type unpacks a step of one weight row into int16 vectors whose lane l holds two values of
+// block l, and the activations are stored to match (ActI16Lanes). vpdpwssd then leaves each
+// block's integer dot in its own lane, with no horizontal sums (the AVX2 rows spend a third of
+// their operations on them), and the unpacked step is shared by up to kLanesRows activation
+// rows. Each (weight row, activation row) is summed in the same order whatever the number of
+// rows, so a batch or a prefill chunk gives every row the bits it gets alone.
+//
+// Why (Zen 5 EPYC, one core, 8192x2048, GF/s, AVX2 rows -> this): see the header of matvec.h.
+// Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
+#pragma once
+
+#include "types_k.h"
+#include "types_q4.h"
+#include "types_q8.h"
+
+namespace tw {
+
+// Activations for the lane kernels: in each step of 16 blocks of B values, value i of block l
+// sits in int16 vector v = 2 (i / 4) + i % 2 at position 2 l + (i % 4) / 2; i.e. a lane holds
+// values 4d + k and 4d + 2 + k (k = v % 2, d = v / 2), the pair a dword of quant bytes gives.
+template <int B>
+struct ActI16Lanes {
+  static constexpr const char* kName = B == 32 ? "i16_lanes32" : "i16_lanes16";
+  static constexpr int kBlock = B;
+  static int64_t stride(int64_t K) { return (K / B + 15) / 16 * 16 * B; }  // whole steps
+  static int64_t base(int64_t j) { return j / 16 * 16 * B + 2 * (j % 16); }
+  static constexpr int64_t slot(int64_t i) { return (2 * (i / 4) + i % 2) * 32 + (i % 4) / 2; }
+};
+
+#ifdef TW_AVX512
+constexpr int kLanesRows = 4;  // activation rows per unpacked step (registers: 16 + 2 * 4 + 2)
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+inline __m512i lane_index(const int (&idx)[16]) { return _mm512_loadu_si512(idx); }
+
+// 16 blocks of 16 quant bytes (a 32-weight block's nibbles: byte i holds weights i and i + 16)
+// as 16 vectors in ActI16Lanes<32>'s order: a 16 x 4 transpose of dwords, then masks
+inline void q4_lanes(const uint8_t* quants, int64_t count, __m512i v[16]) {
+  __m512i z[4];
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm512_maskz_loadu_epi32(first_lanes(std::clamp<int64_t>(4 * count - 16 * i, 0, 16)), quants + 64 * i);
+  const __m512i m = _mm512_set1_epi32(0x000f000f);
+  for (int e = 0; e < 4; e += 2) {
+    // lanes 0-7: dword e of blocks 0-7 (of z[0], z[1]), lanes 8-15: dword e + 1
+    static const int idx0[16] = {0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29};
+    static const int idx2[16] = {2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31};
+    const __m512i idx = lane_index(e == 0 ? idx0 : idx2);
+    const __m512i a = _mm512_permutex2var_epi32(z[0], idx, z[1]), b = _mm512_permutex2var_epi32(z[2], idx, z[3]);
+    const __m512i t[2] = {_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee)};
+    for (int h = 0; h < 2; ++h) {
+      const int d = e + h;  // dword d: low nibbles weights 4d.., high nibbles 16 + 4d..
+      v[2 * d] = _mm512_and_si512(t[h], m);
+      v[2 * d + 1] = _mm512_and_si512(_mm512_srli_epi16(t[h], 8), m);
+      v[2 * d + 8] = _mm512_and_si512(_mm512_srli_epi16(t[h], 4), m);
+      v[2 * d + 9] = _mm512_srli_epi16(t[h], 12);
+    }
+  }
+}
+
+inline __m512 halves16(const uint8_t* p, __mmask16 present) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, p));
+}
+
+// A type's lane step: Lanes<T>::step(row, nb, s, count, v, scale, offset) unpacks blocks
+// 16 s .. 16 s + count - 1 of a row (the rest zero) and their weight scales and offsets (what
+// multiplies the activations' exact sums), one lane per block.
+template <class T>
+struct Lanes {
+  static constexpr bool kHas = false;  // the types below: true
+};
+
+template <class T>
+struct LanesQ4 {  // Q4_0 (offset -8 d) and Q4_1 (offset m)
+  static constexpr bool kHas = true;
+  using Act = ActI16Lanes<32>;
+  static constexpr int kVecs = 16;
+  static constexpr int kLanesPerBlock = 1;
+  static constexpr bool kHasOffset = true;
+  static void step(const uint8_t* row, int64_t nb, int64_t s, int64_t count, __m512i v[16], __m512& scale,
+                   __m512& offset) {
+    q4_lanes(T::part(row, nb, T::kQuantPart) + 256 * s, count, v);
+    const __mmask16 present = first_lanes(count);
+    scale = halves16(T::part(row, nb, T::kScalePart) + 32 * s, present);
+    if constexpr (T::kId == Q4_0::kId) offset = _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
+    else offset = halves16(T::part(row, nb, T::kMinPart) + 32 * s, present);
+  }
+};
+template <>
+struct Lanes<Q4_0> : LanesQ4<Q4_0> {};
+template <>
+struct Lanes<Q4_1> : LanesQ4<Q4_1> {};
+
+template <>
+struct Lanes<Q8_0> {
+  static constexpr bool kHas = true;
+  using Act = ActI16Lanes<32>;
+  static constexpr int kVecs = 16;
+  static constexpr int kLanesPerBlock = 1;
+  static constexpr bool kHasOffset = false;
+  // 16 blocks of 32 int8: a 16 x 8 transpose of dwords (blocks 4q.. as four dwords each, then
+  // 128-bit lanes gathered), each dword's bytes sign-extended to two pairs
+  static void step(const uint8_t* row, int64_t nb, int64_t s, int64_t count, __m512i v[16], __m512& scale,
+                   __m512& offset) {
+    const uint8_t* quants = Q8_0::part(row, nb, Q8_0::kQuantPart) + 512 * s;
+    __m512i z[8];
+    for (int i = 0; i < 8; ++i)
+      z[i] = _mm512_maskz_loadu_epi32(first_lanes(std::clamp<int64_t>(8 * count - 16 * i, 0, 16)), quants + 64 * i);
+    // p[q][h], lane 4e + b: dword 4h + e of block 4q + b
+    static const int idx0[16] = {0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27};
+    static const int idx1[16] = {4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31};
+    __m512i p[4][2];
+    for (int q = 0; q < 4; ++q) {
+      p[q][0] = _mm512_permutex2var_epi32(z[2 * q], lane_index(idx0), z[2 * q + 1]);
+      p[q][1] = _mm512_permutex2var_epi32(z[2 * q], lane_index(idx1), z[2 * q + 1]);
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m512i t[4];  // dwords 4h + e, e = 0..3: 128-bit lane e of p[0..3][h]
+      const __m512i u01 = _mm512_shuffle_i64x2(p[0][h], p[1][h], 0x44), w01 = _mm512_shuffle_i64x2(p[2][h], p[3][h], 0x44);
+      const __m512i u23 = _mm512_shuffle_i64x2(p[0][h], p[1][h], 0xee), w23 = _mm512_shuffle_i64x2(p[2][h], p[3][h], 0xee);
+      t[0] = _mm512_shuffle_i64x2(u01, w01, 0x88);
+      t[1] = _mm512_shuffle_i64x2(u01, w01, 0xdd);
+      t[2] = _mm512_shuffle_i64x2(u23, w23, 0x88);
+      t[3] = _mm512_shuffle_i64x2(u23, w23, 0xdd);
+      for (int e = 0; e < 4; ++e) {
+        const int d = 4 * h + e;
+        v[2 * d] = _mm512_srai_epi16(_mm512_slli_epi16(t[e], 8), 8);
+        v[2 * d + 1] = _mm512_srai_epi16(t[e], 8);
+      }
+    }
+    scale = halves16(Q8_0::part(row, nb, Q8_0::kScalePart) + 32 * s, first_lanes(count));
+    offset = _mm512_setzero_ps();
+  }
+};
+
+// Activations for Q4_K: blocks of 32 values (one scale each), a step of 8 blocks (one super-
+// block), each block in two lanes: its values 16 h .. 16 h + 15 in lane 2 (j % 8) + h, placed
+// in the lane as ActI16Lanes<16> places a block's 16
+struct ActI16LaneHalves {
+  static constexpr const char* kName = "i16_lane_halves";
+  static constexpr int kBlock = 32;
+  static int64_t stride(int64_t K) { return K; }
+  static int64_t base(int64_t j) { return j / 8 * 256 + 4 * (j % 8); }
+  static constexpr int64_t slot(int64_t i) { return (2 * (i % 16 / 4) + i % 2) * 32 + 2 * (i / 16) + (i % 4) / 2; }
+};
+
+// Q4_K: a step is one super-block, a lane half a 32-weight sub-block t (chunk t / 2's nibble
+// t % 2): lane 2 t + h holds bytes 16 h .. 16 h + 15 of the chunk. Halves rather than whole
+// sub-blocks over two super-blocks: one permute per dword from the super-block's own 128 bytes
+// instead of two and a merge (measured, 8192x2048 one core, M = 1: 0.48 -> ... ms)
+template <>
+struct Lanes<Q4_K> {
+  static constexpr bool kHas = true;
+  using Act = ActI16LaneHalves;
+  static constexpr int kVecs = 8;
+  static constexpr int kLanesPerBlock = 2;
+  static constexpr bool kHasOffset = true;
+  static void step(const uint8_t* row, int64_t nb, int64_t s, int64_t, __m512i v[8], __m512& scale,
+                   __m512& offset) {
+    const uint8_t* b = row + s * Q4_K::kBlockBytes;
+    const __m512i z0 = _mm512_loadu_si512(b + 16), z1 = _mm512_loadu_si512(b + 80);
+    // lane 2 t + h: dword 8 (t / 2) + 4 h + d of the 128 quant bytes, shifted by 4 (t % 2)
+    const __m512i base = _mm512_setr_epi32(0, 4, 0, 4, 8, 12, 8, 12, 16, 20, 16, 20, 24, 28, 24, 28);
+    const __m512i nibble = _mm512_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4);
+    const __m512i m = _mm512_set1_epi32(0x000f000f);
+    for (int d = 0; d < 4; ++d) {
+      const __m512i t = _mm512_permutex2var_epi32(z0, _mm512_add_epi32(base, _mm512_set1_epi32(d)), z1);
+      const __m512i q = _mm512_srlv_epi32(t, nibble);
+      v[2 * d] = _mm512_and_si512(q, m);
+      v[2 * d + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 8), m);
+    }
+    alignas(16) uint8_t sc[16] = {}, mn[16] = {};
+    k4_scales(b + 4, sc, mn);
+    __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int*>(b)));  // d, dmin
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    auto bytes8 = [&](const uint8_t* p) {  // 8 bytes, each into two lanes
+      const __m512i ints = _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      return _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(pairs, ints));
+    };
+    scale = _mm512_mul_ps(_mm512_set1_ps(_mm_cvtss_f32(both)), bytes8(sc));
+    // the offset meets the block's sum once: in its first lane
+    offset = _mm512_maskz_mul_ps(0x5555, _mm512_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(both))), bytes8(mn));
+  }
+};
+
+// Q6_K: a step is one super-block, a lane one 16-weight sub-block; weight w of the super-block
+// is nibble w % 128 / 64 of ql byte 64 (w / 128) + w % 64 with bits 2 (w % 128 / 32) of qh byte
+// 32 (w / 128) + w % 32 above it, minus 32 (the -32 goes with the activations' sums)
+template <>
+struct Lanes<Q6_K> {
+  static constexpr bool kHas = true;
+  using Act = ActI16Lanes<16>;
+  static constexpr int kVecs = 8;
+  static constexpr int kLanesPerBlock = 1;
+  static constexpr bool kHasOffset = true;
+  static void step(const uint8_t* row, int64_t nb, int64_t s, int64_t, __m512i v[8], __m512& scale,
+                   __m512& offset) {
+    const uint8_t* b = row + s * Q6_K::kBlockBytes;
+    const __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_loadu_si512(b + 64), zh = _mm512_loadu_si512(b + 128);
+    // lane l: ql dword 16 (l / 8) + 4 (l % 4) + d, qh dword 8 (l / 8) + 4 (l % 2) + d
+    const __m512i ql_base = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 16, 20, 24, 28, 16, 20, 24, 28);
+    const __m512i qh_base = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 8, 12, 8, 12, 8, 12, 8, 12);
+    const __m512i ql_shift = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
+    const __m512i qh_shift = _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 0, 0, 2, 2, 4, 4, 6, 6);
+    const __m512i low = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8(0x30), m = _mm512_set1_epi32(0x00ff00ff);
+    for (int d = 0; d < 4; ++d) {
+      const __m512i dd = _mm512_set1_epi32(d);
+      const __m512i lo = _mm512_srlv_epi32(_mm512_permutex2var_epi32(z0, _mm512_add_epi32(ql_base, dd), z1), ql_shift);
+      const __m512i hi = _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_add_epi32(qh_base, dd), zh), qh_shift);
+      const __m512i q = _mm512_or_si512(_mm512_and_si512(lo, low), _mm512_and_si512(_mm512_slli_epi32(hi, 4), high));
+      v[2 * d] = _mm512_and_si512(q, m);
+      v[2 * d + 1] = _mm512_srli_epi16(q, 8);
+    }
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+    scale = _mm512_mul_ps(_mm512_set1_ps(half_to_float(b + 208)), sc);
+    offset = _mm512_mul_ps(scale, _mm512_set1_ps(-32.0f));
+  }
+};
+
+// out[m0 + c, n] for c < C, n in [n0, n1): each step unpacked once for the C rows; per (weight
+// row, activation row) the block dots times weight scale * activation scale, and the offsets
+// times the activations' exact sums, in two accumulators of 16 lanes summed at the end
+template <class T, int C>
+void lanes_rows(const QuantizedActivations& a, int64_t m0, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                float* out, int64_t N) {
+  using L = Lanes<T>;
+  constexpr int64_t kStepValues = L::kVecs * 32, kStepBlocks = 16 / L::kLanesPerBlock;
+  const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBlockBytes;
+  const int64_t units = K / L::Act::kBlock, steps = (units + kStepBlocks - 1) / kStepBlocks;
+  // an activation block's scale and sum into each of its lanes
+  const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  auto per_lane = [&](const float* p, __mmask16 present) {
+    if constexpr (L::kLanesPerBlock == 1) return _mm512_maskz_loadu_ps(present, p);
+    else return _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_maskz_loadu_ps(present, p)));
+  };
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[C], extra[C];
+    for (int c = 0; c < C; ++c) acc[c] = extra[c] = _mm512_setzero_ps();
+    auto step = [&](int64_t s, int64_t count) __attribute__((always_inline)) {
+      const __mmask16 present = first_lanes(count);
+      __m512i v[L::kVecs];
+      __m512 scale, offset;
+      L::step(row, nb, s, count, v, scale, offset);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const int16_t* x = a.q.data() + (m0 + c) * a.stride + s * kStepValues;
+        // independent sums (vpdpwssd's latency is ~5 cycles, two issue per cycle; fewer with
+        // more rows, which interleave): integer sums, so the same dots in any grouping
+        constexpr int kParts = C == 1 ? 4 : 2;
+        __m512i part[kParts];
+        for (auto& p : part) p = _mm512_setzero_si512();
+#pragma GCC unroll 16
+        for (int i = 0; i < L::kVecs; ++i)
+          part[i % kParts] = _mm512_dpwssd_epi32(part[i % kParts], v[i], _mm512_loadu_si512(x + 32 * i));
+        __m512i dots = part[0];
+        for (int i = 1; i < kParts; ++i) dots = _mm512_add_epi32(dots, part[i]);
+        const int64_t u = (m0 + c) * a.nb + kStepBlocks * s;
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scale, per_lane(a.scale.data() + u, present)), acc[c]);
+        if constexpr (L::kHasOffset)
+          extra[c] = _mm512_fmadd_ps(offset, per_lane(a.sum.data() + u, present), extra[c]);
+      }
+    };
+    // whole steps with a constant count (no masks), then a short last one
+    const int64_t whole = units / kStepBlocks;
+    for (int64_t s = 0; s < whole; ++s) step(s, kStepBlocks);
+    if (whole < steps) step(whole, units - whole * kStepBlocks);
+    for (int c = 0; c < C; ++c) out[c * N + n] = _mm512_reduce_add_ps(acc[c]) + _mm512_reduce_add_ps(extra[c]);
+  }
+}
+
+// any number of rows: groups of kLanesRows activation rows over chunks of 64 weight rows (kept
+// in L2 while every group passes)
+template <class T>
+void lanes_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                  float* out, int64_t N) {
+  constexpr int64_t kChunk = 64;
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+    const int64_t c1 = std::min(n1, c0 + kChunk);
+    for (int64_t m = 0; m < M; m += kLanesRows) {
+      float* o = out + m * N;
+      switch (std::min<int64_t>(kLanesRows, M - m)) {
+        case 1: lanes_rows<T, 1>(a, m, K, w, c0, c1, o, N); break;
+        case 2: lanes_rows<T, 2>(a, m, K, w, c0, c1, o, N); break;
+        case 3: lanes_rows<T, 3>(a, m, K, w, c0, c1, o, N); break;
+        default: lanes_rows<T, 4>(a, m, K, w, c0, c1, o, N); break;
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace tw
