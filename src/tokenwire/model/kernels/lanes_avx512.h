@@ -224,52 +224,85 @@ struct Lanes<Q6_K> {
 // out[m0 + c, n] for c < C, n in [n0, n1): each step unpacked once for the C rows; per (weight
 // row, activation row) the block dots times weight scale * activation scale, and the offsets
 // times the activations' exact sums, in two accumulators of 16 lanes summed at the end
+constexpr int64_t kLanesChunk = 64;  // weight rows per pass of every group of activation rows
+
+// out[m0 + c, n] for c < C, n in [n0, n1) (at most kLanesChunk rows): each step unpacked once for
+// the C rows; per (weight row, activation row) the block dots times weight scale * activation
+// scale, and the offsets times the activations' exact sums, in two accumulators of 16 lanes,
+// step after step, summed at the end. The steps go in panels whose activations (C rows) stay in
+// L1 while the weight rows pass, the accumulators kept between panels: the order of the sums is
+// the same for any C and panel.
 template <class T, int C>
 void lanes_rows(const QuantizedActivations& a, int64_t m0, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
                 float* out, int64_t N) {
   using L = Lanes<T>;
   constexpr int64_t kStepValues = L::kVecs * 32, kStepBlocks = 16 / L::kLanesPerBlock;
+  // 16 KB of int16 activations per panel (L1 is 48 KB on Zen 5)
+  constexpr int64_t kPanel = std::max<int64_t>(1, 8192 / (C * kStepValues));
   const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBlockBytes;
   const int64_t units = K / L::Act::kBlock, steps = (units + kStepBlocks - 1) / kStepBlocks;
+  const int64_t whole = units / kStepBlocks;
   // an activation block's scale and sum into each of its lanes
   const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   auto per_lane = [&](const float* p, __mmask16 present) {
     if constexpr (L::kLanesPerBlock == 1) return _mm512_maskz_loadu_ps(present, p);
     else return _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_maskz_loadu_ps(present, p)));
   };
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
+  struct Sums {
     __m512 acc[C], extra[C];
-    for (int c = 0; c < C; ++c) acc[c] = extra[c] = _mm512_setzero_ps();
-    auto step = [&](int64_t s, int64_t count) __attribute__((always_inline)) {
-      const __mmask16 present = first_lanes(count);
-      __m512i v[L::kVecs];
-      __m512 scale, offset;
-      L::step(row, nb, s, count, v, scale, offset);
-#pragma GCC unroll 8
+  };
+  thread_local std::vector<Sums> kept;
+  const bool panels = steps > kPanel;
+  if (panels) {
+    kept.resize(kLanesChunk);
+    for (int64_t n = n0; n < n1; ++n)
+      for (int c = 0; c < C; ++c) kept[n - n0].acc[c] = kept[n - n0].extra[c] = _mm512_setzero_ps();
+  }
+  for (int64_t p0 = 0; p0 < steps; p0 += kPanel) {
+    const int64_t p1 = std::min(steps, p0 + kPanel);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      __m512 acc[C], extra[C];
       for (int c = 0; c < C; ++c) {
-        const int16_t* x = a.q.data() + (m0 + c) * a.stride + s * kStepValues;
-        // independent sums (vpdpwssd's latency is ~5 cycles, two issue per cycle; fewer with
-        // more rows, which interleave): integer sums, so the same dots in any grouping
-        constexpr int kParts = C == 1 ? 4 : 2;
-        __m512i part[kParts];
-        for (auto& p : part) p = _mm512_setzero_si512();
-#pragma GCC unroll 16
-        for (int i = 0; i < L::kVecs; ++i)
-          part[i % kParts] = _mm512_dpwssd_epi32(part[i % kParts], v[i], _mm512_loadu_si512(x + 32 * i));
-        __m512i dots = part[0];
-        for (int i = 1; i < kParts; ++i) dots = _mm512_add_epi32(dots, part[i]);
-        const int64_t u = (m0 + c) * a.nb + kStepBlocks * s;
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scale, per_lane(a.scale.data() + u, present)), acc[c]);
-        if constexpr (L::kHasOffset)
-          extra[c] = _mm512_fmadd_ps(offset, per_lane(a.sum.data() + u, present), extra[c]);
+        acc[c] = panels ? kept[n - n0].acc[c] : _mm512_setzero_ps();
+        extra[c] = panels ? kept[n - n0].extra[c] : _mm512_setzero_ps();
       }
-    };
-    // whole steps with a constant count (no masks), then a short last one
-    const int64_t whole = units / kStepBlocks;
-    for (int64_t s = 0; s < whole; ++s) step(s, kStepBlocks);
-    if (whole < steps) step(whole, units - whole * kStepBlocks);
-    for (int c = 0; c < C; ++c) out[c * N + n] = _mm512_reduce_add_ps(acc[c]) + _mm512_reduce_add_ps(extra[c]);
+      auto step = [&](int64_t s, int64_t count) __attribute__((always_inline)) {
+        const __mmask16 present = first_lanes(count);
+        __m512i v[L::kVecs];
+        __m512 scale, offset;
+        L::step(row, nb, s, count, v, scale, offset);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          const int16_t* x = a.q.data() + (m0 + c) * a.stride + s * kStepValues;
+          // independent sums (vpdpwssd's latency is ~5 cycles, two issue per cycle; fewer with
+          // more rows, which interleave): integer sums, so the same dots in any grouping
+          constexpr int kParts = C >= 4 ? 1 : C == 1 ? 4 : 2;
+          __m512i part[kParts];
+          for (auto& q : part) q = _mm512_setzero_si512();
+#pragma GCC unroll 16
+          for (int i = 0; i < L::kVecs; ++i)
+            part[i % kParts] = _mm512_dpwssd_epi32(part[i % kParts], v[i], _mm512_loadu_si512(x + 32 * i));
+          __m512i dots = part[0];
+          for (int i = 1; i < kParts; ++i) dots = _mm512_add_epi32(dots, part[i]);
+          const int64_t u = (m0 + c) * a.nb + kStepBlocks * s;
+          acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scale, per_lane(a.scale.data() + u, present)), acc[c]);
+          if constexpr (L::kHasOffset)
+            extra[c] = _mm512_fmadd_ps(offset, per_lane(a.sum.data() + u, present), extra[c]);
+        }
+      };
+      // whole steps with a constant count (no masks), then a short last one
+      for (int64_t s = p0; s < std::min(p1, whole); ++s) step(s, kStepBlocks);
+      if (whole < p1) step(whole, units - whole * kStepBlocks);
+      if (p1 < steps) {
+        for (int c = 0; c < C; ++c) {
+          kept[n - n0].acc[c] = acc[c];
+          kept[n - n0].extra[c] = extra[c];
+        }
+      } else {
+        for (int c = 0; c < C; ++c) out[c * N + n] = _mm512_reduce_add_ps(acc[c]) + _mm512_reduce_add_ps(extra[c]);
+      }
+    }
   }
 }
 
@@ -278,16 +311,19 @@ void lanes_rows(const QuantizedActivations& a, int64_t m0, int64_t K, const uint
 template <class T>
 void lanes_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
                   float* out, int64_t N) {
-  constexpr int64_t kChunk = 64;
-  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
-    const int64_t c1 = std::min(n1, c0 + kChunk);
+  for (int64_t c0 = n0; c0 < n1; c0 += kLanesChunk) {
+    const int64_t c1 = std::min(n1, c0 + kLanesChunk);
     for (int64_t m = 0; m < M; m += kLanesRows) {
       float* o = out + m * N;
       switch (std::min<int64_t>(kLanesRows, M - m)) {
         case 1: lanes_rows<T, 1>(a, m, K, w, c0, c1, o, N); break;
         case 2: lanes_rows<T, 2>(a, m, K, w, c0, c1, o, N); break;
         case 3: lanes_rows<T, 3>(a, m, K, w, c0, c1, o, N); break;
-        default: lanes_rows<T, 4>(a, m, K, w, c0, c1, o, N); break;
+        case 4: lanes_rows<T, 4>(a, m, K, w, c0, c1, o, N); break;
+        case 5: lanes_rows<T, 5>(a, m, K, w, c0, c1, o, N); break;
+        case 6: lanes_rows<T, 6>(a, m, K, w, c0, c1, o, N); break;
+        case 7: lanes_rows<T, 7>(a, m, K, w, c0, c1, o, N); break;
+        default: lanes_rows<T, 8>(a, m, K, w, c0, c1, o, N); break;
       }
     }
   }
