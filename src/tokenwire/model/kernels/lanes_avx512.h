@@ -38,30 +38,6 @@ inline __mmask16 first_lanes(int64_t count) {
 
 inline __m512i lane_index(const int (&idx)[16]) { return _mm512_loadu_si512(idx); }
 
-// 16 blocks of 16 quant bytes (a 32-weight block's nibbles: byte i holds weights i and i + 16)
-// as 16 vectors in ActI16Lanes<32>'s order: a 16 x 4 transpose of dwords, then masks
-inline void q4_lanes(const uint8_t* quants, int64_t count, __m512i v[16]) {
-  __m512i z[4];
-  for (int i = 0; i < 4; ++i)
-    z[i] = _mm512_maskz_loadu_epi32(first_lanes(std::clamp<int64_t>(4 * count - 16 * i, 0, 16)), quants + 64 * i);
-  const __m512i m = _mm512_set1_epi32(0x000f000f);
-  for (int e = 0; e < 4; e += 2) {
-    // lanes 0-7: dword e of blocks 0-7 (of z[0], z[1]), lanes 8-15: dword e + 1
-    static const int idx0[16] = {0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29};
-    static const int idx2[16] = {2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31};
-    const __m512i idx = lane_index(e == 0 ? idx0 : idx2);
-    const __m512i a = _mm512_permutex2var_epi32(z[0], idx, z[1]), b = _mm512_permutex2var_epi32(z[2], idx, z[3]);
-    const __m512i t[2] = {_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee)};
-    for (int h = 0; h < 2; ++h) {
-      const int d = e + h;  // dword d: low nibbles weights 4d.., high nibbles 16 + 4d..
-      v[2 * d] = _mm512_and_si512(t[h], m);
-      v[2 * d + 1] = _mm512_and_si512(_mm512_srli_epi16(t[h], 8), m);
-      v[2 * d + 8] = _mm512_and_si512(_mm512_srli_epi16(t[h], 4), m);
-      v[2 * d + 9] = _mm512_srli_epi16(t[h], 12);
-    }
-  }
-}
-
 inline __m512 halves16(const uint8_t* p, __mmask16 present) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, p));
 }
@@ -74,20 +50,53 @@ struct Lanes {
   static constexpr bool kHas = false;  // the types below: true
 };
 
+// Activations for Q4_0, Q4_1, Q4_K: blocks of 32 values (one scale each), a step of 8 blocks,
+// each block in two lanes: its values 16 h .. 16 h + 15 in lane 2 (j % 8) + h, placed
+// in the lane as ActI16Lanes<16> places a block's 16
+struct ActI16LaneHalves {
+  static constexpr const char* kName = "i16_lane_halves";
+  static constexpr int kBlock = 32;
+  static int64_t stride(int64_t K) { return (K / 32 + 7) / 8 * 256; }  // whole steps
+  static int64_t base(int64_t j) { return j / 8 * 256 + 4 * (j % 8); }
+  static constexpr int64_t slot(int64_t i) { return (2 * (i % 16 / 4) + i % 2) * 32 + 2 * (i / 16) + (i % 4) / 2; }
+};
+
+// The nibbles of 8 32-weight blocks (16 quant bytes each, byte i holding weights i and i + 16),
+// block t in lanes 2 t (low nibbles) and 2 t + 1 (high): as ActI16LaneHalves pairs them. Lanes
+// 2 t, 2 t + 1 read the same dwords, shifted by 0 or 4.
+inline void q4_halves(const uint8_t* quants, int64_t count, __m512i v[8]) {
+  const __m512i z0 = _mm512_maskz_loadu_epi32(first_lanes(std::min<int64_t>(4 * count, 16)), quants);
+  const __m512i z1 = _mm512_maskz_loadu_epi32(first_lanes(std::max<int64_t>(4 * count - 16, 0)), quants + 64);
+  const __m512i base = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+  const __m512i nibble = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  const __m512i m = _mm512_set1_epi32(0x000f000f);
+  for (int d = 0; d < 4; ++d) {
+    const __m512i q = _mm512_srlv_epi32(_mm512_permutex2var_epi32(z0, _mm512_add_epi32(base, _mm512_set1_epi32(d)), z1), nibble);
+    v[2 * d] = _mm512_and_si512(q, m);
+    v[2 * d + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 8), m);
+  }
+}
+
+// 8 fp16 values (blocks 8 s ..) each into two lanes, from the first `count`
+inline __m512 halves8_paired(const uint8_t* p, int64_t count) {
+  const __m256 f = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>(first_lanes(count)), p));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(f));
+}
+
 template <class T>
-struct LanesQ4 {  // Q4_0 (offset -8 d) and Q4_1 (offset m)
+struct LanesQ4 {  // Q4_0 (offset -8 d) and Q4_1 (offset m), 8 blocks a step
   static constexpr bool kHas = true;
-  using Act = ActI16Lanes<32>;
-  static constexpr int kVecs = 16;
-  static constexpr int kLanesPerBlock = 1;
+  using Act = ActI16LaneHalves;
+  static constexpr int kVecs = 8;
+  static constexpr int kLanesPerBlock = 2;
   static constexpr bool kHasOffset = true;
-  static void step(const uint8_t* row, int64_t nb, int64_t s, int64_t count, __m512i v[16], __m512& scale,
+  static void step(const uint8_t* row, int64_t nb, int64_t s, int64_t count, __m512i v[8], __m512& scale,
                    __m512& offset) {
-    q4_lanes(T::part(row, nb, T::kQuantPart) + 256 * s, count, v);
-    const __mmask16 present = first_lanes(count);
-    scale = halves16(T::part(row, nb, T::kScalePart) + 32 * s, present);
-    if constexpr (T::kId == Q4_0::kId) offset = _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
-    else offset = halves16(T::part(row, nb, T::kMinPart) + 32 * s, present);
+    q4_halves(T::part(row, nb, T::kQuantPart) + 128 * s, count, v);
+    scale = halves8_paired(T::part(row, nb, T::kScalePart) + 16 * s, count);
+    // the offset meets the block's sum once: in its first lane
+    if constexpr (T::kId == Q4_0::kId) offset = _mm512_maskz_mul_ps(0x5555, scale, _mm512_set1_ps(-8.0f));
+    else offset = _mm512_maskz_mov_ps(0x5555, halves8_paired(T::part(row, nb, T::kMinPart) + 16 * s, count));
   }
 };
 template <>
@@ -135,17 +144,6 @@ struct Lanes<Q8_0> {
     scale = halves16(Q8_0::part(row, nb, Q8_0::kScalePart) + 32 * s, first_lanes(count));
     offset = _mm512_setzero_ps();
   }
-};
-
-// Activations for Q4_K: blocks of 32 values (one scale each), a step of 8 blocks (one super-
-// block), each block in two lanes: its values 16 h .. 16 h + 15 in lane 2 (j % 8) + h, placed
-// in the lane as ActI16Lanes<16> places a block's 16
-struct ActI16LaneHalves {
-  static constexpr const char* kName = "i16_lane_halves";
-  static constexpr int kBlock = 32;
-  static int64_t stride(int64_t K) { return K; }
-  static int64_t base(int64_t j) { return j / 8 * 256 + 4 * (j % 8); }
-  static constexpr int64_t slot(int64_t i) { return (2 * (i % 16 / 4) + i % 2) * 32 + 2 * (i / 16) + (i % 4) / 2; }
 };
 
 // Q4_K: a step is one super-block, a lane half a 32-weight sub-block t (chunk t / 2's nibble
@@ -224,6 +222,27 @@ struct Lanes<Q6_K> {
 // out[m0 + c, n] for c < C, n in [n0, n1): each step unpacked once for the C rows; per (weight
 // row, activation row) the block dots times weight scale * activation scale, and the offsets
 // times the activations' exact sums, in two accumulators of 16 lanes summed at the end
+// The activations' block scales and exact sums as the lanes of each step take them (a block's
+// in each of its lanes, zero past the last block): one load per step and row.
+struct LaneScales {
+  std::vector<float> scale, sum;
+  int64_t steps = 0;
+
+  void fill(const QuantizedActivations& a, int64_t M, int lanes_per_block) {
+    const int64_t step_blocks = 16 / lanes_per_block;
+    steps = (a.nb + step_blocks - 1) / step_blocks;
+    scale.assign(M * steps * 16, 0.0f);
+    sum.assign(M * steps * 16, 0.0f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < a.nb; ++j)
+        for (int h = 0; h < lanes_per_block; ++h) {
+          const int64_t lane = (m * steps + j / step_blocks) * 16 + (j % step_blocks) * lanes_per_block + h;
+          scale[lane] = a.scale[m * a.nb + j];
+          sum[lane] = a.sum[m * a.nb + j];
+        }
+  }
+};
+
 constexpr int64_t kLanesChunk = 64;  // weight rows per pass of every group of activation rows
 
 // out[m0 + c, n] for c < C, n in [n0, n1) (at most kLanesChunk rows): each step unpacked once for
@@ -233,8 +252,8 @@ constexpr int64_t kLanesChunk = 64;  // weight rows per pass of every group of a
 // L1 while the weight rows pass, the accumulators kept between panels: the order of the sums is
 // the same for any C and panel.
 template <class T, int C>
-void lanes_rows(const QuantizedActivations& a, int64_t m0, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
-                float* out, int64_t N) {
+void lanes_rows(const QuantizedActivations& a, const LaneScales& ls, int64_t m0, int64_t K, const uint8_t* w,
+                int64_t n0, int64_t n1, float* out, int64_t N) {
   using L = Lanes<T>;
   constexpr int64_t kStepValues = L::kVecs * 32, kStepBlocks = 16 / L::kLanesPerBlock;
   // 16 KB of int16 activations per panel (L1 is 48 KB on Zen 5)
@@ -242,12 +261,6 @@ void lanes_rows(const QuantizedActivations& a, int64_t m0, int64_t K, const uint
   const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBlockBytes;
   const int64_t units = K / L::Act::kBlock, steps = (units + kStepBlocks - 1) / kStepBlocks;
   const int64_t whole = units / kStepBlocks;
-  // an activation block's scale and sum into each of its lanes
-  const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  auto per_lane = [&](const float* p, __mmask16 present) {
-    if constexpr (L::kLanesPerBlock == 1) return _mm512_maskz_loadu_ps(present, p);
-    else return _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_maskz_loadu_ps(present, p)));
-  };
   struct Sums {
     __m512 acc[C], extra[C];
   };
@@ -268,7 +281,6 @@ void lanes_rows(const QuantizedActivations& a, int64_t m0, int64_t K, const uint
         extra[c] = panels ? kept[n - n0].extra[c] : _mm512_setzero_ps();
       }
       auto step = [&](int64_t s, int64_t count) __attribute__((always_inline)) {
-        const __mmask16 present = first_lanes(count);
         __m512i v[L::kVecs];
         __m512 scale, offset;
         L::step(row, nb, s, count, v, scale, offset);
@@ -285,10 +297,9 @@ void lanes_rows(const QuantizedActivations& a, int64_t m0, int64_t K, const uint
             part[i % kParts] = _mm512_dpwssd_epi32(part[i % kParts], v[i], _mm512_loadu_si512(x + 32 * i));
           __m512i dots = part[0];
           for (int i = 1; i < kParts; ++i) dots = _mm512_add_epi32(dots, part[i]);
-          const int64_t u = (m0 + c) * a.nb + kStepBlocks * s;
-          acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scale, per_lane(a.scale.data() + u, present)), acc[c]);
-          if constexpr (L::kHasOffset)
-            extra[c] = _mm512_fmadd_ps(offset, per_lane(a.sum.data() + u, present), extra[c]);
+          const int64_t u = ((m0 + c) * ls.steps + s) * 16;
+          acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scale, _mm512_loadu_ps(ls.scale.data() + u)), acc[c]);
+          if constexpr (L::kHasOffset) extra[c] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(ls.sum.data() + u), extra[c]);
         }
       };
       // whole steps with a constant count (no masks), then a short last one
@@ -311,19 +322,21 @@ void lanes_rows(const QuantizedActivations& a, int64_t m0, int64_t K, const uint
 template <class T>
 void lanes_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
                   float* out, int64_t N) {
+  thread_local LaneScales ls;
+  ls.fill(a, M, Lanes<T>::kLanesPerBlock);
   for (int64_t c0 = n0; c0 < n1; c0 += kLanesChunk) {
     const int64_t c1 = std::min(n1, c0 + kLanesChunk);
     for (int64_t m = 0; m < M; m += kLanesRows) {
       float* o = out + m * N;
       switch (std::min<int64_t>(kLanesRows, M - m)) {
-        case 1: lanes_rows<T, 1>(a, m, K, w, c0, c1, o, N); break;
-        case 2: lanes_rows<T, 2>(a, m, K, w, c0, c1, o, N); break;
-        case 3: lanes_rows<T, 3>(a, m, K, w, c0, c1, o, N); break;
-        case 4: lanes_rows<T, 4>(a, m, K, w, c0, c1, o, N); break;
-        case 5: lanes_rows<T, 5>(a, m, K, w, c0, c1, o, N); break;
-        case 6: lanes_rows<T, 6>(a, m, K, w, c0, c1, o, N); break;
-        case 7: lanes_rows<T, 7>(a, m, K, w, c0, c1, o, N); break;
-        default: lanes_rows<T, 8>(a, m, K, w, c0, c1, o, N); break;
+        case 1: lanes_rows<T, 1>(a, ls, m, K, w, c0, c1, o, N); break;
+        case 2: lanes_rows<T, 2>(a, ls, m, K, w, c0, c1, o, N); break;
+        case 3: lanes_rows<T, 3>(a, ls, m, K, w, c0, c1, o, N); break;
+        case 4: lanes_rows<T, 4>(a, ls, m, K, w, c0, c1, o, N); break;
+        case 5: lanes_rows<T, 5>(a, ls, m, K, w, c0, c1, o, N); break;
+        case 6: lanes_rows<T, 6>(a, ls, m, K, w, c0, c1, o, N); break;
+        case 7: lanes_rows<T, 7>(a, ls, m, K, w, c0, c1, o, N); break;
+        default: lanes_rows<T, 8>(a, ls, m, K, w, c0, c1, o, N); break;
       }
     }
   }
