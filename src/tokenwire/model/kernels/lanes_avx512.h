@@ -1,13 +1,25 @@
-// The AVX-512 integer matmul of the common types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): one block per
-// int32 lane. A step is 16 blocks (the 32- or 16-value units that carry one activation scale);
-// a type unpacks a step of one weight row into int16 vectors whose lane l holds two values of
-// block l, and the activations are stored to match (ActI16Lanes). vpdpwssd then leaves each
-// block's integer dot in its own lane, with no horizontal sums (the AVX2 rows spend a third of
-// their operations on them), and the unpacked step is shared by up to kLanesRows activation
-// rows. Each (weight row, activation row) is summed in the same order whatever the number of
-// rows, so a batch or a prefill chunk gives every row the bits it gets alone.
+// The AVX-512 integer matmul of the common types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), for any number
+// of activation rows: one block per int32 lane. A type unpacks a step of one weight row (8 or 16
+// blocks: the 16- or 32-value units that carry one activation scale) into int16 vectors whose
+// lane l holds values of the lane's block, and the activations are stored to match (the Act
+// formats below). vpdpwssd then leaves each block's integer dot in its own lane, with no
+// horizontal sums (the AVX2 rows of type_kernels.h / types_k.h spend a third of their operations
+// on them), and the unpacked step is shared by up to kLanesRows activation rows. Each (weight
+// row, activation row) is summed in the same order whatever the number of rows, so a batch or
+// a prefill chunk gives every row the bits it gets alone; the integer dots are exact, so how a
+// type's step groups them does not matter.
 //
-// Why (Zen 5 EPYC, one core, 8192x2048, GF/s, AVX2 rows -> this): see the header of matvec.h.
+// Measured (Zen 5 EPYC, one core, 8192x2048, GFLOP/s, min of 12 calls in interleaved rounds of
+// separate processes; AVX2 rows (commit 0192c52) -> these):
+//              M = 1         M = 32        M = 256
+//   Q4_0    127 -> 151    97 -> 159     95 -> 242
+//   Q4_1    124 -> 145   105 -> 164    114 -> 237
+//   Q8_0     93 ->  99   104 -> 161    112 -> 227
+//   Q4_K    100 -> 122   104 -> 149    108 -> 200
+//   Q6_K     64 -> 108    69 -> 144     69 -> 204
+// and SmolLM2's Q4_1 3072x576 (M = 256) 88 -> 133, 576x1536 102 -> 193. A core's vpdpwssd peak
+// here is 8.3 G/s (2 a cycle at 4.2 GHz, 266 G int16 multiply-adds/s); llama.cpp's int8
+// vpdpbusd does twice the multiply-adds per instruction, at half the activations' precision.
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
 #pragma once
 
@@ -30,7 +42,8 @@ struct ActI16Lanes {
 };
 
 #ifdef TW_AVX512
-constexpr int kLanesRows = 4;  // activation rows per unpacked step (registers: 16 + 2 * 4 + 2)
+// activation rows per unpacked step; 8 measured 10-15% slower (registers: v, 2 per row, dots)
+constexpr int kLanesRows = 4;
 
 inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1);
@@ -42,9 +55,11 @@ inline __m512 halves16(const uint8_t* p, __mmask16 present) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, p));
 }
 
-// A type's lane step: Lanes<T>::step(row, nb, s, count, v, scale, offset) unpacks blocks
-// 16 s .. 16 s + count - 1 of a row (the rest zero) and their weight scales and offsets (what
-// multiplies the activations' exact sums), one lane per block.
+// A type's lane step: Lanes<T>::step(row, nb, s, count, v, scale, offset) unpacks the `count`
+// blocks of step s of a row (the lanes past them zero) and their weight scales and offsets (what
+// multiplies the activations' exact sums) in lane order: Act (the activation format), kVecs
+// (int16 vectors a step), kLanesPerBlock (1: 16 blocks a step; 2: 8 blocks, each in two lanes),
+// kHasOffset.
 template <class T>
 struct Lanes {
   static constexpr bool kHas = false;  // the types below: true
@@ -149,7 +164,7 @@ struct Lanes<Q8_0> {
 // Q4_K: a step is one super-block, a lane half a 32-weight sub-block t (chunk t / 2's nibble
 // t % 2): lane 2 t + h holds bytes 16 h .. 16 h + 15 of the chunk. Halves rather than whole
 // sub-blocks over two super-blocks: one permute per dword from the super-block's own 128 bytes
-// instead of two and a merge (measured, 8192x2048 one core, M = 1: 0.48 -> ... ms)
+// instead of two and a merge (measured, 8192x2048 one core, M = 1: 0.48 -> 0.33 ms)
 template <>
 struct Lanes<Q4_K> {
   static constexpr bool kHas = true;
