@@ -223,7 +223,7 @@ class WeightType:
 
 Q4_0 = WeightType("Q4_0", 2, 32, (("d", 2), ("qs", 16)), "i16_q4_pairs", _q4_0, "i16_lane_halves")
 Q4_1 = WeightType("Q4_1", 3, 32, (("d", 2), ("m", 2), ("qs", 16)), "i16_q4_pairs", _q4_1, "i16_lane_halves")
-Q8_0 = WeightType("Q8_0", 8, 32, (("d", 2), ("qs", 32)), "i16_q8_even_odd", _q8_0, "i16_lanes32")
+Q8_0 = WeightType("Q8_0", 8, 32, (("d", 2), ("qs", 32)), "i16_q8_even_odd", _q8_0, "i16_lane_halves")
 # Q5's high bits and nibbles stay together in the split row: the pair dot reads both (types_q5_iq4.h)
 Q5_0 = WeightType("Q5_0", 6, 32, (("d", 2), ("qh_qs", 20)), "i16_byte_pairs", _q5_0)
 Q5_1 = WeightType("Q5_1", 7, 32, (("d", 2), ("m", 2), ("qh_qs", 20)), "i16_byte_pairs", _q5_1)

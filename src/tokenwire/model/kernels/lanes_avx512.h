@@ -29,15 +29,14 @@
 
 namespace tw {
 
-// Activations for the lane kernels: in each step of 16 blocks of B values, value i of block l
-// sits in int16 vector v = 2 (i / 4) + i % 2 at position 2 l + (i % 4) / 2; i.e. a lane holds
-// values 4d + k and 4d + 2 + k (k = v % 2, d = v / 2), the pair a dword of quant bytes gives.
-template <int B>
-struct ActI16Lanes {
-  static constexpr const char* kName = B == 32 ? "i16_lanes32" : "i16_lanes16";
-  static constexpr int kBlock = B;
-  static int64_t stride(int64_t K) { return (K / B + 15) / 16 * 16 * B; }  // whole steps
-  static int64_t base(int64_t j) { return j / 16 * 16 * B + 2 * (j % 16); }
+// Activations for Q6_K's lanes: in each step of 16 blocks of 16 values, value i of block l sits
+// in int16 vector v = 2 (i / 4) + i % 2 at position 2 l + (i % 4) / 2; i.e. a lane holds values
+// 4d + k and 4d + 2 + k (k = v % 2, d = v / 2), the pair a dword of quant bytes gives.
+struct ActI16Lanes16 {
+  static constexpr const char* kName = "i16_lanes16";
+  static constexpr int kBlock = 16;
+  static int64_t stride(int64_t K) { return (K / 16 + 15) / 16 * 256; }  // whole steps
+  static int64_t base(int64_t j) { return j / 16 * 256 + 2 * (j % 16); }
   static constexpr int64_t slot(int64_t i) { return (2 * (i / 4) + i % 2) * 32 + (i % 4) / 2; }
 };
 
@@ -47,12 +46,6 @@ constexpr int kLanesRows = 4;
 
 inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1);
-}
-
-inline __m512i lane_index(const int (&idx)[16]) { return _mm512_loadu_si512(idx); }
-
-inline __m512 halves16(const uint8_t* p, __mmask16 present) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, p));
 }
 
 // A type's lane step: Lanes<T>::step(row, nb, s, count, v, scale, offset) unpacks the `count`
@@ -67,7 +60,7 @@ struct Lanes {
 
 // Activations for Q4_0, Q4_1, Q4_K: blocks of 32 values (one scale each), a step of 8 blocks,
 // each block in two lanes: its values 16 h .. 16 h + 15 in lane 2 (j % 8) + h, placed
-// in the lane as ActI16Lanes<16> places a block's 16
+// in the lane as ActI16Lanes16 places a block's 16
 struct ActI16LaneHalves {
   static constexpr const char* kName = "i16_lane_halves";
   static constexpr int kBlock = 32;
@@ -119,44 +112,37 @@ struct Lanes<Q4_0> : LanesQ4<Q4_0> {};
 template <>
 struct Lanes<Q4_1> : LanesQ4<Q4_1> {};
 
+// Q8_0: 8 blocks a step, block t's 32 int8 in lanes 2 t (bytes 0-15) and 2 t + 1 (16-31), as
+// ActI16LaneHalves pairs them: a dword transpose (two blocks a vector in, lanes of 8 blocks out),
+// each dword's bytes sign-extended into two pairs. Eight blocks rather than 16 a step: a row of
+// 576 (SmolLM2's lm_head, 18 blocks) fills 24 lanes of blocks instead of 32.
 template <>
 struct Lanes<Q8_0> {
   static constexpr bool kHas = true;
-  using Act = ActI16Lanes<32>;
-  static constexpr int kVecs = 16;
-  static constexpr int kLanesPerBlock = 1;
+  using Act = ActI16LaneHalves;
+  static constexpr int kVecs = 8;
+  static constexpr int kLanesPerBlock = 2;
   static constexpr bool kHasOffset = false;
-  // 16 blocks of 32 int8: a 16 x 8 transpose of dwords (blocks 4q.. as four dwords each, then
-  // 128-bit lanes gathered), each dword's bytes sign-extended to two pairs
-  static void step(const uint8_t* row, int64_t nb, int64_t s, int64_t count, __m512i v[16], __m512& scale,
+  static void step(const uint8_t* row, int64_t nb, int64_t s, int64_t count, __m512i v[8], __m512& scale,
                    __m512& offset) {
-    const uint8_t* quants = Q8_0::part(row, nb, Q8_0::kQuantPart) + 512 * s;
-    __m512i z[8];
-    for (int i = 0; i < 8; ++i)
+    const uint8_t* quants = Q8_0::part(row, nb, Q8_0::kQuantPart) + 256 * s;
+    __m512i z[4];
+    for (int i = 0; i < 4; ++i)
       z[i] = _mm512_maskz_loadu_epi32(first_lanes(std::clamp<int64_t>(8 * count - 16 * i, 0, 16)), quants + 64 * i);
-    // p[q][h], lane 4e + b: dword 4h + e of block 4q + b
-    static const int idx0[16] = {0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27};
-    static const int idx1[16] = {4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31};
-    __m512i p[4][2];
-    for (int q = 0; q < 4; ++q) {
-      p[q][0] = _mm512_permutex2var_epi32(z[2 * q], lane_index(idx0), z[2 * q + 1]);
-      p[q][1] = _mm512_permutex2var_epi32(z[2 * q], lane_index(idx1), z[2 * q + 1]);
-    }
-    for (int h = 0; h < 2; ++h) {
-      __m512i t[4];  // dwords 4h + e, e = 0..3: 128-bit lane e of p[0..3][h]
-      const __m512i u01 = _mm512_shuffle_i64x2(p[0][h], p[1][h], 0x44), w01 = _mm512_shuffle_i64x2(p[2][h], p[3][h], 0x44);
-      const __m512i u23 = _mm512_shuffle_i64x2(p[0][h], p[1][h], 0xee), w23 = _mm512_shuffle_i64x2(p[2][h], p[3][h], 0xee);
-      t[0] = _mm512_shuffle_i64x2(u01, w01, 0x88);
-      t[1] = _mm512_shuffle_i64x2(u01, w01, 0xdd);
-      t[2] = _mm512_shuffle_i64x2(u23, w23, 0x88);
-      t[3] = _mm512_shuffle_i64x2(u23, w23, 0xdd);
-      for (int e = 0; e < 4; ++e) {
-        const int d = 4 * h + e;
-        v[2 * d] = _mm512_srai_epi16(_mm512_slli_epi16(t[e], 8), 8);
-        v[2 * d + 1] = _mm512_srai_epi16(t[e], 8);
+    // lanes 0-7 (block t = lane / 2, half h = lane % 2): dword 8 t + 4 h + d of a pair of
+    // vectors; lanes 8-15: the same for d + 2
+    const __m512i base = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 2, 6, 10, 14, 18, 22, 26, 30);
+    for (int d = 0; d < 2; ++d) {
+      const __m512i idx = _mm512_add_epi32(base, _mm512_set1_epi32(d));
+      const __m512i a = _mm512_permutex2var_epi32(z[0], idx, z[1]), b = _mm512_permutex2var_epi32(z[2], idx, z[3]);
+      const __m512i t[2] = {_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee)};
+      for (int e = 0; e < 2; ++e) {  // dword d + 2 e of each half
+        const int dw = d + 2 * e;
+        v[2 * dw] = _mm512_srai_epi16(_mm512_slli_epi16(t[e], 8), 8);
+        v[2 * dw + 1] = _mm512_srai_epi16(t[e], 8);
       }
     }
-    scale = halves16(Q8_0::part(row, nb, Q8_0::kScalePart) + 32 * s, first_lanes(count));
+    scale = halves8_paired(Q8_0::part(row, nb, Q8_0::kScalePart) + 16 * s, count);
     offset = _mm512_setzero_ps();
   }
 };
@@ -206,7 +192,7 @@ struct Lanes<Q4_K> {
 template <>
 struct Lanes<Q6_K> {
   static constexpr bool kHas = true;
-  using Act = ActI16Lanes<16>;
+  using Act = ActI16Lanes16;
   static constexpr int kVecs = 8;
   static constexpr int kLanesPerBlock = 1;
   static constexpr bool kHasOffset = true;
