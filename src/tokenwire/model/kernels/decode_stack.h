@@ -8,6 +8,7 @@
 
 #include <memory>
 
+#include "attention.h"
 #include "barrier.h"
 #include "matvec.h"
 
@@ -21,103 +22,6 @@ void rms_norm_rows(const float* x, const float* weight, float eps, int64_t M, in
     const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
     for (int64_t i = 0; i < H; ++i) out[m * H + i] = weight[i] * (xr[i] * r);
   }
-}
-
-#ifdef TW_AVX2
-// e^x, within a few ulp for x in [-87.3, 88.3] (clamped there: softmax and SiLU never need more):
-// x = n ln2 + r with |r| <= ln2/2 (ln2 in two parts, so n ln2 is exact enough), e^r by its
-// Taylor polynomial to r^7 (truncation error 5e-9 relative), 2^n built in the exponent bits.
-inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-#endif
-
-// scores[t] <- exp(scores[t] - max); returns their sum (the softmax's denominator)
-inline float softmax_numerators(float* scores, int64_t len) {
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, scores[t]);
-  float total = 0;
-  int64_t t = 0;
-#ifdef TW_AVX2
-  const __m256 vmax = _mm256_set1_ps(mx);
-  __m256 sum = _mm256_setzero_ps();
-  for (; t + 8 <= len; t += 8) {
-    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + t), vmax));
-    _mm256_storeu_ps(scores + t, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  total = hsum(sum);
-#endif
-  for (; t < len; ++t) {
-    scores[t] = std::exp(scores[t] - mx);
-    total += scores[t];
-  }
-  return total;
-}
-
-// The attention of one (row, head) over its positions [from, len): scores q.k * scale, then the
-// values weighed by softmax. Each position's score and each value's term are computed the same
-// way whatever the row, the step or the number of positions (positions are taken in fours with
-// the tail padded, never as one scalar tail), so a row's attention does not depend on its step.
-// Measured (SmolLM2's fused stack, one 512-row prefill step, 2 threads, min of 3): rows at
-// positions 1500-2011 2.45 -> 2.05 s, 500-1011 1.40 -> 1.26 s, 0-511 0.95 -> 0.97 s, against
-// one hsum per position and the output accumulated through memory.
-template <class KeyAt>
-inline void key_scores(const float* q, const KeyAt& key, int64_t from, int64_t len, int64_t D, float scale,
-                       float* scores) {
-#ifdef TW_AVX2
-  if (D % 8 == 0) {
-    for (int64_t t = from; t < len; t += 4) {
-      __m256 acc[4];
-      for (int i = 0; i < 4; ++i) {
-        acc[i] = _mm256_setzero_ps();
-        if (t + i >= len) continue;  // padding: a zero score, not stored
-        const float* k = key(t + i);
-        for (int64_t d = 0; d < D; d += 8)
-          acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc[i]);
-      }
-      // the four sums at once: [a0 a1 a2 a3] in the low lanes
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      float four[4];
-      _mm_storeu_ps(four, _mm_mul_ps(sums, _mm_set1_ps(scale)));
-      for (int i = 0; i < 4 && t + i < len; ++i) scores[t + i - from] = four[i];
-    }
-    return;
-  }
-#endif
-  for (int64_t t = from; t < len; ++t) scores[t - from] = dot(q, key(t), D) * scale;
-}
-
-// out[D] = sum over positions of (score / total) * value, in position order; the output is held
-// in registers 64 values at a time (the same FMAs, in the same order, as through memory)
-template <class ValueAt>
-inline void weigh_values(const float* scores, float total, const ValueAt& value, int64_t from, int64_t len,
-                         int64_t D, float* out) {
-#ifdef TW_AVX2
-  if (D % 64 == 0) {
-    for (int64_t c = 0; c < D; c += 64) {
-      __m256 o[8];
-      for (auto& r : o) r = _mm256_setzero_ps();
-      for (int64_t t = from; t < len; ++t) {
-        const __m256 w = _mm256_set1_ps(scores[t - from] / total);
-        const float* v = value(t) + c;
-        for (int i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), o[i]);
-      }
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + c + 8 * i, o[i]);
-    }
-    return;
-  }
-#endif
-  std::fill(out, out + D, 0.0f);
-  for (int64_t t = from; t < len; ++t) axpy(scores[t - from] / total, value(t), out, D);
 }
 
 // out = act(gate) * up for n values (a multiple of 8); act 0 = SiLU, 1 = GELU (tanh form)
@@ -360,7 +264,12 @@ struct DecodeStack : torch::CustomClassHolder {
         }
       };
       const auto [s0, s1] = share(slices, tid, nt);                          // q/k/v head slices
-      const auto [t0, t1] = share(M * num_heads, tid, nt);                   // attention (row, head)
+#ifdef TW_AVX512
+      const bool grouped = D % 16 == 0 && D <= 128;  // attention by (row, KV head): attention.h
+#else
+      const bool grouped = false;
+#endif
+      const auto [t0, t1] = share(M * (grouped ? num_kv_heads : num_heads), tid, nt);  // attention tasks
       const auto [o0, o1] = share(H, tid, nt);                               // o and down rows
       for (int64_t l = first; l < last; ++l) {
         const StackLayer& L = layers[l];
@@ -398,13 +307,23 @@ struct DecodeStack : torch::CustomClassHolder {
 SYNC
         const float scale = L.scale > 0 ? L.scale : default_scale;
         for (int64_t task = t0; task < t1; ++task) {  // softmax(q.k * scale) over the row's positions
-          const int64_t m = task / num_heads, head = task % num_heads, kvh = head / rep, len = pos[m] + 1;
+          const int64_t m = task / (grouped ? num_kv_heads : num_heads), len = pos[m] + 1;
           const int64_t from = L.window > 0 ? std::max<int64_t>(0, len - L.window) : 0;  // its window
-          const float* q = qkv.data() + m * qkv_n + head * D;
           const int64_t* table = tables + m * max_blocks;
-          scores.resize(len - from);
+          const int64_t kvh = grouped ? task % num_kv_heads : task % num_heads / rep;
           auto key = [&](int64_t t) { return kc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D; };
           auto value = [&](int64_t t) { return vc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D; };
+#ifdef TW_AVX512
+          if (grouped) {  // the rep query heads of KV head kvh
+            const float* q = qkv.data() + m * qkv_n + kvh * rep * D;
+            float* o = attn.data() + m * q_size + kvh * rep * D;
+            attend_heads_d(D, q, rep, key, value, from, len, scale, scores, o);
+            continue;
+          }
+#endif
+          const int64_t head = task % num_heads;
+          const float* q = qkv.data() + m * qkv_n + head * D;
+          scores.resize(len - from);
           key_scores(q, key, from, len, D, scale, scores.data());
           const float total = softmax_numerators(scores.data(), len - from);
           weigh_values(scores.data(), total, value, from, len, D, attn.data() + m * q_size + head * D);
