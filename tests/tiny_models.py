@@ -59,6 +59,9 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
     "smollm2": LlamaConfig(
         **_common(tie_word_embeddings=True, num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
     ),
+    # head sizes the fused attention takes in other register shapes: 128 (Llama 3 8B's) and 48
+    "llama_d128": LlamaConfig(**_common(hidden_size=256, num_attention_heads=2, num_key_value_heads=1)),
+    "llama_d48": LlamaConfig(**_common(hidden_size=96, num_attention_heads=2, num_key_value_heads=1)),
     # issue 25's families, each with the parts that set it apart: Qwen3's per-head q/k norm (and a
     # sliding window from layer 1 on), SmolLM3's layer without RoPE, Gemma 3's (1 + w) sandwich
     # norms, scaled embeddings, query pre-scale, GELU-tanh, windowed local layers with their own

@@ -245,6 +245,9 @@ def _max_logprob_diff(a: list[list[tuple[int, float]]], b: list[list[tuple[int, 
         # the kernel's per-layer parts: Qwen3's q/k norm and sliding window, SmolLM3's NoPE layer
         ("qwen3", Q8_0, 2),
         ("smollm3", Q4_0, 2),
+        # the attention's other head sizes (AVX-512: 8 and 3 vectors a head)
+        ("llama_d128", Q4_0, 2),
+        ("llama_d48", Q8_0, 2),
     ],
 )
 def test_fused_decode_equals_eager_layers_in_the_engine(
