@@ -105,6 +105,17 @@ inline void weigh_values(const float* scores, float total, const ValueAt& value,
   for (int64_t t = from; t < len; ++t) axpy(scores[t - from] / total, value(t), out, D);
 }
 
+// Whether the fused step takes its attention by (row, KV head) through attend_heads_d below:
+// AVX-512 and a head of 16 to 128 values in whole vectors
+inline bool grouped_attention(int64_t D) {
+#ifdef TW_AVX512
+  return D % 16 == 0 && D >= 16 && D <= 128;
+#else
+  (void)D;
+  return false;
+#endif
+}
+
 #ifdef TW_AVX512
 // four 16-lane sums -> their four totals, each by the same tree (pairs inside 128-bit lanes, then
 // the 128-bit lanes), whatever the other three

@@ -264,11 +264,7 @@ struct DecodeStack : torch::CustomClassHolder {
         }
       };
       const auto [s0, s1] = share(slices, tid, nt);                          // q/k/v head slices
-#ifdef TW_AVX512
-      const bool grouped = D % 16 == 0 && D <= 128;  // attention by (row, KV head): attention.h
-#else
-      const bool grouped = false;
-#endif
+      const bool grouped = grouped_attention(D);  // attention by (row, KV head)
       const auto [t0, t1] = share(M * (grouped ? num_kv_heads : num_heads), tid, nt);  // attention tasks
       const auto [o0, o1] = share(H, tid, nt);                               // o and down rows
       for (int64_t l = first; l < last; ++l) {

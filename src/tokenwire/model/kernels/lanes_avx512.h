@@ -41,7 +41,8 @@ struct ActI16Lanes16 {
 };
 
 #ifdef TW_AVX512
-// activation rows per unpacked step; 8 measured 10-15% slower (registers: v, 2 per row, dots)
+// activation rows per unpacked step (lanes_matmul's cases go to 4); 8 measured 10-15% slower
+// (registers: v, 2 per row, dots)
 constexpr int kLanesRows = 4;
 
 inline __mmask16 first_lanes(int64_t count) {
@@ -78,9 +79,6 @@ struct ActI16LaneHalves {
   static constexpr int64_t slot(int64_t i) { return (2 * (i % 16 / 4) + i % 2) * 32 + 2 * (i / 16) + (i % 4) / 2; }
 };
 
-// The nibbles of 8 32-weight blocks (16 quant bytes each, byte i holding weights i and i + 16),
-// block t in lanes 2 t (low nibbles) and 2 t + 1 (high): as ActI16LaneHalves pairs them. Lanes
-// 2 t, 2 t + 1 read the same dwords, shifted by 0 or 4.
 // Eight int16 vectors from 128 bytes of nibbles (z0, z1): lane l takes dword base[l] + d of them
 // (d = 0..3) and its low nibbles (nibble[l] = 0) or high ones (4), byte pairs as ActI16LaneHalves
 // pairs a lane's values
@@ -93,6 +91,9 @@ inline void nibble_lanes(__m512i z0, __m512i z1, __m512i base, __m512i nibble, _
   }
 }
 
+// The nibbles of 8 32-weight blocks (16 quant bytes each, byte i holding weights i and i + 16),
+// block t in lanes 2 t (low nibbles) and 2 t + 1 (high): lanes 2 t, 2 t + 1 read the same
+// dwords, shifted by 0 or 4
 inline void q4_halves(const uint8_t* quants, int64_t count, __m512i v[8]) {
   const __m512i z0 = _mm512_maskz_loadu_epi32(first_lanes(std::min<int64_t>(4 * count, 16)), quants);
   const __m512i z1 = _mm512_maskz_loadu_epi32(first_lanes(std::max<int64_t>(4 * count - 16, 0)), quants + 64);
@@ -100,10 +101,14 @@ inline void q4_halves(const uint8_t* quants, int64_t count, __m512i v[8]) {
                _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4), v);
 }
 
+// lanes 2 t and 2 t + 1 from lane t: a value per block into both lanes of its half-block pair
+inline __m512 paired(__m256 f) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(f));
+}
+
 // 8 fp16 values (blocks 8 s ..) each into two lanes, from the first `count`
 inline __m512 halves8_paired(const uint8_t* p, int64_t count) {
-  const __m256 f = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>(first_lanes(count)), p));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(f));
+  return paired(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>(first_lanes(count)), p)));
 }
 
 // Q4_0 (offset -8 d) and Q4_1 (offset m), 8 blocks a step
@@ -162,7 +167,6 @@ struct Lanes<Q4_K> : LaneTraits<ActI16LaneHalves, 8, 2, true> {
   static void step(const uint8_t* row, int64_t nb, int64_t s, int64_t, __m512i v[8], __m512& scale,
                    __m512& offset) {
     const uint8_t* b = row + s * Q4_K::kBlockBytes;
-    const __m512i z0 = _mm512_loadu_si512(b + 16), z1 = _mm512_loadu_si512(b + 80);
     // lane 2 t + h: dword 8 (t / 2) + 4 h + d of the 128 quant bytes, shifted by 4 (t % 2)
     nibble_lanes(_mm512_loadu_si512(b + 16), _mm512_loadu_si512(b + 80),
                  _mm512_setr_epi32(0, 4, 0, 4, 8, 12, 8, 12, 16, 20, 16, 20, 24, 28, 24, 28),
@@ -170,10 +174,8 @@ struct Lanes<Q4_K> : LaneTraits<ActI16LaneHalves, 8, 2, true> {
     alignas(16) uint8_t sc[16] = {}, mn[16] = {};
     k4_scales(b + 4, sc, mn);
     __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int*>(b)));  // d, dmin
-    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    auto bytes8 = [&](const uint8_t* p) {  // 8 bytes, each into two lanes
-      const __m512i ints = _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-      return _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(pairs, ints));
+    auto bytes8 = [](const uint8_t* p) {  // 8 bytes, each into two lanes
+      return paired(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
     };
     scale = _mm512_mul_ps(_mm512_set1_ps(_mm_cvtss_f32(both)), bytes8(sc));
     // the offset meets the block's sum once: in its first lane
@@ -210,9 +212,6 @@ struct Lanes<Q6_K> : LaneTraits<ActI16Lanes16, 8, 1, true> {
   }
 };
 
-// out[m0 + c, n] for c < C, n in [n0, n1): each step unpacked once for the C rows; per (weight
-// row, activation row) the block dots times weight scale * activation scale, and the offsets
-// times the activations' exact sums, in two accumulators of 16 lanes summed at the end
 // The activations' block scales and exact sums as the lanes of each step take them (a block's
 // in each of its lanes, zero past the last block): one load per step and row.
 struct LaneScales {
@@ -330,11 +329,7 @@ void lanes_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uin
         case 1: lanes_rows<T, 1>(a, ls, m, K, w, c0, c1, o, N, m == 0); break;
         case 2: lanes_rows<T, 2>(a, ls, m, K, w, c0, c1, o, N, m == 0); break;
         case 3: lanes_rows<T, 3>(a, ls, m, K, w, c0, c1, o, N, m == 0); break;
-        case 4: lanes_rows<T, 4>(a, ls, m, K, w, c0, c1, o, N, m == 0); break;
-        case 5: lanes_rows<T, 5>(a, ls, m, K, w, c0, c1, o, N, m == 0); break;
-        case 6: lanes_rows<T, 6>(a, ls, m, K, w, c0, c1, o, N, m == 0); break;
-        case 7: lanes_rows<T, 7>(a, ls, m, K, w, c0, c1, o, N, m == 0); break;
-        default: lanes_rows<T, 8>(a, ls, m, K, w, c0, c1, o, N, m == 0); break;
+        default: lanes_rows<T, kLanesRows>(a, ls, m, K, w, c0, c1, o, N, m == 0); break;
       }
     }
   }
