@@ -53,6 +53,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="KV cache budget in MiB (default: --max-num-seqs sequences of --max-model-len tokens, "
         "capped by free memory)",
     )
+    g.add_argument(
+        "--kv-dtype",
+        default="auto",
+        help="how the KV cache stores keys and values: auto, fp16 (auto's choice with quantised "
+        "weights), bf16, q8 (int8 with an fp16 scale per 32), fp32 (auto's otherwise); "
+        "--kv-cache-mb counts the stored bytes",
+    )
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     g.add_argument(
         "--max-num-seqs", type=int, default=1, help="sequences the default KV budget holds at full length"
@@ -79,6 +86,7 @@ def settings_from(args: argparse.Namespace, **extra: object) -> EngineSettings:
         dtype=args.dtype,
         device=args.device,
         kv_cache_mb=args.kv_cache_mb,
+        kv_dtype=args.kv_dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_tokens,

@@ -78,7 +78,7 @@ def test_alone_in_a_batch_of_32_and_chunked_prefill_give_the_same_bits(model, to
 
 
 def test_a_preempted_request_recomputes_the_same_bits(model, tokenizer) -> None:
-    per_block = KVCache.bytes_per_block(model.config, 16, torch.float32)
+    per_block = KVCache.bytes_per_block(model.config, 16, "fp16")  # auto for quantised weights
     engine = Engine(model, tokenizer, name="m", kv_cache_mb=8 * per_block / 2**20)  # 8 blocks
     assert engine.kv.num_blocks == 8
     try:

@@ -86,7 +86,7 @@ def _filled(kv: KVCache, tokens: list[int]) -> Session:
 
 
 def test_fork_shares_blocks_and_a_write_copies_the_shared_one() -> None:
-    kv = KVCache(TINY, 8, 4, torch.float32, "cpu")
+    kv = KVCache(TINY, 8, 4, "fp32", "cpu")
     parent = _filled(kv, list(range(1, 7)))  # 6 tokens: one full block, one partial
     child = parent.fork("c", 6, kv)
     assert child.block_table == parent.block_table
@@ -105,7 +105,7 @@ def test_fork_shares_blocks_and_a_write_copies_the_shared_one() -> None:
 
 
 def test_full_blocks_are_found_again_by_their_token_prefix() -> None:
-    kv = KVCache(TINY, 8, 4, torch.float32, "cpu")
+    kv = KVCache(TINY, 8, 4, "fp32", "cpu")
     first = _filled(kv, list(range(1, 10)))  # two full blocks registered
     first.release(kv)
     again = Session("t", tokens=[*range(1, 9), 99, 98])

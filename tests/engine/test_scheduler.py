@@ -29,7 +29,7 @@ def _failures() -> tuple[list[tuple[int, str]], object]:
 
 
 def test_an_urgent_prefill_preempts_a_decoding_batch_request() -> None:
-    kv = KVCache(TINY, 4, 4, torch.float32, "cpu")  # 16 positions
+    kv = KVCache(TINY, 4, 4, "fp32", "cpu")  # 16 positions
     scheduler = Scheduler(kv, max_batch_tokens=64, max_running=8, idle_sessions=list)
     failed, fail = _failures()
     batch = _request(1, 10, priority=10)
@@ -48,7 +48,7 @@ def test_an_urgent_prefill_preempts_a_decoding_batch_request() -> None:
 
 
 def test_equal_priority_never_preempts_and_a_request_too_big_for_the_cache_fails() -> None:
-    kv = KVCache(TINY, 4, 4, torch.float32, "cpu")
+    kv = KVCache(TINY, 4, 4, "fp32", "cpu")
     scheduler = Scheduler(kv, max_batch_tokens=64, max_running=8, idle_sessions=list)
     failed, fail = _failures()
     first = _request(1, 10, priority=5)
@@ -75,7 +75,7 @@ def test_preempted_request_finishes_after_the_urgent_one_with_the_same_tokens(to
     """End to end: the batch request is preempted mid-decode, recomputed, and its greedy output
     is what it is without contention."""
     probe, _ = make_engine("smollm2", tokenizer)
-    per_block = KVCache.bytes_per_block(probe.config, 16, torch.float32)
+    per_block = KVCache.bytes_per_block(probe.config, 16, "fp32")
     probe.shutdown()
     engine, _ = make_engine("smollm2", tokenizer, kv_cache_mb=8 * per_block / 2**20)  # 8 blocks
     assert engine.kv.num_blocks == 8

@@ -210,7 +210,9 @@ def _decode_runs(model, tokenizer, fuse: bool, int16: bool, sequences: int) -> l
     prompts = [[1, 2, 3, 4, 5] * k + [7] for k in range(1, 4 * sequences, 4)]
     model.fuse_decode = fuse
     ops().set_int16_activations(int16)
-    engine = Engine(model, tokenizer, name="tiny", kv_cache_mb=16)
+    # an fp32 cache: these runs hold the matmuls' paths to each other, and an fp16 cache would
+    # round the paths' keys (1e-6 apart) to fp16 values an ulp (1e-3) apart now and then
+    engine = Engine(model, tokenizer, name="tiny", kv_cache_mb=16, kv_dtype="fp32")
     try:
         opts = GenerateOptions(
             max_tokens=20, sampling=SamplingParams(temperature=0.0), ignore_eos=True, logprobs=True

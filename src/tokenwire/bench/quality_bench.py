@@ -52,7 +52,7 @@ def score_decode(engine: Engine, tokens: list[int]) -> Scored:
         with torch.inference_mode():
             for p in range(len(tokens) - 1):
                 pos = torch.tensor([p])
-                hidden, _ = model(torch.tensor(tokens[p : p + 1]), pos, PagedDecode(kv.k, kv.v, pos, table))
+                hidden, _ = model(torch.tensor(tokens[p : p + 1]), pos, PagedDecode(kv.k, kv.v, pos, table, kv.k_scale, kv.v_scale))
                 logp = torch.log_softmax(model.logits(hidden)[0], -1)
                 out.append((float(logp[tokens[p + 1]]), int(logp.argmax())))
         return out

@@ -106,20 +106,17 @@ class PagedAttention:
         n, heads, d = q.shape
         kv_heads = k.shape[1]
         rep = heads // kv_heads
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        k_cache.view(-1, kv_heads, d).index_copy_(0, self.slot_mapping, k)
-        v_cache.view(-1, kv_heads, d).index_copy_(0, self.slot_mapping, v)
+        self.kv.write(layer, self.slot_mapping, k, v)
         single = len(self.groups) == 1 and self.groups[0].row_start == 0
         out = None if single else torch.empty(n, heads * d, dtype=q.dtype, device=q.device)
         for g in self.groups:
             b, qlen = g.token_index.shape
-            if g.contiguous_start is not None:
+            if g.contiguous_start is not None:  # a view where the cache is stored in q's dtype
                 s = g.contiguous_start
-                keys = k_cache[s : s + g.n_blocks].view(1, -1, kv_heads, d)
-                values = v_cache[s : s + g.n_blocks].view(1, -1, kv_heads, d)
+                keys, values = self.kv.read(layer, slice(s, s + g.n_blocks), q.dtype)
             else:
-                keys = k_cache.index_select(0, g.block_table).view(b, -1, kv_heads, d)
-                values = v_cache.index_select(0, g.block_table).view(b, -1, kv_heads, d)
+                keys, values = self.kv.read(layer, g.block_table, q.dtype)
+            keys, values = keys.reshape(b, -1, kv_heads, d), values.reshape(b, -1, kv_heads, d)
             if g.row_start is not None:
                 qg = q[g.row_start : g.row_start + b * qlen].view(b, qlen, kv_heads, rep, d)
             else:

@@ -30,7 +30,7 @@ from tokenwire.engine.errors import (
     SessionBusyError,
     SessionNotFoundError,
 )
-from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.kv_cache import KVCache, resolve_kv_dtype
 from tokenwire.engine.postprocess import Finish, Outcome, StepContext, postprocess
 from tokenwire.engine.request import EngineHandle, FinishEvent, GenerateOptions, Request
 from tokenwire.engine.scheduler import Scheduler
@@ -49,6 +49,7 @@ from tokenwire.engine.vision import (
 )
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.layers.decoder import DecoderModel
+from tokenwire.model.quant import has_quantized_weights
 from tokenwire.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # only a type here: the loader is the factory's
@@ -90,6 +91,7 @@ class Engine(EngineAPI):
         max_queued: int | None = None,
         source: ModelSource | None = None,
         weights: str | None = None,
+        kv_dtype: str = "auto",
     ) -> None:
         """`model` may be a factory: it then runs on the model thread (see _load). `source` and
         `weights`: where the model came from and the weight format it runs (factory.py), None
@@ -127,7 +129,7 @@ class Engine(EngineAPI):
         assigned = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
-            args=((model, kv_cache_mb, block_size, max_model_len), loaded, assigned),
+            args=((model, kv_cache_mb, block_size, max_model_len, kv_dtype), loaded, assigned),
             name="tokenwire-model",
             daemon=True,
         )
@@ -171,6 +173,7 @@ class Engine(EngineAPI):
         kv_cache_mb: float,
         block_size: int,
         max_model_len: int | None,
+        kv_dtype: str,
     ) -> _Loaded:
         """Runs on the model thread. Every large torch operation (loading, the KV allocation,
         each step) happens on this one thread: with a second thread also running OpenMP
@@ -178,9 +181,10 @@ class Engine(EngineAPI):
         decode step gets ~45% slower on a 2-core machine (measured)."""
         module = model if isinstance(model, torch.nn.Module) else model()
         config: ModelConfig = module.config
-        per_block = KVCache.bytes_per_block(config, block_size, module.dtype)
+        stored = resolve_kv_dtype(kv_dtype, module.dtype, has_quantized_weights(module))
+        per_block = KVCache.bytes_per_block(config, block_size, stored)
         num_blocks = max(2, int(kv_cache_mb * 2**20 // per_block))
-        kv = KVCache(config, num_blocks, block_size, module.dtype, module.device)
+        kv = KVCache(config, num_blocks, block_size, stored, module.device)
         context = min(max_model_len or module.max_positions, module.max_positions)
         return _Loaded(module, kv, context, num_blocks * per_block / 2**20)
 
@@ -511,6 +515,9 @@ class Engine(EngineAPI):
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "kv_blocks_total": self.kv.num_blocks,
+                "kv_dtype": self.kv.kv_dtype,
+                "kv_tokens_total": self.kv.num_blocks * self.kv.block_size,
+                "kv_bytes_per_token": self.kv.bytes_per_token,
                 "kv_blocks_available": alloc.num_available,
                 "prefix_cache_blocks": alloc.num_cached,
                 "prefix_cache_hits": alloc.hits,

@@ -12,7 +12,7 @@ import torch
 
 from tokenwire.engine.concepts import ConceptSet
 from tokenwire.engine.engine import Engine
-from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.kv_cache import KVCache, check_kv_dtype, resolve_kv_dtype
 from tokenwire.engine.threads import apply_threads
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.families import build_model
@@ -34,6 +34,7 @@ from tokenwire.progress import StartupProgress
 
 log = logging.getLogger("tokenwire")
 
+_KV_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # auto: a GGUF's own quantisation on the CPU (fp32 activations), else --dtype; gguf: the file's
 # blocks as they are; int8 / int4: quantise fp32 weights at load to Q8_0 / Q4_1 blocks
@@ -58,6 +59,7 @@ class EngineSettings:
     progress: bool = True
     threads: int | None = None
     weights: str = "auto"  # WEIGHTS: auto | gguf | fp32 | bf16 | int8 | int4
+    kv_dtype: str = "auto"  # KV_DTYPES (engine/kv_cache.py): how the KV cache stores its values
     compile: bool = True  # fused decode kernels for quantised weights (--no-compile: eager only)
 
 
@@ -83,10 +85,12 @@ def free_memory_mb(device: torch.device) -> float | None:
 def default_kv_cache_mb(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int, max_num_seqs: int
 ) -> float:
-    """Room for `max_num_seqs` sequences of `max_model_len` tokens (shorter ones share it),
-    capped at half the free GPU memory or a quarter of the free RAM (the model and the rest of
-    the process need the others)."""
-    wanted = max_num_seqs * max_model_len * KVCache.bytes_per_block(config, 1, dtype) / 2**20
+    """Room for `max_num_seqs` sequences of `max_model_len` tokens in the model's dtype (shorter
+    ones share it), capped at half the free GPU memory or a quarter of the free RAM (the model and
+    the rest of the process need the others). The MiB are what they were before --kv-dtype: an
+    fp16 cache holds twice those tokens in them, a q8 one 3.8 times."""
+    model_kv = _KV_OF_DTYPE.get(dtype, "fp32")
+    wanted = max_num_seqs * max_model_len * KVCache.bytes_per_block(config, 1, model_kv) / 2**20
     free = free_memory_mb(device)
     if free is None:
         return wanted
@@ -203,9 +207,10 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
                   source.config.max_position_embeddings)  # fmt: skip
     kv_mb = settings.kv_cache_mb
     if kv_mb is None:
-        kv_dtype = DTYPES[settings.dtype]
-        kv_mb = default_kv_cache_mb(source.config, kv_dtype, device, context, settings.max_num_seqs)
+        kv_mb = default_kv_cache_mb(source.config, DTYPES[settings.dtype], device, context, settings.max_num_seqs)
     weights = resolve_weights(settings, source, device)
+    kv_dtype = resolve_kv_dtype(settings.kv_dtype, DTYPES[settings.dtype], weights in QUANTIZED_WEIGHTS)
+    check_kv_dtype(kv_dtype, source.config, device)  # before minutes of loading
 
     if weights in QUANTIZED_WEIGHTS:
         weights = _with_kernels(settings, weights)
@@ -230,10 +235,11 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
             max_queued=settings.max_queued,
             source=source,
             weights=weights,
+            kv_dtype=settings.kv_dtype,
         )
     log.info(
         "model %s (%s) loaded in %.1fs: weights %s, device %s, KV cache %.0f MiB = %d tokens "
-        "(%d blocks), context %d",
+        "(%d blocks, %s, %.0f bytes a token), context %d",
         source.name,
         source.config.architecture,
         time.monotonic() - started,
@@ -242,6 +248,8 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
         engine.kv_cache_mb,
         engine.kv.num_blocks * engine.kv.block_size,
         engine.kv.num_blocks,
+        engine.kv.kv_dtype,
+        engine.kv.bytes_per_token,
         engine.max_model_len,
     )
     return engine

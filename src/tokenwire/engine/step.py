@@ -50,7 +50,7 @@ def run_step(
     team: StepTeam | None = None,
 ) -> StepOutput:
     device = kv.k.device
-    dtype = kv.k.dtype
+    dtype = model.dtype
     rep = model.config.num_heads // model.config.num_kv_heads
     bs = kv.block_size
     ids: list[int] = []
@@ -103,7 +103,7 @@ def run_step(
         width = max(len(t) for t, _ in item_tables)
         rows_tables = [row for t, n in item_tables for row in [t + [0] * (width - len(t))] * n]
         tables = torch.tensor(rows_tables, dtype=torch.long)
-        attention = PagedDecode(kv.k, kv.v, position_tensor, tables)
+        attention = PagedDecode(kv.k, kv.v, position_tensor, tables, kv.k_scale, kv.v_scale)
     else:
         groups = [build_group([r], [start], [t], bs, rep, device, dtype) for r, start, t in chunks]
         if decode_rows:

@@ -227,3 +227,8 @@ def resident_bytes(model: nn.Module) -> int:
         key = t.data_ptr()
         sizes[key] = max(sizes.get(key, 0), t.numel() * t.element_size())
     return sum(sizes.values())
+
+
+def has_quantized_weights(model: nn.Module) -> bool:
+    """Whether any of the model's matrices is kept in quantised blocks (QuantLinear)."""
+    return any(isinstance(m, (QuantLinear, StackedQuantLinear)) for m in model.modules())

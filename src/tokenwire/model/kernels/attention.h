@@ -4,7 +4,7 @@
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via decode_stack.h).
 #pragma once
 
-#include "blocks.h"
+#include "kv_store.h"
 
 namespace tw {
 
@@ -24,10 +24,11 @@ inline __m256 exp_avx2(__m256 x) {
 }
 #endif
 
-// scores[t] <- exp(scores[t] - max); returns their sum (the softmax's denominator)
-inline float softmax_numerators(float* scores, int64_t len) {
+// scores[t] <- exp(scores[t] - max); returns their sum (the softmax's denominator), the max in *max
+inline float softmax_numerators(float* scores, int64_t len, float* max) {
   float mx = -INFINITY;
   for (int64_t t = 0; t < len; ++t) mx = std::max(mx, scores[t]);
+  *max = mx;
   float total = 0;
   int64_t t = 0;
 #ifdef TW_AVX2
@@ -47,10 +48,10 @@ inline float softmax_numerators(float* scores, int64_t len) {
   return total;
 }
 
-// The attention of one (row, head) over its positions [from, len): scores q.k * scale, then the
-// values weighed by softmax. Each position's score and each value's term are computed the same
-// way whatever the row, the step or the number of positions (positions are taken in fours with
-// the tail padded, never as one scalar tail), so a row's attention does not depend on its step.
+// The attention of one (row, head) over positions [from, len): scores q.k * scale. Each
+// position's score is computed the same way whatever the row, the step or the number of
+// positions (positions are taken in fours with the tail padded, never as one scalar tail), so a
+// row's attention does not depend on its step.
 // Measured (SmolLM2's fused stack, one 512-row prefill step, 2 threads, min of 3): rows at
 // positions 1500-2011 2.45 -> 2.05 s, 500-1011 1.40 -> 1.26 s, 0-511 0.95 -> 0.97 s, against
 // one hsum per position and the output accumulated through memory.
@@ -81,18 +82,18 @@ inline void key_scores(const float* q, const KeyAt& key, int64_t from, int64_t l
   for (int64_t t = from; t < len; ++t) scores[t - from] = dot(q, key(t), D) * scale;
 }
 
-// out[D] = sum over positions of (score / total) * value, in position order; the output is held
-// in registers 64 values at a time (the same FMAs, in the same order, as through memory)
+// out[D] = sum over positions of weight * value, in position order; the output is held in
+// registers 64 values at a time (the same FMAs, in the same order, as through memory)
 template <class ValueAt>
-inline void weigh_values(const float* scores, float total, const ValueAt& value, int64_t from, int64_t len,
-                         int64_t D, float* out) {
+inline void weigh_values(const float* weights, const ValueAt& value, int64_t from, int64_t len, int64_t D,
+                         float* out) {
 #ifdef TW_AVX2
   if (D % 64 == 0) {
     for (int64_t c = 0; c < D; c += 64) {
       __m256 o[8];
       for (auto& r : o) r = _mm256_setzero_ps();
       for (int64_t t = from; t < len; ++t) {
-        const __m256 w = _mm256_set1_ps(scores[t - from] / total);
+        const __m256 w = _mm256_set1_ps(weights[t - from]);
         const float* v = value(t) + c;
         for (int i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), o[i]);
       }
@@ -102,11 +103,10 @@ inline void weigh_values(const float* scores, float total, const ValueAt& value,
   }
 #endif
   std::fill(out, out + D, 0.0f);
-  for (int64_t t = from; t < len; ++t) axpy(scores[t - from] / total, value(t), out, D);
+  for (int64_t t = from; t < len; ++t) axpy(weights[t - from], value(t), out, D);
 }
 
-// Whether the fused step takes its attention by (row, KV head) through attend_heads_d below:
-// AVX-512 and a head of 16 to 128 values in whole vectors
+// Whether attend_chunk takes the AVX-512 path below: a head of 16 to 128 values in whole vectors
 inline bool grouped_attention(int64_t D) {
 #ifdef TW_AVX512
   return D % 16 == 0 && D >= 16 && D <= 128;
@@ -127,28 +127,29 @@ inline __m128 sum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// The attention of one row over positions [from, len) for G query heads that share a KV head (D =
-// 16 QV): each key and value is loaded once for the G heads. A score is q.k in QV 16-lane FMAs in
-// order and sum4x16's tree, times scale; positions go in fours with the tail padded, so a score
-// does not depend on the row's step or company. The values are weighed in position order, each
-// output value by the same FMAs as weigh_values'. scores: G rows of len - from.
+// One chunk [a, b) of positions for G query heads sharing a KV head (D = 16 QV): each key and
+// value is read once for the G heads, through its reader (kv_store.h: fp32, fp16, bf16 or q8 to
+// fp32 in registers). A score is q.k in QV 16-lane FMAs in order and sum4x16's tree, times scale;
+// positions go in fours with the tail padded, so a score does not depend on the row's step or
+// company. Leaves each head's partial softmax: o = sum of e^(score - max) * value in position
+// order (G rows of D), its max and its sum of e^(score - max).
 template <int QV, int G, class KeyAt, class ValueAt>
-void attend_group(const float* q, int64_t q_stride, const KeyAt& key, const ValueAt& value, int64_t from, int64_t len,
-                  float scale, float* scores, float* out, int64_t out_stride) {
-  const int64_t n = len - from;
+void attend_group(const float* q, int64_t q_stride, const KeyAt& key, const ValueAt& value, int64_t a, int64_t b,
+                  float scale, float* scores, float* o, float* mx, float* sums) {
+  const int64_t n = b - a;
   __m512 qv[G][QV];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < QV; ++j) qv[g][j] = _mm512_loadu_ps(q + g * q_stride + 16 * j);
-  for (int64_t t = from; t < len; t += 4) {
+  for (int64_t t = a; t < b; t += 4) {
     __m512 acc[G][4];
     for (int i = 0; i < 4; ++i) {
-      if (t + i >= len) {  // padding: a zero score, not stored
+      if (t + i >= b) {  // padding: a zero score, not stored
         for (int g = 0; g < G; ++g) acc[g][i] = _mm512_setzero_ps();
         continue;
       }
-      const float* k = key(t + i);
+      const auto k = key(t + i);
       __m512 kv[QV];
-      for (int j = 0; j < QV; ++j) kv[j] = _mm512_loadu_ps(k + 16 * j);
+      for (int j = 0; j < QV; ++j) kv[j] = k.load16(16 * j);
       for (int g = 0; g < G; ++g) {
         acc[g][i] = _mm512_mul_ps(qv[g][0], kv[0]);
         for (int j = 1; j < QV; ++j) acc[g][i] = _mm512_fmadd_ps(qv[g][j], kv[j], acc[g][i]);
@@ -157,67 +158,133 @@ void attend_group(const float* q, int64_t q_stride, const KeyAt& key, const Valu
     for (int g = 0; g < G; ++g) {
       float four[4];
       _mm_storeu_ps(four, _mm_mul_ps(sum4x16(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
-      for (int i = 0; i < 4 && t + i < len; ++i) scores[g * n + t + i - from] = four[i];
+      for (int i = 0; i < 4 && t + i < b; ++i) scores[g * n + t + i - a] = four[i];
     }
   }
-  float total[G];
-  for (int g = 0; g < G; ++g) total[g] = softmax_numerators(scores + g * n, n);
-  __m512 o[G][QV];
-  for (auto& head : o)
+  for (int g = 0; g < G; ++g) sums[g] = softmax_numerators(scores + g * n, n, mx + g);
+  __m512 acc[G][QV];
+  for (auto& head : acc)
     for (auto& r : head) r = _mm512_setzero_ps();
-  for (int64_t t = from; t < len; ++t) {
-    const float* v = value(t);
+  for (int64_t t = a; t < b; ++t) {
+    const auto v = value(t);
     __m512 vv[QV];
-    for (int j = 0; j < QV; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
+    for (int j = 0; j < QV; ++j) vv[j] = v.load16(16 * j);
     for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(scores[g * n + t - from] / total[g]);
-      for (int j = 0; j < QV; ++j) o[g][j] = _mm512_fmadd_ps(w, vv[j], o[g][j]);
+      const __m512 w = _mm512_set1_ps(scores[g * n + t - a]);
+      for (int j = 0; j < QV; ++j) acc[g][j] = _mm512_fmadd_ps(w, vv[j], acc[g][j]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < QV; ++j) _mm512_storeu_ps(out + g * out_stride + 16 * j, o[g][j]);
+    for (int j = 0; j < QV; ++j) _mm512_storeu_ps(o + g * 16 * QV + 16 * j, acc[g][j]);
 }
 
-// heads [h0, h0 + count) of one row, sharing one KV head, in groups of at most 16 / QV and 4
-// (the registers: G * QV query vectors, as many outputs)
+// `count` heads sharing one KV head, in groups of at most 16 / QV and 4 (the registers: G * QV
+// query vectors, as many outputs)
 template <int QV, class KeyAt, class ValueAt>
-void attend_heads(const float* q, int64_t q_stride, int64_t count, const KeyAt& key, const ValueAt& value,
-                  int64_t from, int64_t len, float scale, std::vector<float>& scores, float* out, int64_t out_stride) {
-  constexpr int kMaxGroup = std::min(4, 16 / QV);
-  scores.resize(kMaxGroup * (len - from));
+void attend_heads(const float* q, int64_t count, const KeyAt& key, const ValueAt& value, int64_t a, int64_t b,
+                  float scale, float* scores, float* o, float* mx, float* sums) {
+  constexpr int kMaxGroup = std::min(4, 16 / QV), D = 16 * QV;
   for (int64_t g0 = 0; g0 < count; g0 += kMaxGroup) {
-    const float* qg = q + g0 * q_stride;
-    float* og = out + g0 * out_stride;
+    const float* qg = q + g0 * D;
+    float *og = o + g0 * D, *mg = mx + g0, *sg = sums + g0;
     switch (std::min<int64_t>(kMaxGroup, count - g0)) {
-      case 1: attend_group<QV, 1>(qg, q_stride, key, value, from, len, scale, scores.data(), og, out_stride); break;
+      case 1: attend_group<QV, 1>(qg, D, key, value, a, b, scale, scores, og, mg, sg); break;
       case 2:
-        if constexpr (kMaxGroup >= 2) attend_group<QV, 2>(qg, q_stride, key, value, from, len, scale, scores.data(), og, out_stride);
+        if constexpr (kMaxGroup >= 2) attend_group<QV, 2>(qg, D, key, value, a, b, scale, scores, og, mg, sg);
         break;
       case 3:
-        if constexpr (kMaxGroup >= 3) attend_group<QV, 3>(qg, q_stride, key, value, from, len, scale, scores.data(), og, out_stride);
+        if constexpr (kMaxGroup >= 3) attend_group<QV, 3>(qg, D, key, value, a, b, scale, scores, og, mg, sg);
         break;
       default:
-        if constexpr (kMaxGroup >= 4) attend_group<QV, 4>(qg, q_stride, key, value, from, len, scale, scores.data(), og, out_stride);
+        if constexpr (kMaxGroup >= 4) attend_group<QV, 4>(qg, D, key, value, a, b, scale, scores, og, mg, sg);
         break;
     }
   }
 }
+#endif
 
-// the same for a head size of 16 QV, QV = 1..8
+// Positions are taken in chunks of kAttnChunk from the first one a row sees. Each chunk leaves a
+// partial softmax per head, and merge_partials combines them in chunk order: the same arithmetic
+// whether one thread runs every chunk of a row (prefill, many rows) or the chunks are shared out
+// over the threads (decode of one long sequence, so both cores read its cache).
+constexpr int64_t kAttnChunk = 256;
+inline int64_t attn_chunks(int64_t positions) { return (positions + kAttnChunk - 1) / kAttnChunk; }
+
+// What one thread's attention needs besides the cache: scores, and (without AVX-512) the chunk's
+// rows in fp32
+struct AttnScratch {
+  std::vector<float> scores, keys, values;
+};
+
+// The partial softmaxes of chunk [a, b) for `count` query heads (q: count rows of D) sharing one KV
+// head, whose rows key(t) / value(t) give as readers (kv_store.h): o [count, D], mx and sums [count].
 template <class KeyAt, class ValueAt>
-void attend_heads_d(int64_t D, const float* q, int64_t count, const KeyAt& key, const ValueAt& value, int64_t from,
-                    int64_t len, float scale, std::vector<float>& scores, float* out) {
-  switch (D / 16) {
-    case 1: return attend_heads<1>(q, D, count, key, value, from, len, scale, scores, out, D);
-    case 2: return attend_heads<2>(q, D, count, key, value, from, len, scale, scores, out, D);
-    case 3: return attend_heads<3>(q, D, count, key, value, from, len, scale, scores, out, D);
-    case 4: return attend_heads<4>(q, D, count, key, value, from, len, scale, scores, out, D);
-    case 5: return attend_heads<5>(q, D, count, key, value, from, len, scale, scores, out, D);
-    case 6: return attend_heads<6>(q, D, count, key, value, from, len, scale, scores, out, D);
-    case 7: return attend_heads<7>(q, D, count, key, value, from, len, scale, scores, out, D);
-    default: return attend_heads<8>(q, D, count, key, value, from, len, scale, scores, out, D);
+void attend_chunk(int64_t D, const float* q, int64_t count, const KeyAt& key, const ValueAt& value, int64_t a,
+                  int64_t b, float scale, AttnScratch& s, float* o, float* mx, float* sums) {
+  const int64_t n = b - a;
+#ifdef TW_AVX512
+  if (grouped_attention(D)) {
+    s.scores.resize(4 * n);
+    switch (D / 16) {
+      case 1: return attend_heads<1>(q, count, key, value, a, b, scale, s.scores.data(), o, mx, sums);
+      case 2: return attend_heads<2>(q, count, key, value, a, b, scale, s.scores.data(), o, mx, sums);
+      case 3: return attend_heads<3>(q, count, key, value, a, b, scale, s.scores.data(), o, mx, sums);
+      case 4: return attend_heads<4>(q, count, key, value, a, b, scale, s.scores.data(), o, mx, sums);
+      case 5: return attend_heads<5>(q, count, key, value, a, b, scale, s.scores.data(), o, mx, sums);
+      case 6: return attend_heads<6>(q, count, key, value, a, b, scale, s.scores.data(), o, mx, sums);
+      case 7: return attend_heads<7>(q, count, key, value, a, b, scale, s.scores.data(), o, mx, sums);
+      default: return attend_heads<8>(q, count, key, value, a, b, scale, s.scores.data(), o, mx, sums);
+    }
+  }
+#endif
+  // each head on its own, over the chunk's rows in fp32
+  s.scores.resize(n);
+  s.keys.resize(n * D);
+  s.values.resize(n * D);
+  for (int64_t t = a; t < b; ++t) {
+    key(t).to_floats(D, s.keys.data() + (t - a) * D);
+    value(t).to_floats(D, s.values.data() + (t - a) * D);
+  }
+  auto key_row = [&](int64_t t) { return s.keys.data() + (t - a) * D; };
+  auto value_row = [&](int64_t t) { return s.values.data() + (t - a) * D; };
+  for (int64_t h = 0; h < count; ++h) {
+    key_scores(q + h * D, key_row, a, b, D, scale, s.scores.data());
+    sums[h] = softmax_numerators(s.scores.data(), n, mx + h);
+    weigh_values(s.scores.data(), value_row, a, b, D, o + h * D);
   }
 }
-#endif
+
+// One head's output from its n chunks' partial softmaxes (chunk c: o + c * o_stride, mx and sums
+// at c * s_stride): out = sum_c w_c o_c in chunk order, w_c = e^(mx_c - M) / sum_c e^(mx_c - M)
+// sums_c, M the largest mx. One chunk: out = o / sum. out may be chunk 0's o.
+inline void merge_partials(const float* o, int64_t o_stride, const float* mx, const float* sums, int64_t s_stride,
+                           int64_t n, int64_t D, float* out) {
+  float top = -INFINITY, total = 0;
+  for (int64_t c = 0; c < n; ++c) top = std::max(top, mx[c * s_stride]);
+  float w[64];
+  float* weights = n <= 64 ? w : new float[n];
+  for (int64_t c = 0; c < n; ++c) {
+    weights[c] = std::exp(mx[c * s_stride] - top);
+    total += weights[c] * sums[c * s_stride];
+  }
+  for (int64_t c = 0; c < n; ++c) weights[c] /= total;
+  for (int64_t i = 0; i < D; ++i) {
+    float acc = weights[0] * o[i];
+    for (int64_t c = 1; c < n; ++c) acc += weights[c] * o[c * o_stride + i];
+    out[i] = acc;
+  }
+  if (weights != w) delete[] weights;
+}
+
+// Calls f with a value of the reader type of a cache's storage (kv_store.h)
+template <class F>
+void with_kv_reader(KvType type, F&& f) {
+  switch (type) {
+    case kKvF32: return f(KvF32{});
+    case kKvF16: return f(KvF16{});
+    case kKvBF16: return f(KvBF16{});
+    case kKvQ8: return f(KvQ8{});
+  }
+}
 
 }  // namespace tw

@@ -8,9 +8,9 @@
 
 #include <memory>
 
-#include "attention.h"
 #include "barrier.h"
 #include "matvec.h"
+#include "paged_attention.h"
 
 namespace tw {
 
@@ -60,7 +60,6 @@ inline void gated(const float* gate, const float* up, float* out, int64_t n, int
 // region per large matvec, ran o_proj, attention and the SwiGLU on one thread and used libm's
 // expf: SmolLM2's 30 layers on 2 threads, 80 interleaved rounds in one process, median 7.63 ->
 // 4.74 ms, min 5.80 -> 3.81 ms (the same matvec kernels in both).
-inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) { return {n * tid / nt, n * (tid + 1) / nt}; }
 
 // One layer as the model describes it (model/layers/fusion.py): weights by role, optional parts
 // absent from the dict. No rotary table: a layer without RoPE. window 0: attends every position.
@@ -166,16 +165,18 @@ struct DecodeStack : torch::CustomClassHolder {
   // final RMSNorm when `final_norm` is given. KV caches [layers, blocks, block_size, kv_heads, D];
   // each layer's rotary table is indexed by the rows' positions [M] (the row attends to
   // 0..position, or its window's end of it); block_tables [M, max_blocks].
-  void run(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& positions, const at::Tensor& block_tables, int64_t first, int64_t last,
-           const std::optional<at::Tensor>& final_norm) {
+  void run(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, const std::optional<at::Tensor>& k_scale,
+           const std::optional<at::Tensor>& v_scale, const at::Tensor& positions, const at::Tensor& block_tables,
+           int64_t first, int64_t last, const std::optional<at::Tensor>& final_norm) {
     TORCH_CHECK(0 <= first && first <= last && last <= num_layers(), "layer range out of bounds");
     const int64_t M = x.size(0), H = x.size(1), D = head_dim;
     TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous() && x.dim() == 2 && H == layers[0].attn_norm.numel(),
                 "x must be contiguous float32 [M, hidden]");
-    TORCH_CHECK(k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat && k_cache.is_contiguous() &&
-                    v_cache.is_contiguous() && k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() &&
-                    k_cache.size(0) >= last && k_cache.size(3) == num_kv_heads && k_cache.size(4) == D,
-                "KV caches must be contiguous float32 [layers, blocks, block_size, kv_heads, head_dim]");
+    TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) >= last &&
+                    k_cache.scalar_type() == v_cache.scalar_type(),
+                "KV caches must be [layers, blocks, block_size, kv_heads, head_dim] of one type");
+    check_kv(k_cache, k_scale, num_kv_heads, D, "the K cache");
+    check_kv(v_cache, v_scale, num_kv_heads, D, "the V cache");
     if (final_norm.has_value())
       TORCH_CHECK(final_norm->dtype() == at::kFloat && final_norm->is_contiguous() && final_norm->numel() == H,
                   "the final norm must be contiguous float32 [hidden]");
@@ -197,9 +198,9 @@ struct DecodeStack : torch::CustomClassHolder {
     }
     if (M == 0) return;
 
-    const int64_t rep = num_heads / num_kv_heads, q_size = num_heads * D, kv_size = num_kv_heads * D;
+    const int64_t q_size = num_heads * D;
     const int64_t slices = num_heads + 2 * num_kv_heads, qkv_n = slices * D, inter = layers[0].gate_up.rows / 2;
-    const int64_t half = D / 2, layer_stride = k_cache.stride(0);
+    const int64_t half = D / 2;
     const float feps = static_cast<float>(eps), default_scale = 1.0f / std::sqrt(static_cast<float>(D));
     std::vector<float> qkv(M * qkv_n), attn(M * q_size), proj(M * H), gu(M * 2 * inter), act(M * inter);
     const bool int16 = kInt16Rows && g_int16_activations;
@@ -223,9 +224,8 @@ struct DecodeStack : torch::CustomClassHolder {
       down_in[l - first] = it->get();
     }
     float* xp = x.data_ptr<float>();
-    float* k_base = k_cache.data_ptr<float>();
-    float* v_base = v_cache.data_ptr<float>();
     const int wanted = at::get_num_threads(), threads = g_team.team(wanted);
+    PagedAttention paged(num_heads, num_kv_heads, D, M, pos, tables, max_blocks, bs, threads);
     SpinThenSleepBarrier barrier;
     const bool omp_barrier = g_spin_ns.load() < 0;  // A/B measurement only
     std::atomic<int64_t> waited{0};
@@ -236,7 +236,8 @@ struct DecodeStack : torch::CustomClassHolder {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       int64_t my_wait = 0;
 #define SYNC if (omp_barrier) { _Pragma("omp barrier") } else my_wait += barrier.wait(nt);
-      std::vector<float> resid(xp, xp + M * H), h(M * H), scores, rotated(D);
+      std::vector<float> resid(xp, xp + M * H), h(M * H), rotated(D);
+      PagedAttention::Thread attn_thread;
       QuantizedActivations qa;  // this thread's copy of the current matvec input
       auto quantize = [&](const float* in, int64_t K, int64_t qtype) -> const QuantizedActivations* {
         const ActFormat* format = type_row(qtype).act;
@@ -264,13 +265,10 @@ struct DecodeStack : torch::CustomClassHolder {
         }
       };
       const auto [s0, s1] = share(slices, tid, nt);                          // q/k/v head slices
-      const bool grouped = grouped_attention(D);  // attention by (row, KV head)
-      const auto [t0, t1] = share(M * (grouped ? num_kv_heads : num_heads), tid, nt);  // attention tasks
       const auto [o0, o1] = share(H, tid, nt);                               // o and down rows
       for (int64_t l = first; l < last; ++l) {
         const StackLayer& L = layers[l];
-        float* kc = k_base + l * layer_stride;
-        float* vc = v_base + l * layer_stride;
+        const KvCacheView kc = kv_view(k_cache, k_scale, l), vc = kv_view(v_cache, v_scale, l);
         rms_norm_rows(resid.data(), L.attn_norm.data_ptr<float>(), L.eps, M, H, h.data());
         proj_rows(h.data(), H, L.qkv, {{s0 * D, s1 * D}}, qkv.data());
         // this thread's head slices: bias, the q/k norm of each head, RoPE on q and k
@@ -296,33 +294,15 @@ struct DecodeStack : torch::CustomClassHolder {
             }
             if (s >= num_heads) {
               const int64_t p = pos[m], slot = tables[m * max_blocks + p / bs] * bs + p % bs;
-              const bool key = s < num_heads + num_kv_heads;
-              std::memcpy((key ? kc : vc) + slot * kv_size + (s - num_heads) % num_kv_heads * D, v, D * sizeof(float));
+              (s < num_heads + num_kv_heads ? kc : vc).store_row(slot, (s - num_heads) % num_kv_heads, D, v);
             }
           }
 SYNC
         const float scale = L.scale > 0 ? L.scale : default_scale;
-        for (int64_t task = t0; task < t1; ++task) {  // softmax(q.k * scale) over the row's positions
-          const int64_t m = task / (grouped ? num_kv_heads : num_heads), len = pos[m] + 1;
-          const int64_t from = L.window > 0 ? std::max<int64_t>(0, len - L.window) : 0;  // its window
-          const int64_t* table = tables + m * max_blocks;
-          const int64_t kvh = grouped ? task % num_kv_heads : task % num_heads / rep;
-          auto key = [&](int64_t t) { return kc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D; };
-          auto value = [&](int64_t t) { return vc + (table[t / bs] * bs + t % bs) * kv_size + kvh * D; };
-#ifdef TW_AVX512
-          if (grouped) {  // the rep query heads of KV head kvh
-            const float* q = qkv.data() + m * qkv_n + kvh * rep * D;
-            float* o = attn.data() + m * q_size + kvh * rep * D;
-            attend_heads_d(D, q, rep, key, value, from, len, scale, scores, o);
-            continue;
-          }
-#endif
-          const int64_t head = task % num_heads;
-          const float* q = qkv.data() + m * qkv_n + head * D;
-          scores.resize(len - from);
-          key_scores(q, key, from, len, D, scale, scores.data());
-          const float total = softmax_numerators(scores.data(), len - from);
-          weigh_values(scores.data(), total, value, from, len, D, attn.data() + m * q_size + head * D);
+        paged.tasks(attn_thread, kc, vc, L.window, scale, qkv.data(), qkv_n, attn.data(), tid, nt);
+        if (paged.split) {
+SYNC
+          paged.merge(attn_thread, attn.data(), tid, nt);
         }
 SYNC
         matvec_rows(attn.data(), quantize(attn.data(), q_size, L.o_type), M, q_size, L.o, L.o_type, o0, o1, proj.data());

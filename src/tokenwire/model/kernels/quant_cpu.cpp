@@ -161,6 +161,72 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_stats(const at::Tensor& logit
   return {maxima, argmax, lse};
 }
 
+// The fused step's attention on its own (paged_attention.h), for tests: q [M, heads, D] over one
+// layer's cache [blocks, block_size, kv_heads, D] (q8: with its scales) -> [M, heads * D]; split
+// -1 as the stack decides, 0 / 1 forces (row, KV head) / (chunk, KV head) tasks
+at::Tensor paged_attention_op(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                              const at::Tensor& positions, const at::Tensor& block_tables, int64_t window,
+                              double scale, int64_t split) {
+  const at::Tensor q = q_in.contiguous();
+  TORCH_CHECK(q.dtype() == at::kFloat && q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "q must be float32 [M, heads, D] and the caches one layer's [blocks, block_size, kv_heads, D]");
+  const int64_t M = q.size(0), heads = q.size(1), D = q.size(2), kv_heads = k_cache.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == D, "heads must be a multiple of kv_heads, D the cache's");
+  check_kv(k_cache, k_scale, kv_heads, D, "the K cache");
+  check_kv(v_cache, v_scale, kv_heads, D, "the V cache");
+  TORCH_CHECK(positions.dtype() == at::kLong && positions.is_contiguous() && positions.numel() == M &&
+                  block_tables.dtype() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == M,
+              "positions [M] and block_tables [M, max_blocks] must be contiguous int64");
+  const int64_t bs = k_cache.size(1), width = block_tables.size(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(pos[m] >= 0 && pos[m] / bs < width, "position ", pos[m], " is past its block table");
+    for (int64_t b = 0; b <= pos[m] / bs; ++b)
+      TORCH_CHECK(tables[m * width + b] >= 0 && tables[m * width + b] < k_cache.size(0), "block table entry out of range");
+  }
+  at::Tensor out = at::empty({M, heads * D}, q.options());
+  const KvCacheView kc = kv_view(k_cache, k_scale, 0), vc = kv_view(v_cache, v_scale, 0);
+  const int threads = at::get_num_threads();
+  PagedAttention paged(heads, kv_heads, D, M, pos, tables, width, bs, threads, static_cast<int>(split));
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    PagedAttention::Thread th;
+    paged.tasks(th, kc, vc, window, static_cast<float>(scale), qp, heads * D, op, tid, nt);
+    if (paged.split) {
+#pragma omp barrier
+      paged.merge(th, op, tid, nt);
+    }
+  }
+  return out;
+}
+
+// rows [n, kv_heads, D] (fp32) into slots [n] of one layer's cache, stored as the fused step
+// stores them (kv_store.h): the eager path's q8 cache and the tests
+void kv_store_op(at::Tensor cache, const std::optional<at::Tensor>& scales, const at::Tensor& slots,
+                 const at::Tensor& rows_in) {
+  const at::Tensor rows = rows_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(cache.dim() == 4 && rows.dim() == 3 && rows.size(1) == cache.size(2) && rows.size(2) == cache.size(3),
+              "rows must be [n, kv_heads, D] for a cache [blocks, block_size, kv_heads, D]");
+  check_kv(cache, scales, cache.size(2), cache.size(3), "the cache");
+  TORCH_CHECK(slots.dtype() == at::kLong && slots.numel() == rows.size(0), "slots must be int64 [n]");
+  const at::Tensor s = slots.contiguous();
+  const KvCacheView view = kv_view(cache, scales, 0);
+  const int64_t n = rows.size(0), kv_heads = rows.size(1), D = rows.size(2), capacity = cache.size(0) * cache.size(1);
+  const float* x = rows.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = s.data_ptr<int64_t>()[i];
+    TORCH_CHECK(slot >= 0 && slot < capacity, "slot ", slot, " is not in the cache's ", capacity);
+    for (int64_t h = 0; h < kv_heads; ++h) view.store_row(slot, h, D, x + (i * kv_heads + h) * D);
+  }
+}
+
 // The C++ table's rows, for the test that model/weight_types.py mirrors them: every type id, and
 // a type's (name, activation format or "", [block, bytes per block, bytes of each split part...])
 std::vector<int64_t> weight_type_ids() {
@@ -223,6 +289,9 @@ TORCH_LIBRARY(tokenwire, m) {
       .def("num_layers", &DecodeStack::num_layers)
       .def("run", &DecodeStack::run);
   m.def("row_stats(Tensor logits, Tensor want_lse) -> (Tensor, Tensor, Tensor)");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, Tensor positions, "
+        "Tensor block_tables, int window, float scale, int split=-1) -> Tensor");
+  m.def("kv_store(Tensor(a!) cache, Tensor(b!)? scales, Tensor slots, Tensor rows) -> ()");
   m.def("set_int16_activations(bool on) -> ()");
   m.def("set_barrier_spin_us(float us) -> ()");
   m.def("set_team_mode(int mode) -> ()");
@@ -240,6 +309,8 @@ TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("qmatmul", &qmatmul);
   m.impl("dequantize", &dequantize);
   m.impl("row_stats", &row_stats);
+  m.impl("paged_attention", &paged_attention_op);
+  m.impl("kv_store", &kv_store_op);
 }
 
 TORCH_LIBRARY_IMPL(tokenwire, CatchAll, m) { m.impl("set_int16_activations", &set_int16_activations);

@@ -21,12 +21,15 @@ from tokenwire.model.layers.rotary import RopeSpec, make_rotary
 class PagedDecode:
     """A decode-only step over the paged KV cache, for the fused decode path: row m of the
     batch is one new token of its own sequence at positions[m]; block_tables[m] lists that
-    sequence's KV blocks (padded). k/v are the whole caches [layers, blocks, block_size, kv_heads, D]."""
+    sequence's KV blocks (padded). k/v are the whole caches [layers, blocks, block_size, kv_heads, D],
+    in the cache's storage type (fp32, fp16, bf16, or int8 with its scales: engine/kv_cache.py)."""
 
     k: torch.Tensor
     v: torch.Tensor
     positions: torch.Tensor  # [M] int64
     block_tables: torch.Tensor  # [M, max_blocks] int64
+    k_scale: torch.Tensor | None = None  # a q8 cache's scales (engine/kv_cache.py)
+    v_scale: torch.Tensor | None = None
 
 
 class DecoderModel(nn.Module):
@@ -139,7 +142,8 @@ class DecoderModel(nn.Module):
         for end in sorted({i for i in capture_layers if 0 < i < last} | {last}):
             final = self.norm.scale() if end == last else None
             self._decode_stack.run(
-                x, batch.k, batch.v, batch.positions, batch.block_tables, start, end, final
+                x, batch.k, batch.v, batch.k_scale, batch.v_scale, batch.positions, batch.block_tables,
+                start, end, final,
             )
             capture(end)
             start = end
