@@ -7,7 +7,9 @@ Same model directory, same prompts, same machine, measured side by side:
   (transformers gets them as one left-padded batch, its best case);
 - prefill_1k: prompt tokens/s of a 1,000-token prompt until its first generated token;
 - turn2_ttft: time to the first token of a second turn on a long session, reusing the
-  session's KV against re-prefilling the whole conversation (prefix cache off).
+  session's KV against re-prefilling the whole conversation (prefix cache off);
+- decode_at_4k, decode_at_8k: single-stream decode after a long context, per KV type, beside
+  llama.cpp's matching cache (bench/long_context.py), and kv_bytes_per_token.
 Beside each speed, the weight bandwidth it implies (weight_gb_s, GB = 1e9 bytes): the bytes of
 weight matrices one forward step reads (shapes.weight_bytes, from the GGUF's own tensor sizes, the
 same figure for both engines) times forward steps per second: tok/s for a single stream, tok/s
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 
 from tokenwire.bench import llamacpp_baseline, load_probe
+from tokenwire.bench.long_context import print_long_context, run_long_context
 from tokenwire.bench.neighbours import busy_neighbours, describe
 from tokenwire.bench.quality_bench import add_quality_parser
 from tokenwire.bench.shapes import (
@@ -244,9 +247,12 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
             _median(partial(ours_turn2, engine, args.session_tokens, True), reps),
             _median(partial(ours_turn2, engine, args.session_tokens, False), reps),
         )
+        long_kv = [kv for kv in args.long_kv.split(",") if kv]
+        long = run_long_context(engine, llama, long_kv, n, reps) if long_kv else None
         # the engine idles (its threads asleep) while the baseline runs in its own process
         hf = hf_baseline(model_dir, prompts, n, reps, ftz=False) if args.hf else None
         weights, decode, kv_mb = engine.weights, decode_path(engine.model), engine.kv_cache_mb
+        kv_dtype = engine.kv.kv_dtype
     finally:
         if llama is not None:
             llama.close()
@@ -278,6 +284,9 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
                 row[f"{engine_key}_weight_gb_s"] = step_bytes * steps / 1e9
         result[measure] = row
     result["turn2_ttft"] = {"reuse_s": turn2[0], "reprefill_s": turn2[1], "ratio": turn2[1] / turn2[0]}
+    if long is not None:
+        result.update(long)
+    result["kv_dtype"] = kv_dtype
     result["weights"] = weights
     result["decode"] = decode
     if args.neighbours:
@@ -300,6 +309,8 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
         print(json.dumps(result, indent=2))
         return 0
     _print_table(result, name, args, reps, llama_missing=gguf is not None and llama is None)
+    if long is not None:
+        print_long_context(result, long_kv)
     return 0
 
 
@@ -415,6 +426,12 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     be.add_argument("--session-tokens", type=int, default=1000)
     be.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians reported)")
     be.add_argument("--prefill-tokens", type=int, default=1000, help="prompt length of the prefill measure")
+    be.add_argument(
+        "--long-kv",
+        default="fp16,q8",
+        help="KV types of decode_at_4k / decode_at_8k (bench/long_context.py), comma-separated; "
+        "empty skips them",
+    )
     be.add_argument(
         "--shape",
         help="bench a random-weight GGUF at a real model's widths instead of --model: "

@@ -26,6 +26,9 @@ from typing import Any
 import numpy as np
 
 
+KV_TYPES = {"f16": 1, "q8_0": 8}  # llama.cpp's cache types: their ggml_type numbers
+
+
 def llama_cpp_module() -> Any:
     """llama-cpp-python, imported when first needed; ImportError where it is not installed."""
     # local: llama-cpp-python is the `bench` extra, absent from `make test`'s environment
@@ -60,16 +63,22 @@ class LlamaCpp:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.threads = threads
+        # (KV type, prompt length) -> (context, its prompt, the first token after it)
+        self.long: dict[tuple[str, int], tuple[Any, list[int], int]] = {}
         self.single = self._context(seqs=1, n_ctx=2048)
         self.multi = self._context(seqs=streams, n_ctx=streams * stream_ctx)
         self.batch = lc.llama_batch_init(512, 0, max(streams, 1))
         # what Llama(...) does: the model (mmap'd: its pages are read by the first steps) and contexts
         self.load_s = time.perf_counter() - started
 
-    def _context(self, seqs: int, n_ctx: int) -> Any:
+    def _context(self, seqs: int, n_ctx: int, kv_type: str | None = None) -> Any:
         p = self.lc.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, 512, 512, seqs
         p.n_threads = p.n_threads_batch = self.threads
+        if kv_type is not None:  # f16 is llama.cpp's default; a quantised V cache needs flash attention
+            p.type_k = p.type_v = KV_TYPES[kv_type]
+            if kv_type != "f16":
+                p.flash_attn_type = self.lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
         ctx = self.lc.llama_init_from_model(self.model, p)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
@@ -78,6 +87,8 @@ class LlamaCpp:
     def close(self) -> None:
         lc = self.lc
         lc.llama_batch_free(self.batch)
+        for ctx, _, _ in self.long.values():
+            lc.llama_free(ctx)
         lc.llama_free(self.single)
         lc.llama_free(self.multi)
         lc.llama_model_free(self.model)
@@ -116,6 +127,29 @@ class LlamaCpp:
         for i in range(n - 1):
             self._decode(self.single, [(token, len(prompt) + i, 0, True)])
             token = self._argmax(self.single, 0)
+            stamps.append(time.perf_counter())
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    def long_decode(self, prompt: list[int], n: int, kv_type: str) -> float:
+        """single_decode after a long prompt, with the KV cache in `kv_type` (f16, q8_0): a context
+        per type and prompt length, the prompt prefilled once; later calls drop only the tokens
+        decoded after it."""
+        key = (kv_type, len(prompt))
+        ctx, prefilled, token = self.long.get(key, (None, [], 0))
+        if ctx is None or len(prompt) + n > self.lc.llama_n_ctx(ctx):
+            if ctx is not None:
+                self.lc.llama_free(ctx)
+            ctx, prefilled = self._context(seqs=1, n_ctx=len(prompt) + n + 16, kv_type=kv_type), []
+        if prefilled != prompt:
+            self._clear(ctx)
+            token = self._prefill(ctx, [prompt])[0]
+        else:
+            self.lc.llama_memory_seq_rm(self.lc.llama_get_memory(ctx), 0, len(prompt), -1)
+        self.long[key] = (ctx, prompt, token)
+        stamps = [time.perf_counter()]
+        for i in range(n - 1):
+            self._decode(ctx, [(token, len(prompt) + i, 0, True)])
+            token = self._argmax(ctx, 0)
             stamps.append(time.perf_counter())
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
@@ -171,6 +205,9 @@ class LlamaCppProcess:
     def prefill(self, prompt: list[int]) -> float:
         return float(self._call("prefill", prompt))
 
+    def long_decode(self, prompt: list[int], n: int, kv_type: str) -> float:
+        return float(self._call("long_decode", prompt, n, kv_type))
+
     def close(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
@@ -182,7 +219,7 @@ def _child(argv: list[str]) -> None:
     gguf, threads, streams, stream_ctx = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     llama = LlamaCpp(gguf, threads, streams, stream_ctx)
     calls = {"ready": lambda: llama.load_s, "single_decode": llama.single_decode,
-             "streams": llama.streams, "prefill": llama.prefill}  # fmt: skip
+             "streams": llama.streams, "prefill": llama.prefill, "long_decode": llama.long_decode}  # fmt: skip
     try:
         for line in sys.stdin:
             method, args = json.loads(line)

@@ -24,11 +24,8 @@ inline __m256 exp_avx2(__m256 x) {
 }
 #endif
 
-// scores[t] <- exp(scores[t] - max); returns their sum (the softmax's denominator), the max in *max
-inline float softmax_numerators(float* scores, int64_t len, float* max) {
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, scores[t]);
-  *max = mx;
+// scores[t] <- exp(scores[t] - mx) for their max mx; returns their sum (the softmax's denominator)
+inline float exp_sum(float* scores, int64_t len, float mx) {
   float total = 0;
   int64_t t = 0;
 #ifdef TW_AVX2
@@ -46,6 +43,14 @@ inline float softmax_numerators(float* scores, int64_t len, float* max) {
     total += scores[t];
   }
   return total;
+}
+
+// the same, finding the max (into *max) first
+inline float softmax_numerators(float* scores, int64_t len, float* max) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, scores[t]);
+  *max = mx;
+  return exp_sum(scores, len, mx);
 }
 
 // The attention of one (row, head) over positions [from, len): scores q.k * scale. Each
@@ -140,6 +145,8 @@ void attend_group(const float* q, int64_t q_stride, const KeyAt& key, const Valu
   __m512 qv[G][QV];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < QV; ++j) qv[g][j] = _mm512_loadu_ps(q + g * q_stride + 16 * j);
+  __m128 top[G];  // the running max of each head's scores (exact in any order)
+  for (auto& m : top) m = _mm_set1_ps(-INFINITY);
   for (int64_t t = a; t < b; t += 4) {
     __m512 acc[G][4];
     for (int i = 0; i < 4; ++i) {
@@ -155,13 +162,20 @@ void attend_group(const float* q, int64_t q_stride, const KeyAt& key, const Valu
         for (int j = 1; j < QV; ++j) acc[g][i] = _mm512_fmadd_ps(qv[g][j], kv[j], acc[g][i]);
       }
     }
+    const int valid = static_cast<int>(std::min<int64_t>(4, b - t));
+    const __mmask8 real = static_cast<__mmask8>((1 << valid) - 1);
     for (int g = 0; g < G; ++g) {
-      float four[4];
-      _mm_storeu_ps(four, _mm_mul_ps(sum4x16(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
-      for (int i = 0; i < 4 && t + i < b; ++i) scores[g * n + t + i - a] = four[i];
+      const __m128 four = _mm_mul_ps(sum4x16(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale));
+      _mm_mask_storeu_ps(scores + g * n + t - a, real, four);
+      top[g] = _mm_mask_max_ps(top[g], real, top[g], four);
     }
   }
-  for (int g = 0; g < G; ++g) sums[g] = softmax_numerators(scores + g * n, n, mx + g);
+  for (int g = 0; g < G; ++g) {
+    __m128 m = _mm_max_ps(top[g], _mm_movehl_ps(top[g], top[g]));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    mx[g] = _mm_cvtss_f32(m);
+    sums[g] = exp_sum(scores + g * n, n, mx[g]);
+  }
   __m512 acc[G][QV];
   for (auto& head : acc)
     for (auto& r : head) r = _mm512_setzero_ps();
