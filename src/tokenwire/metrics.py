@@ -89,10 +89,14 @@ class EngineCollector:
         blocks.add_metric(["free"], free)
         yield blocks
         # the budget in tokens and bytes as stored (--kv-dtype): fp16 holds twice fp32's tokens
-        tokens = GaugeMetricFamily("tokenwire_kv_cache_tokens", "Positions the KV cache holds", labels=["kv_dtype"])
+        tokens = GaugeMetricFamily(
+            "tokenwire_kv_cache_tokens", "Positions the KV cache holds", labels=["kv_dtype"]
+        )
         tokens.add_metric([stats["kv_dtype"]], stats["kv_tokens_total"])
         yield tokens
-        stored = GaugeMetricFamily("tokenwire_kv_cache_bytes", "Bytes of the KV cache as stored", labels=["kv_dtype"])
+        stored = GaugeMetricFamily(
+            "tokenwire_kv_cache_bytes", "Bytes of the KV cache as stored", labels=["kv_dtype"]
+        )
         stored.add_metric([stats["kv_dtype"]], stats["kv_tokens_total"] * stats["kv_bytes_per_token"])
         yield stored
         yield CounterMetricFamily(

@@ -76,6 +76,26 @@ def test_greedy_32_tokens_agree_with_fp32_and_eager_but_at_near_ties(engines, te
     _agree_or_part_at_a_tie(engines, text, fused, _greedy(engines["gguf-eager"], text))
 
 
+@pytest.fixture(scope="module")
+def fp32_kv(smollm2_engine):
+    """The default engine's model (its GGUF blocks, fused) with an fp32 KV cache."""
+    from tokenwire.engine.engine import Engine
+
+    engine = Engine(
+        smollm2_engine.model, smollm2_engine.tokenizer, name="fp32-kv", kv_cache_mb=64, kv_dtype="fp32"
+    )
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("text", PROMPTS)
+def test_greedy_32_tokens_with_the_default_fp16_kv_equal_fp32_kv(smollm2_engine, fp32_kv, text: str) -> None:
+    """Storing keys and values in fp16 (the default for quantised weights, --kv-dtype auto)
+    changes no greedy token of the fixed prompts against an fp32 cache."""
+    assert smollm2_engine.kv.kv_dtype == "fp16" and fp32_kv.kv.kv_dtype == "fp32"
+    assert _greedy(smollm2_engine, text) == _greedy(fp32_kv, text)
+
+
 def test_quantised_weights_are_the_files_own_blocks(smollm2_source) -> None:
     """The quantised tensors as the GGUF holds them (q/k rows un-permuted like the fp32 path),
     read from the file; the conversion cache holds no weights."""

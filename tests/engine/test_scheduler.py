@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import torch
-
 from tests.engine.test_engine_parity import GREEDY, make_engine, rand_tokens
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.request import GenerateOptions, Request, TokenEvent, iter_events

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-
 KV_TYPES = {"f16": 1, "q8_0": 8}  # llama.cpp's cache types: their ggml_type numbers
 
 
@@ -218,8 +217,8 @@ class LlamaCppProcess:
 def _child(argv: list[str]) -> None:
     gguf, threads, streams, stream_ctx = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     llama = LlamaCpp(gguf, threads, streams, stream_ctx)
-    calls = {"ready": lambda: llama.load_s, "single_decode": llama.single_decode,
-             "streams": llama.streams, "prefill": llama.prefill, "long_decode": llama.long_decode}  # fmt: skip
+    calls = {"ready": lambda: llama.load_s, "single_decode": llama.single_decode, "streams": llama.streams,
+             "prefill": llama.prefill, "long_decode": llama.long_decode}  # fmt: skip
     try:
         for line in sys.stdin:
             method, args = json.loads(line)

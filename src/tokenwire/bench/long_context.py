@@ -32,7 +32,9 @@ def context_tokens(engine: Engine, wanted: int, decode_tokens: int) -> list[int]
     """`wanted` tokens of plain text (repeated as needed), at most the model's length less the
     decoded tokens."""
     tok = engine.tokenizer
-    text = " ".join(f"Entry {i}: the ferry leaves pier {i * 13 % 89} at dawn and returns by dusk." for i in range(2000))
+    text = " ".join(
+        f"Entry {i}: the ferry leaves pier {i * 13 % 89} at dawn and returns by dusk." for i in range(2000)
+    )
     base = tok.encode(text)
     n = min(wanted, engine.max_model_len - decode_tokens)
     return (base * (n // len(base) + 1))[:n]
@@ -66,7 +68,7 @@ def run_long_context(
     peer: dict[tuple[str, str], list[float]] = {}
     engines = {kv: kv_engine(engine, kv, 2 * longest) for kv in kv_dtypes}
     try:
-        for kv, e in engines.items():  # prefill each context once (the prefix cache keeps it)
+        for e in engines.values():  # prefill each context once (the prefix cache keeps it)
             for prompt in prompts.values():
                 ours_long_decode(e, prompt, 2)
         for _ in range(repeats):

@@ -4,7 +4,9 @@ Both run the same GGUF: the reference dequantises it to fp32 (`--weights fp32`);
 keeps its blocks (`--weights gguf`, or what --weights names). The text is teacher-forced: every
 position's logprob of the true next token and the top-1 token are compared. The candidate is
 measured twice, because the two paths differ: prefill (512-token chunks) and decode (one token
-per step through the fused decode kernel, as generation runs).
+per step through the fused decode kernel, as generation runs). Both with the engine's KV type
+(--kv-dtype). Then each KV type of --kv-types against an fp32 cache, with the candidate's
+weights: the cache's rounding alone.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import statistics
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
-from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.kv_cache import KVCache, kv_bytes_per_token
 from tokenwire.engine.request import GenerateOptions, TokenEvent
 from tokenwire.model.layers.decoder import PagedDecode
 
@@ -46,13 +49,17 @@ def score_decode(engine: Engine, tokens: list[int]) -> Scored:
         model = engine.model
         block = 16
         blocks = -(-len(tokens) // block)
-        kv = KVCache(model.config, blocks, block, model.dtype, model.device)
+        kv = KVCache(model.config, blocks, block, engine.kv.kv_dtype, model.device)
         table = torch.arange(blocks, dtype=torch.long)[None]
         out: Scored = []
         with torch.inference_mode():
             for p in range(len(tokens) - 1):
                 pos = torch.tensor([p])
-                hidden, _ = model(torch.tensor(tokens[p : p + 1]), pos, PagedDecode(kv.k, kv.v, pos, table, kv.k_scale, kv.v_scale))
+                hidden, _ = model(
+                    torch.tensor(tokens[p : p + 1]),
+                    pos,
+                    PagedDecode(kv.k, kv.v, pos, table, kv.k_scale, kv.v_scale),
+                )
                 logp = torch.log_softmax(model.logits(hidden)[0], -1)
                 out.append((float(logp[tokens[p + 1]]), int(logp.argmax())))
         return out
@@ -81,10 +88,12 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
     finally:
         reference_engine.shutdown()
     engine = build_engine(settings)
+    kv_types = [kv for kv in args.kv_types.split(",") if kv]
     try:
-        weights = engine.weights
+        weights, kv_dtype = engine.weights, engine.kv.kv_dtype
         prefill = score_prefill(engine, tokens)
         decode = score_decode(engine, tokens)
+        by_kv = score_kv_types(engine, tokens, kv_types) if kv_types else None
     finally:
         engine.shutdown()
     result = {
@@ -93,7 +102,10 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
         "reference_perplexity": math.exp(-statistics.fmean(lp for lp, _ in reference)),
         "prefill": compare(reference, prefill),
         "decode": compare(reference, decode),
+        "kv_dtype": kv_dtype,
     }
+    if by_kv is not None:
+        result["kv_vs_fp32_kv"] = by_kv
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -107,7 +119,39 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
             f"{r['max_abs_logprob_diff']:>13.2e}{r['perplexity']:>12.3f}"
         )
     print(f"text: {args.text}, teacher-forced; decode = one token per step through the fused kernel")
+    print(f"KV cache: {kv_dtype} in the rows above")
+    if by_kv is not None:
+        print(
+            f"\n{'KV type':<10}{'top-1 agree':>13}{'mean |dlogp|':>14}{'max |dlogp|':>13}{'perplexity':>12}"
+            "   (prefill, the same weights, against an fp32 cache)"
+        )
+        print(f"{'fp32':<10}{'':>13}{'':>14}{'':>13}{by_kv['fp32_kv_perplexity']:>12.3f}")
+        for kv in kv_types:
+            r = by_kv[kv]
+            print(
+                f"{kv:<10}{r['top1_agreement'] * 100:>12.2f}%{r['mean_abs_logprob_diff']:>14.2e}"
+                f"{r['max_abs_logprob_diff']:>13.2e}{r['perplexity']:>12.3f}"
+            )
     return 0
+
+
+def score_kv_types(engine: Engine, tokens: list[int], kv_types: list[str]) -> dict[str, Any]:
+    """The text prefilled with the engine's weights and each KV type, against an fp32 cache:
+    every position's attention reads the keys and values as the cache stores them."""
+    mb = 2 * len(tokens) * kv_bytes_per_token(engine.model.config, "fp32") / 2**20
+
+    def scored(kv: str) -> Scored:
+        other = Engine(engine.model, engine.tokenizer, name=engine.name, kv_cache_mb=mb, kv_dtype=kv)
+        try:
+            return score_prefill(other, tokens)
+        finally:
+            other.shutdown()
+
+    reference = scored("fp32")
+    out: dict[str, Any] = {"fp32_kv_perplexity": math.exp(-statistics.fmean(lp for lp, _ in reference))}
+    for kv in kv_types:
+        out[kv] = compare(reference, scored(kv))
+    return out
 
 
 def add_quality_parser(
@@ -120,4 +164,9 @@ def add_quality_parser(
     bq.add_argument("--json", action="store_true")
     bq.add_argument("--text", default=str(DEFAULT_TEXT), help="text to teacher-force (default: the GPL-3)")
     bq.add_argument("--tokens", type=int, default=2000, help="tokens of the text to score")
+    bq.add_argument(
+        "--kv-types",
+        default="fp16,bf16,q8",
+        help="KV types scored against an fp32 cache with the same weights (comma-separated; empty: none)",
+    )
     bq.set_defaults(handler=lambda args: run_quality_bench(args, settings_from(args)))

@@ -174,7 +174,9 @@ def _log_conversion(settings: EngineSettings) -> None:
         return  # resolve_model reports what is wrong with the path
     log.info(
         "reading the tokenizer and config of %s (%.0f MiB GGUF) into %s: first start only",
-        path, path.stat().st_size / 2**20, cache,
+        path,
+        path.stat().st_size / 2**20,
+        cache,
     )
 
 
@@ -207,7 +209,9 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
                   source.config.max_position_embeddings)  # fmt: skip
     kv_mb = settings.kv_cache_mb
     if kv_mb is None:
-        kv_mb = default_kv_cache_mb(source.config, DTYPES[settings.dtype], device, context, settings.max_num_seqs)
+        kv_mb = default_kv_cache_mb(
+            source.config, DTYPES[settings.dtype], device, context, settings.max_num_seqs
+        )
     weights = resolve_weights(settings, source, device)
     kv_dtype = resolve_kv_dtype(settings.kv_dtype, DTYPES[settings.dtype], weights in QUANTIZED_WEIGHTS)
     check_kv_dtype(kv_dtype, source.config, device)  # before minutes of loading

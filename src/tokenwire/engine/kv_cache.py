@@ -131,7 +131,9 @@ def check_kv_dtype(kv_dtype: str, config: ModelConfig, device: torch.device | st
             f"{config.head_dim} (use fp16)"
         )
     if torch.device(device).type != "cpu":
-        raise ValueError(f"--kv-dtype q8 runs on the CPU (its kernels are tokenwire's own); use fp16 on {device}")
+        raise ValueError(
+            f"--kv-dtype q8 runs on the CPU (its kernels are tokenwire's own); use fp16 on {device}"
+        )
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> float:
@@ -188,7 +190,9 @@ class KVCache:
 
                 kernels.ops().kv_store(layer_cache, scales[layer], slots, rows)
 
-    def read(self, layer: int, blocks: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, layer: int, blocks: torch.Tensor | slice, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `blocks` of one layer in `dtype`: [n, block_size, kv_heads, D] each."""
         out = []
         for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):

@@ -33,7 +33,6 @@ QTYPE_NAMES = {t.gguf_id: t.name for t in weight_types.WEIGHT_TYPES}
 QTYPES = {t.name: t.gguf_id for t in weight_types.WEIGHT_TYPES}
 
 
-
 def _ops():
     return ops()
 

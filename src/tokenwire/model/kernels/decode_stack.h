@@ -50,7 +50,8 @@ inline void gated(const float* gate, const float* up, float* out, int64_t n, int
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decoder stack of a decode step in one call and one parallel region, five barriers a layer.
+// The decoder stack of a decode step in one call and one parallel region, five barriers a layer
+// (six when a few rows' attention is shared out by position chunks: paged_attention.h).
 // Each thread keeps its own copy of the residual stream and does the norms and the quantisation
 // of the matvec inputs itself (a few microseconds, done twice in parallel instead of once while
 // the other thread waits at a barrier); the matvecs are shared out by rows: q/k/v on head

@@ -142,8 +142,16 @@ class DecoderModel(nn.Module):
         for end in sorted({i for i in capture_layers if 0 < i < last} | {last}):
             final = self.norm.scale() if end == last else None
             self._decode_stack.run(
-                x, batch.k, batch.v, batch.k_scale, batch.v_scale, batch.positions, batch.block_tables,
-                start, end, final,
+                x,
+                batch.k,
+                batch.v,
+                batch.k_scale,
+                batch.v_scale,
+                batch.positions,
+                batch.block_tables,
+                start,
+                end,
+                final,
             )
             capture(end)
             start = end
