@@ -31,6 +31,7 @@ def test_engine_bench_json_reports_every_measure() -> None:
             "--session-tokens=40",
             "--repeats=1",
             "--kv-cache-mb=32",
+            "--long-kv=",  # decode_at_4k/8k: test_long_context.py
         ],
         capture_output=True,
         text=True,
@@ -69,7 +70,7 @@ def test_engine_bench_neighbours_report_the_speed_kept() -> None:
         [
             *(sys.executable, "-m", "tokenwire.cli", "bench", "engine", "--json", "--no-llamacpp", "--no-hf"),
             *("--decode-tokens=3", "--streams=2", "--prefill-tokens=40", "--session-tokens=40"),
-            *("--repeats=1", "--kv-cache-mb=32", "--neighbours=1", "--no-load-probe"),
+            *("--repeats=1", "--kv-cache-mb=32", "--neighbours=1", "--no-load-probe", "--long-kv="),
         ],
         capture_output=True,
         text=True,

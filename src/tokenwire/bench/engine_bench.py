@@ -248,7 +248,7 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
             _median(partial(ours_turn2, engine, args.session_tokens, False), reps),
         )
         long_kv = [kv for kv in args.long_kv.split(",") if kv]
-        long = run_long_context(engine, llama, long_kv, n, reps) if long_kv else None
+        long_ctx = run_long_context(engine, llama, long_kv, n, reps) if long_kv else None
         # the engine idles (its threads asleep) while the baseline runs in its own process
         hf = hf_baseline(model_dir, prompts, n, reps, ftz=False) if args.hf else None
         weights, decode, kv_mb = engine.weights, decode_path(engine.model), engine.kv_cache_mb
@@ -284,8 +284,8 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
                 row[f"{engine_key}_weight_gb_s"] = step_bytes * steps / 1e9
         result[measure] = row
     result["turn2_ttft"] = {"reuse_s": turn2[0], "reprefill_s": turn2[1], "ratio": turn2[1] / turn2[0]}
-    if long is not None:
-        result.update(long)
+    if long_ctx is not None:
+        result.update(long_ctx)
     result["kv_dtype"] = kv_dtype
     result["weights"] = weights
     result["decode"] = decode
@@ -309,7 +309,7 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
         print(json.dumps(result, indent=2))
         return 0
     _print_table(result, name, args, reps, llama_missing=gguf is not None and llama is None)
-    if long is not None:
+    if long_ctx is not None:
         print_long_context(result, long_kv)
     return 0
 

@@ -58,11 +58,16 @@ def kv_engine(engine: Engine, kv_dtype: str, tokens: int) -> Engine:
 
 
 def run_long_context(
-    engine: Engine, llama: LlamaCppProcess | None, kv_dtypes: list[str], decode_tokens: int, repeats: int
+    engine: Engine,
+    llama: LlamaCppProcess | None,
+    kv_dtypes: list[str],
+    decode_tokens: int,
+    repeats: int,
+    contexts: dict[str, int] = CONTEXTS,
 ) -> dict[str, Any]:
     """{measure: {"context": tokens, kv_dtype: {tokenwire_tok_s, llamacpp_tok_s, ratio...}}} and
     kv_bytes_per_token of each of ours and each of llama.cpp's cache types."""
-    prompts = {m: context_tokens(engine, n, decode_tokens) for m, n in CONTEXTS.items()}
+    prompts = {m: context_tokens(engine, n, decode_tokens) for m, n in contexts.items()}
     longest = max(len(p) for p in prompts.values()) + decode_tokens
     ours: dict[tuple[str, str], list[float]] = {}
     peer: dict[tuple[str, str], list[float]] = {}
@@ -104,7 +109,7 @@ def run_long_context(
 
 def print_long_context(result: dict[str, Any], kv_dtypes: list[str]) -> None:
     print(f"{'long context':<24}{'tokenwire':>14}{'llama.cpp':>20}{'ratio':>8}")
-    for measure in CONTEXTS:
+    for measure in [m for m in CONTEXTS if m in result]:
         row = result[measure]
         for kv in kv_dtypes:
             cell = row[kv]
