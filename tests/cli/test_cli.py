@@ -28,7 +28,8 @@ def test_serve_logs_and_stops_cleanly_on_sigterm() -> None:
     try:
         log = wait_ready(proc, timeout=120)
         assert "model smol (LlamaForCausalLM)" in log and "weights gguf" in log, log
-        assert "KV cache 32 MiB = 720 tokens" in log, log
+        # the default fp16 cache (quantised weights): twice fp32's 720 tokens in the same MiB
+        assert "KV cache 32 MiB = 1456 tokens (91 blocks, fp16, 23040 bytes a token)" in log, log
         assert "tokenwire ready" in log and "(0 protocol servers)" in log, log
         stop_cleanly(proc)
     finally:

@@ -112,6 +112,17 @@ def test_the_kernel_stores_what_torch_rounds_to(kv: str) -> None:
     assert torch.equal(cache.view(64, 2, 64), rows.to(STORED[kv]))
 
 
+@pytest.mark.parametrize("kv", list(STORED))
+def test_as_stored_rounds_as_the_cache_stores(kv: str) -> None:
+    """A dense pass without the cache (GraphPipe) rounds its keys and values with as_stored:
+    the values the engine's cache would give back, bit for bit."""
+    from tokenwire.engine.kv_cache import as_stored
+
+    rows = torch.randn(32, 2, 64) * torch.logspace(-3, 3, 32)[:, None, None]
+    cache, scales = _cache(kv, 2, 16, 2, 64, rows, torch.arange(32))
+    assert torch.equal(as_stored(rows, kv), _stored(cache, scales).float().view(32, 2, 64))
+
+
 def test_q8_rows_are_int8_with_a_scale_per_32() -> None:
     rows = torch.randn(16, 1, 64) * 3
     cache, scales = _cache("q8", 1, 16, 1, 64, rows, torch.arange(16))

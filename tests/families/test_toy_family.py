@@ -81,7 +81,9 @@ def test_toy_family_runs_through_the_engine_exactly(smollm2_source, fused: bool,
     assert model.fusion_blocker is None  # q/k norm and windows are layer kinds the kernel knows
     model.fuse_decode = fused
     kernels.ops().set_int16_activations(False)  # the kernel's fp32 matvecs: the exact path
-    engine = Engine(model, smollm2_source.tokenizer, name="toy", kv_cache_mb=8, max_batch_tokens=8)
+    engine = Engine(  # an fp32 cache: the exact path (fp16's rounding: tests/engine/test_kv_types.py)
+        model, smollm2_source.tokenizer, name="toy", kv_cache_mb=8, max_batch_tokens=8, kv_dtype="fp32"
+    )
     greedy = SamplingParams(temperature=0.0)
     opts = GenerateOptions(max_tokens=12, sampling=greedy, ignore_eos=True, logprobs=True)
     try:

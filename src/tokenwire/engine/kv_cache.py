@@ -141,6 +141,19 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> float:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * _BYTES_PER_VALUE[kv_dtype]
 
 
+def as_stored(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """x [..., D] rounded as a `kv_dtype` cache stores it and read back in x's dtype: what a
+    forward without the cache (GraphPipe's dense batch) attends to, to match the engine's."""
+    if kv_dtype == "fp32":
+        return x
+    if kv_dtype != "q8":
+        return x.to(_STORED[kv_dtype]).to(x.dtype)
+    blocks = x.float().reshape(*x.shape[:-1], -1, Q8_BLOCK)  # kernels/kv_store.h's arithmetic
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(d != 0, 1 / d, torch.zeros_like(d)))
+    return (d.half().float() * q).reshape(x.shape).to(x.dtype)
+
+
 class KVCache:
     """Key/value storage for every layer: [layers, blocks, block_size, kv_heads, head_dim] in the
     `kv_dtype`'s storage (int8 for q8, with scales [layers, blocks, block_size, kv_heads, D/32])."""
@@ -172,6 +185,9 @@ class KVCache:
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str) -> float:
         return block_size * kv_bytes_per_token(config, kv_dtype)
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        return as_stored(x, self.kv_dtype)
 
     def copy_block(self, src: int, dst: int) -> None:
         for t in (self.k, self.v, self.k_scale, self.v_scale):

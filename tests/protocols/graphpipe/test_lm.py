@@ -157,8 +157,10 @@ def test_real_smollm2_next_token_logprobs(smollm2_engine) -> None:
         ids = np.array([tokens], dtype=np.int64)
         nxt, emb = remote.execute_multi(server.url(), [ids], None, ["next_token_logprobs", "embedding"])
         assert int(nxt[0].argmax()) == first.token_id
+        # the dense pass (eager layers) and the engine's fused steps make keys ~1e-6 apart, and
+        # both round them to the fp16 cache's values (as_stored), now and then an ulp (1e-3) apart
         for token, lp in first.top_logprobs:
-            assert abs(float(nxt[0, token]) - lp) < 2e-3
+            assert abs(float(nxt[0, token]) - lp) < 5e-3
         assert emb.shape == (1, engine.config.hidden_size)
         meta = remote.metadata(server.url(engine.name))
         assert meta.Outputs(0).ShapeAsNumpy().tolist() == [-1, -1, engine.logits_size]

@@ -116,9 +116,13 @@ class DenseCausalAttention:
         seq_len: int,
         key_mask: torch.Tensor | None = None,
         before_layer: Callable[[], None] | None = None,
+        round_kv: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.batch = batch
         self.seq_len = seq_len
+        # keys and values as a KV cache would store them (engine/kv_cache.py's as_stored), so a
+        # dense pass attends to what the engine's steps attend to
+        self.round_kv = round_kv
         # key_mask [B, T] (True = real token) supports right-padded batches.
         self.key_mask = key_mask
         # called as each layer's attention starts: may raise to abandon a long forward
@@ -131,6 +135,8 @@ class DenseCausalAttention:
             self.before_layer()
         b, t = self.batch, self.seq_len
         heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[2]
+        if self.round_kv is not None:
+            k, v = self.round_kv(k), self.round_kv(v)
         q4 = q.view(b, t, heads, d).transpose(1, 2)
         k4 = k.view(b, t, kv_heads, d).transpose(1, 2)
         v4 = v.view(b, t, kv_heads, d).transpose(1, 2)

@@ -132,7 +132,7 @@ def dense_forward(engine: Engine, ids: np.ndarray, outputs: list[str], layer: in
     hidden, captured = model(
         tokens,
         positions,
-        DenseCausalAttention(b, t, before_layer=engine.check_stopping),
+        DenseCausalAttention(b, t, before_layer=engine.check_stopping, round_kv=engine.kv.as_stored),
         capture_layers=capture,
     )
     hidden = hidden.view(b, t, -1)
