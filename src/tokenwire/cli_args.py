@@ -60,6 +60,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "weights), bf16, q8 (int8 with an fp16 scale per 32), fp32 (auto's otherwise); "
         "--kv-cache-mb counts the stored bytes",
     )
+    g.add_argument(
+        "--speculate",
+        default="ngram",
+        help="ngram: guess the next tokens from the request's own context and verify them in one "
+        "step (exact; off for a request that keeps missing); off: one token a step",
+    )
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     g.add_argument(
         "--max-num-seqs", type=int, default=1, help="sequences the default KV budget holds at full length"
@@ -87,6 +93,7 @@ def settings_from(args: argparse.Namespace, **extra: object) -> EngineSettings:
         device=args.device,
         kv_cache_mb=args.kv_cache_mb,
         kv_dtype=args.kv_dtype,
+        speculate=args.speculate,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_tokens,

@@ -105,6 +105,19 @@ class EngineCollector:
             stats["prefix_cache_hits"] * self.engine.kv.block_size,
         )
         yield GaugeMetricFamily("tokenwire_sessions_open", "Engine sessions alive", stats["sessions"])
+        # prompt-lookup speculation (engine/speculation.py)
+        yield CounterMetricFamily(
+            "tokenwire_spec_proposed_tokens", "Guessed tokens run through the model", stats["spec_proposed"]
+        )
+        yield CounterMetricFamily(
+            "tokenwire_spec_accepted_tokens", "Guessed tokens kept", stats["spec_accepted"]
+        )
+        verifications = stats["spec_verifications"]
+        yield GaugeMetricFamily(
+            "tokenwire_spec_tokens_per_verification",
+            "Tokens a step with guesses produced, on average (1 = no guess kept)",
+            stats["spec_verified_tokens"] / verifications if verifications else 0.0,
+        )
         choice = engine_threads.current()
         if choice is not None:  # source: flag, env, affinity or cgroup (engine/threads.py)
             threads = GaugeMetricFamily(

@@ -35,6 +35,7 @@ from tokenwire.engine.postprocess import Finish, Outcome, StepContext, postproce
 from tokenwire.engine.request import EngineHandle, FinishEvent, GenerateOptions, Request
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session, Ttl
+from tokenwire.engine.speculation import SPECULATE, SpecStats, Speculator
 from tokenwire.engine.step import run_step
 from tokenwire.engine.step_team import StepTeam
 from tokenwire.engine.vision import (
@@ -92,6 +93,7 @@ class Engine(EngineAPI):
         source: ModelSource | None = None,
         weights: str | None = None,
         kv_dtype: str = "auto",
+        speculate: str = "ngram",
     ) -> None:
         """`model` may be a factory: it then runs on the model thread (see _load). `source` and
         `weights`: where the model came from and the weight format it runs (factory.py), None
@@ -105,6 +107,10 @@ class Engine(EngineAPI):
         self.concepts = concepts
         self.source = source
         self.weights = weights
+        if speculate not in SPECULATE:
+            raise ValueError(f"unknown --speculate {speculate!r}: use one of {', '.join(SPECULATE)}")
+        self.speculate = speculate
+        self.spec = SpecStats()
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._sessions: dict[str, Session] = {}
@@ -158,7 +164,9 @@ class Engine(EngineAPI):
         # threads of the steps the fused decode kernel does not run (engine/step_team.py)
         self.step_team = StepTeam(self.model, enabled=self.kv.k.device.type == "cpu")
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
-        self.scheduler = Scheduler(self.kv, max_batch_tokens, max_running, self._idle_sessions)
+        self.scheduler = Scheduler(
+            self.kv, max_batch_tokens, max_running, self._idle_sessions, self.max_model_len
+        )
         self.limits = Limits(
             self.vocab_size, self.max_model_len, self.kv.num_blocks, self.kv.block_size,
             has_concepts=self.concepts is not None, kv_cache_mb=self.kv_cache_mb,
@@ -358,10 +366,23 @@ class Engine(EngineAPI):
             session.touch()
             request = Request(next(self._ids), session, options, prompt_len)
             prepare(request, self.tokenizer, self.kv)
+            if self._speculates(options):
+                request.speculator = Speculator()
             self._running[session.id] = request
             self.scheduler.add(request)
             self._wake.notify()
         return EngineHandle(request, self.cancel, self._queue_position)
+
+    def _speculates(self, options: GenerateOptions) -> bool:
+        """Prompt-lookup guesses (engine/speculation.py) need every step to run one arithmetic
+        (the fused stack: a guess's row then gives a one-token step's bits) and no readouts."""
+        return (
+            self.speculate == "ngram"
+            and options.speculate
+            and options.max_tokens > 1
+            and not options.readout_ranges
+            and getattr(self.model, "can_fuse_decode", False)
+        )
 
     def cancel(self, request: Request) -> None:
         with self._lock:
@@ -440,6 +461,12 @@ class Engine(EngineAPI):
     def _deliver(self, outcome: Outcome) -> None:
         """Must hold the lock. Emit a request's events; end it if the step finished it."""
         request = outcome.request
+        if outcome.guesses is not None:
+            proposed, accepted = outcome.guesses
+            self.spec.proposed += proposed
+            self.spec.accepted += accepted
+            self.spec.verifications += 1
+            self.spec.verified_tokens += accepted + 1
         if request.finished:
             return
         for event in outcome.events:
@@ -522,6 +549,10 @@ class Engine(EngineAPI):
                 "prefix_cache_blocks": alloc.num_cached,
                 "prefix_cache_hits": alloc.hits,
                 "steps": self._steps,
+                "spec_proposed": self.spec.proposed,
+                "spec_accepted": self.spec.accepted,
+                "spec_verifications": self.spec.verifications,
+                "spec_verified_tokens": self.spec.verified_tokens,
                 "computed_tokens": self.computed_tokens,
                 **({"vision_tower_runs": self.vision.tower_runs} if self.vision is not None else {}),
             }

@@ -60,6 +60,7 @@ class EngineSettings:
     threads: int | None = None
     weights: str = "auto"  # WEIGHTS: auto | gguf | fp32 | bf16 | int8 | int4
     kv_dtype: str = "auto"  # KV_DTYPES (engine/kv_cache.py): how the KV cache stores its values
+    speculate: str = "ngram"  # SPECULATE (engine/speculation.py): prompt-lookup guesses or off
     compile: bool = True  # fused decode kernels for quantised weights (--no-compile: eager only)
 
 
@@ -240,6 +241,7 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
             source=source,
             weights=weights,
             kv_dtype=settings.kv_dtype,
+            speculate=settings.speculate,
         )
     log.info(
         "model %s (%s) loaded in %.1fs: weights %s, device %s, KV cache %.0f MiB = %d tokens "

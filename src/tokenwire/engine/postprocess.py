@@ -53,6 +53,7 @@ class Outcome:
     request: Request
     events: list[Event] = field(default_factory=list)
     finish: Finish | None = None
+    guesses: tuple[int, int] | None = None  # (proposed, accepted) of a speculating step
 
 
 def postprocess(items: list[StepItem], output: StepOutput, ctx: StepContext) -> list[Outcome]:
@@ -78,6 +79,9 @@ def _readout(ctx: StepContext, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _after_item(ctx: StepContext, item: StepItem, output: StepOutput, out: Outcome) -> None:
+    if item.draft:
+        _verify(ctx, item, output, out)
+        return
     request = item.request
     opts = request.options
     session = request.session
@@ -107,8 +111,37 @@ def _after_item(ctx: StepContext, item: StepItem, output: StepOutput, out: Outco
     _next_token(ctx, request, output.logits[(rid, end - 1)], output.stats.get((rid, end - 1)), out)
 
 
+def _verify(ctx: StepContext, item: StepItem, output: StepOutput, out: Outcome) -> None:
+    """A step that ran guesses after the last token (engine/speculation.py): each row is
+    sampled as a one-token step would sample it; while the token picked is the guess run after
+    it, that guess's KV (computed in this step at the right position) is kept and the next row
+    is read. The first other token, or the one after every guess, is appended like any sampled
+    token; the KV of the rows after it is not marked computed and the next step overwrites it."""
+    request, session = item.request, item.request.session
+    start, rid = item.start, request.id
+    session.computed(start + 1, ctx.kv)
+    accepted = 0
+    for i in range(len(item.draft) + 1):
+        row = start + i
+        guess = item.draft[i] if i < len(item.draft) else None
+        before = len(session.tokens)
+        _next_token(ctx, request, output.logits[(rid, row)], output.stats.get((rid, row)), out, guess)
+        if out.finish is not None or len(session.tokens) != before + 1 or session.tokens[-1] != guess:
+            break  # finished, forced or backtracked by a constraint, or not the guess
+        accepted += 1
+        session.computed(row + 2, ctx.kv)
+    assert request.speculator is not None  # the scheduler guesses only for requests that have one
+    request.speculator.verified(len(item.draft), accepted)
+    out.guesses = (len(item.draft), accepted)
+
+
 def _next_token(
-    ctx: StepContext, request: Request, logits: torch.Tensor, stats: RowStats | None, out: Outcome
+    ctx: StepContext,
+    request: Request,
+    logits: torch.Tensor,
+    stats: RowStats | None,
+    out: Outcome,
+    guess: int | None = None,
 ) -> None:
     opts = request.options
     session = request.session
@@ -150,7 +183,7 @@ def _next_token(
     if plain and stats is not None and greedy:
         token = stats.argmax
     else:
-        token = sample(scores, opts.sampling, request.generator)
+        token = sample(scores, opts.sampling, request.generator, guess)
         if constrained and greedy and scores[token] == float("-inf"):
             out.finish = Finish("error", error=NO_TOKEN_ALLOWED)
             return

@@ -17,6 +17,7 @@ from tokenwire.engine.errors import InvalidRequestError
 from tokenwire.engine.events import EventChannel, EventFeed
 from tokenwire.engine.positions import PositionOutputs
 from tokenwire.engine.session import Session
+from tokenwire.engine.speculation import Speculator
 
 if TYPE_CHECKING:  # types only: set by admission.prepare, which imports them itself
     from tokenwire.engine.stop import StopStringMatcher
@@ -75,6 +76,8 @@ class GenerateOptions:
     origin: Origin | None = None  # who asked (access log, metrics)
     # TokenEvent.text of special tokens (end of turn, BOS): "" unless asked for; ids stay exact
     special_text: bool = False
+    # False: no prompt-lookup guesses for this request (engine/speculation.py; --speculate)
+    speculate: bool = True
 
     def validate(self, names: Mapping[str, str] | None = None) -> None:
         """Raise InvalidRequestError for a value out of range. `names` renames fields in the
@@ -301,6 +304,8 @@ class Request:
         self.generator: torch.Generator | None = None
         self.decoder: IncrementalDecoder | None = None
         self.stopper: StopStringMatcher | None = None  # only with stop strings
+        # its guesses of the next tokens, where the engine speculates (engine/speculation.py)
+        self.speculator: Speculator | None = None
 
     def emit(self, event: Event) -> None:
         self.feed.push(event)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.positions import ChunkRows
 from tokenwire.engine.request import Request
 from tokenwire.engine.session import Session
 from tokenwire.engine.step import StepItem
@@ -36,8 +37,10 @@ class Scheduler:
         max_batch_tokens: int,
         max_running: int,
         idle_sessions: Callable[[], list[Session]],
+        max_model_len: int | None = None,
     ) -> None:
         self.kv = kv
+        self.max_model_len = max_model_len  # guesses stop short of it
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.idle_sessions = idle_sessions
@@ -101,17 +104,37 @@ class Scheduler:
             count = min(len(session.tokens) - start, budget)
             if count <= 0:
                 continue
+            draft = self._guesses(request, budget) if count == 1 else []
+            count += len(draft)
             end = start + count
             if not self._make_room(session.blocks_needed(end, self.kv), request, scheduled):
                 continue
             session.reserve(end, self.kv)
             # the request's positions say which rows of the chunk the step keeps
-            items.append(
-                StepItem(request, start, count, request.positions.rows(start, end, len(session.tokens)))
-            )
+            if draft:  # every row's logits: postprocess verifies the guesses in order
+                rows = ChunkRows([], start, list(range(start, end)), [])
+            else:
+                rows = request.positions.rows(start, end, len(session.tokens))
+            items.append(StepItem(request, start, count, rows, draft))
             scheduled.add(request.id)
             budget -= count
         return items
+
+    def _guesses(self, request: Request, budget: int) -> list[int]:
+        """Prompt-lookup guesses for a decoding request's step (engine/speculation.py): none
+        where it does not speculate or its step owes readouts or prompt logprobs."""
+        speculator = request.speculator
+        if speculator is None:
+            return []
+        session = request.session
+        length = len(session.tokens)
+        rows = request.positions.rows(length - 1, length, length)
+        if rows.capture or rows.prompt_logprobs:
+            return []
+        limit = min(budget - 1, request.options.max_tokens - request.generated - 1)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - length - 1)
+        return speculator.propose(session.tokens, limit)
 
     def _make_room(self, needed: int, request: Request, scheduled: set[int]) -> bool:
         alloc = self.kv.allocator

@@ -23,6 +23,9 @@ class StepItem:
     start: int  # first position computed in this step
     count: int  # positions [start, start+count)
     rows: ChunkRows  # whose logits / hidden states the step returns: request.positions.rows()
+    # guessed tokens after the session's last one (engine/speculation.py): positions
+    # len(tokens) .. start+count-1 run these, and every row's logits come back to be verified
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -70,8 +73,9 @@ def run_step(
         session = item.request.session
         base = len(ids)
         table = session.block_table
+        known = len(session.tokens)
         for p in range(item.start, item.start + item.count):
-            ids.append(session.tokens[p])
+            ids.append(session.tokens[p] if p < known else item.draft[p - known])
             positions.append(p)
             slots.append(table[p // bs] * bs + p % bs)
         rows = list(range(base, base + item.count))
@@ -86,7 +90,8 @@ def run_step(
         rid = item.request.id
         opts = item.request.options
         for p in item.rows.logits:
-            if p == item.rows.sample and (opts.sampling.temperature == 0 or opts.logprobs):
+            sampled = p == item.rows.sample or bool(item.draft)  # a draft's every row is sampled
+            if sampled and (opts.sampling.temperature == 0 or opts.logprobs):
                 stat_rows.append((len(logit_rows), opts.logprobs))
             logit_rows.append(base + p - item.start)
             logit_keys.append((rid, p))

@@ -457,11 +457,16 @@ class ReplicaEngine(EngineAPI):
 
     def stats(self) -> dict[str, Any]:
         """The Engine.stats keys summed over the live replicas' latest reports (no round trip)."""
-        total = dict.fromkeys(_SUMMED, 0)
+        total: dict[str, Any] = dict.fromkeys(_SUMMED, 0)
+        total.update(kv_dtype="none", kv_bytes_per_token=0.0)  # every replica's, from the same flags
         for stats in self.replica_stats():
             if stats is not None and stats["up"]:
                 for k in _SUMMED:
-                    total[k] += stats[k]
+                    total[k] += stats.get(k, 0)
+                total.update(
+                    kv_dtype=stats.get("kv_dtype", "none"),
+                    kv_bytes_per_token=stats.get("kv_bytes_per_token", 0.0),
+                )
         return total
 
     @property
@@ -489,5 +494,6 @@ class ReplicaEngine(EngineAPI):
 
 _SUMMED = (
     "sessions", "running", "waiting", "kv_blocks_total", "kv_blocks_available", "prefix_cache_blocks",
-    "prefix_cache_hits", "steps", "computed_tokens",
+    "prefix_cache_hits", "steps", "computed_tokens", "kv_tokens_total",
+    "spec_proposed", "spec_accepted", "spec_verifications", "spec_verified_tokens",
 )  # fmt: skip

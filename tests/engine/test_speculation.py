@@ -1,0 +1,218 @@
+"""Prompt-lookup speculation (engine/speculation.py): the same bits as one token a step, with
+guesses proposed and kept (counted, so no test here passes by never guessing); the KV, length
+and grammar state after a rejected guess; the distribution kept when sampling."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests.engine.test_engine_parity import GREEDY, rand_tokens
+from tests.tiny_models import hf_model
+from tokenwire.engine.engine import Engine
+from tokenwire.engine.grammar import GrammarConstraint
+from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
+from tokenwire.engine.sampler import sample
+from tokenwire.engine.speculation import Speculator
+from tokenwire.model.families import build_model, read_config
+from tokenwire.model.layers.weights import quantize_state
+from tokenwire.model.quant import Q4_1
+
+Run = list[tuple[int, float]]
+
+
+def test_guesses_follow_the_latest_earlier_ngram_and_back_off_when_missing() -> None:
+    spec = Speculator()
+    tokens = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    assert spec.propose(tokens, 10) == [8, 9, 1, 2]  # after 5 6 7: its first four followers
+    assert spec.propose(tokens, 2) == [8, 9]  # the step's room caps them
+    assert spec.propose([1, 2, 3], 10) == []  # rewritten context: re-indexed, no earlier match
+    spec.verified(4, 4)
+    assert spec.guesses == 8  # every guess kept: twice as many next time
+    spec.verified(8, 0)
+    assert spec.guesses == 2 and spec.propose(tokens, 10) == [8, 9]  # first miss: no pause
+    spec.verified(2, 0)
+    assert spec.propose(tokens, 10) == []  # second miss in a row: one step without guesses
+    assert spec.propose(tokens, 10) == [8, 9]
+    spec.verified(2, 0)
+    assert [spec.propose(tokens, 10) for _ in range(4)] == [[], [], [], [8, 9]]  # then three
+
+
+def _tiny() -> torch.nn.Module:
+    hf = hf_model("smollm2")
+    tensors, qtypes = quantize_state(dict(hf.state_dict()), Q4_1)
+    return build_model(read_config(hf.config.to_dict()), tensors, qtypes)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> torch.nn.Module:
+    return _tiny()
+
+
+def _run(engine: Engine, session: str | None, tokens: list[int], **kw) -> Run:
+    opts = GenerateOptions(
+        **{"max_tokens": 40, "ignore_eos": True, "sampling": GREEDY, "logprobs": True, **kw}
+    )
+    events, _ = engine.generate(session, tokens, opts).result()
+    return [(e.token_id, e.logprob) for e in events if isinstance(e, TokenEvent) and not e.is_prefill]
+
+
+def _pair(model, tokenizer, **kw) -> tuple[Engine, Engine]:
+    on = Engine(model, tokenizer, name="on", kv_cache_mb=16, speculate="ngram", **kw)
+    off = Engine(model, tokenizer, name="off", kv_cache_mb=16, speculate="off", **kw)
+    return on, off
+
+
+def test_greedy_tokens_and_logprobs_are_the_bits_of_one_token_a_step(tiny, tokenizer) -> None:
+    """A random tiny model repeats itself soon, so guesses are made and kept; through a session,
+    a fork mid-session, a prefix-cache hit and stop strings."""
+    on, off = _pair(tiny, tokenizer)
+    try:
+        prompt = rand_tokens(30, 3) * 3  # the context repeats: its n-grams have followers
+        assert _run(on, None, prompt) == _run(off, None, prompt)
+        sid_on, sid_off = on.create_session(), off.create_session()
+        assert _run(on, sid_on, prompt[:50]) == _run(off, sid_off, prompt[:50])
+        fork_on, fork_off = on.fork_session(sid_on, 61), off.fork_session(sid_off, 61)
+        assert _run(on, fork_on, prompt[50:70]) == _run(off, fork_off, prompt[50:70])
+        hits = on.stats()["prefix_cache_hits"]
+        hit = [*prompt[:64], 7, 8]
+        assert _run(on, None, hit) == _run(off, None, hit)
+        assert on.stats()["prefix_cache_hits"] > hits
+        text = tokenizer.decode(_run(off, None, prompt, max_tokens=30)[-1:][0][:1])
+        stop = {"stop": [text], "max_tokens": 60}
+        assert _run(on, None, prompt, **stop) == _run(off, None, prompt, **stop)
+        stats = on.stats()
+        assert stats["spec_accepted"] > 20 and stats["spec_proposed"] >= stats["spec_accepted"]
+        assert off.stats()["spec_proposed"] == 0
+    finally:
+        on.shutdown()
+        off.shutdown()
+
+
+def test_a_regex_constraint_holds_and_rolls_back_with_the_guesses(tiny, tokenizer) -> None:
+    on, off = _pair(tiny, tokenizer)
+    try:
+        pattern = r"(ab|cd)+"
+        ids = tokenizer.encode("ab cd ab cd ab cd")
+        runs = []
+        for engine in (on, off):
+            constraint = GrammarConstraint.regex(tokenizer.hf, engine.logits_size, pattern)
+            runs.append(_run(engine, None, ids * 4, constraint=constraint, max_tokens=24))
+        assert runs[0] == runs[1]
+        assert on.stats()["spec_proposed"] > 0
+    finally:
+        on.shutdown()
+        off.shutdown()
+
+
+class _HalfRightGuesses(Speculator):
+    """Guesses from a known continuation with every third one wrong: kept, kept, rejected."""
+
+    def __init__(self, continuation: list[int]) -> None:
+        super().__init__()
+        self.continuation = continuation
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        guesses = self.continuation[len(tokens) : len(tokens) + min(limit, 3)]
+        if len(guesses) == 3:
+            guesses[2] = guesses[2] + 1
+        return guesses
+
+
+def test_after_a_rejected_guess_the_session_equals_one_without_guesses(tiny, tokenizer, monkeypatch) -> None:
+    """Length, computed positions and the KV of every computed position, bit for bit, after
+    steps whose guesses were partly kept and partly rejected."""
+    on, off = _pair(tiny, tokenizer, kv_dtype="fp32")
+    try:
+        prompt = rand_tokens(40, 20)
+        sids = [on.create_session(), off.create_session()]
+        _run(off, sids[1], prompt, max_tokens=33)
+        expected = off.session_tokens(sids[1])
+        monkeypatch.setattr("tokenwire.engine.engine.Speculator", lambda: _HalfRightGuesses(expected))
+        _run(on, sids[0], prompt, max_tokens=33)
+        stats = on.stats()
+        assert stats["spec_proposed"] > stats["spec_accepted"] > 0  # some kept, some rejected
+        sessions = [e._sessions[s] for e, s in zip((on, off), sids, strict=True)]
+        assert sessions[0].tokens == sessions[1].tokens
+        assert sessions[0].num_computed == sessions[1].num_computed == len(sessions[0].tokens) - 1
+        n, bs = sessions[0].num_computed, on.kv.block_size
+        for cache in ("k", "v"):
+            rows = []
+            for engine, session in zip((on, off), sessions, strict=True):
+                flat = getattr(engine.kv, cache).flatten(1, 2)  # [layers, slots, kv_heads, D]
+                slots = [session.block_table[p // bs] * bs + p % bs for p in range(n)]
+                rows.append(flat[:, slots])
+            assert torch.equal(rows[0], rows[1])
+    finally:
+        on.shutdown()
+        off.shutdown()
+
+
+def test_a_request_cancelled_mid_verification_frees_every_block(tiny, tokenizer) -> None:
+    engine = Engine(tiny, tokenizer, name="on", kv_cache_mb=16, speculate="ngram")
+    try:
+        opts = GenerateOptions(max_tokens=400, ignore_eos=True, sampling=GREEDY, use_prefix_cache=False)
+        handle = engine.generate(None, rand_tokens(20, 4) * 4, opts)
+        for seen, _ in enumerate(iter_events(handle)):
+            if seen == 30:
+                handle.cancel()
+        done = threading.Event()
+        engine.call_on_model_thread(done.set).result()
+        assert engine.stats()["spec_proposed"] > 0
+        assert engine.kv.allocator.num_available == engine.kv.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_sampling_against_a_guess_keeps_the_distribution() -> None:
+    """Rejection sampling with a point-mass draft: the draws' histogram against the model's
+    probabilities, chi-square with 7 degrees of freedom under 24.3 (p = 0.001) at a fixed seed,
+    for a likely guess and an unlikely one."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    params = SamplingParams(temperature=0.8)
+    p = torch.softmax(logits / 0.8, -1)
+    n = 20000
+    for guess in (0, 5):
+        gen = torch.Generator().manual_seed(guess)
+        counts = torch.bincount(
+            torch.tensor([sample(logits, params, gen, guess) for _ in range(n)]), minlength=8
+        )
+        chi2 = float((((counts - n * p) ** 2) / (n * p)).sum())
+        assert chi2 < 24.3, (guess, counts.tolist(), chi2)
+
+
+def test_seeded_sampling_with_guesses_is_reproducible(tiny, tokenizer, monkeypatch) -> None:
+    engine = Engine(tiny, tokenizer, name="on", kv_cache_mb=16, speculate="ngram")
+    try:
+        prompt = rand_tokens(20, 9)
+        sid = engine.create_session()
+        _run(engine, sid, prompt, max_tokens=40)  # greedy: the guesses' source
+        guesses = engine.session_tokens(sid)
+        monkeypatch.setattr("tokenwire.engine.engine.Speculator", lambda: _HalfRightGuesses(guesses))
+        sampling = SamplingParams(temperature=0.5, seed=7)
+        runs = [_run(engine, None, prompt, sampling=sampling, max_tokens=40) for _ in range(2)]
+        assert runs[0] == runs[1] and engine.stats()["spec_proposed"] > 0
+    finally:
+        engine.shutdown()
+
+
+def test_smollm2_copies_a_text_with_guesses_and_the_same_bits(smollm2_engine) -> None:
+    """The real model asked to repeat a paragraph: most tokens come from kept guesses, and the
+    tokens and logprobs are those of one token a step."""
+    engine = smollm2_engine
+    off = Engine(engine.model, engine.tokenizer, name="off", kv_cache_mb=64, speculate="off")
+    try:
+        text = (
+            "The river rises in the hills above the town, runs past the old mill and the school, "
+            "and reaches the sea at a wide bay where the fishing boats come in each evening."
+        )
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}]
+        )
+        before = engine.stats()["spec_accepted"]
+        assert _run(engine, None, prompt, max_tokens=48) == _run(off, None, prompt, max_tokens=48)
+        assert engine.stats()["spec_accepted"] - before >= 20
+    finally:
+        off.shutdown()
