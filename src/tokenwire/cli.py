@@ -66,12 +66,13 @@ def benchmarks() -> list[ModuleType]:
         salience_bench,
         scale_bench,
         soak_bench,
+        spec_bench,
         vision_bench,
     )
 
     return [
         salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
-        vision_bench, scale_bench, fuzz_bench, soak_bench,
+        vision_bench, scale_bench, fuzz_bench, soak_bench, spec_bench,
     ]  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from tokenwire.engine.engine import Engine
 from tokenwire.engine.grammar import GrammarConstraint
 from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
 from tokenwire.engine.sampler import sample
-from tokenwire.engine.speculation import Speculator
+from tokenwire.engine.speculation import Speculator, StepCost
 from tokenwire.model.families import build_model, read_config
 from tokenwire.model.layers.weights import quantize_state
 from tokenwire.model.quant import Q4_1
@@ -23,21 +23,43 @@ from tokenwire.model.quant import Q4_1
 Run = list[tuple[int, float]]
 
 
-def test_guesses_follow_the_latest_earlier_ngram_and_back_off_when_missing() -> None:
+def test_guesses_follow_the_latest_earlier_ngram() -> None:
     spec = Speculator()
     tokens = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
-    assert spec.propose(tokens, 10) == [8, 9, 1, 2]  # after 5 6 7: its first four followers
+    assert spec.propose(tokens, 10) == [8, 9, 1, 2, 5, 6, 7]  # after 5 6 7: what followed it
     assert spec.propose(tokens, 2) == [8, 9]  # the step's room caps them
+    assert spec.propose([*tokens, 3], 10) == []  # 7 3 never seen, nor 3: no guess
     assert spec.propose([1, 2, 3], 10) == []  # rewritten context: re-indexed, no earlier match
-    spec.verified(4, 4)
-    assert spec.guesses == 8  # every guess kept: twice as many next time
-    spec.verified(8, 0)
-    assert spec.guesses == 2 and spec.propose(tokens, 10) == [8, 9]  # first miss: no pause
-    spec.verified(2, 0)
-    assert spec.propose(tokens, 10) == []  # second miss in a row: one step without guesses
-    assert spec.propose(tokens, 10) == [8, 9]
-    spec.verified(2, 0)
-    assert [spec.propose(tokens, 10) for _ in range(4)] == [[], [], [], [8, 9]]  # then three
+
+
+def test_a_guess_is_made_only_while_its_chance_pays_for_its_row() -> None:
+    spec = Speculator()
+    assert (spec.first, spec.next) == (0.6, 0.8)
+    assert spec.guesses(0.4) == 2  # kept with chance 0.6, then 0.48, then 0.384 < 0.4
+    assert spec.guesses(0.7) == 0
+    for _ in range(4):
+        spec.verified(2, 2)  # every guess kept: both chances rise
+    assert spec.first > 0.8 and spec.next > 0.9 and spec.guesses(0.4) == 8
+    tokens = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    for _ in range(12):
+        spec.verified(8, 0)  # a stretch of misses: not worth a row at 0.4
+    assert spec.guesses(0.4) == 0
+    # one guess now and then to keep the estimate current, 64 steps apart after so many misses
+    probes = []
+    for _ in range(70):
+        probes.append(len(spec.propose(tokens, 10, 0.4)))
+        if probes[-1]:
+            spec.verified(probes[-1], 0)  # missed again
+    assert max(probes) == 1 and sum(probes) == 1
+
+
+def test_step_cost_fits_fixed_and_per_row_time() -> None:
+    cost = StepCost()
+    assert cost.per_row_share(1) == pytest.approx(0.4 / 1.4)  # the prior until rows vary
+    for rows in [1, 2, 3, 5, 9] * 4:
+        cost.observe(rows, 0.003 + 0.00125 * rows)
+    assert cost.per_row_share(1) == pytest.approx(1.25 / 4.25)
+    assert cost.per_row_share(8) == pytest.approx(10 / 13)
 
 
 def _tiny() -> torch.nn.Module:
@@ -114,7 +136,7 @@ class _HalfRightGuesses(Speculator):
         super().__init__()
         self.continuation = continuation
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
+    def propose(self, tokens: list[int], limit: int, threshold: float = 0.0) -> list[int]:
         guesses = self.continuation[len(tokens) : len(tokens) + min(limit, 3)]
         if len(guesses) == 3:
             guesses[2] = guesses[2] + 1

@@ -62,6 +62,8 @@ class LlamaCpp:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.threads = threads
+        self.path = str(gguf)
+        self.high_level: dict[bool, Any] = {}  # lookup_decode's llama_cpp.Llama, with and without lookup
         # (KV type, prompt length) -> (context, its prompt, the first token after it)
         self.long: dict[tuple[str, int], tuple[Any, list[int], int]] = {}
         self.single = self._context(seqs=1, n_ctx=2048)
@@ -88,6 +90,8 @@ class LlamaCpp:
         lc.llama_batch_free(self.batch)
         for ctx, _, _ in self.long.values():
             lc.llama_free(ctx)
+        for llm in self.high_level.values():
+            llm.close()
         lc.llama_free(self.single)
         lc.llama_free(self.multi)
         lc.llama_model_free(self.model)
@@ -127,6 +131,27 @@ class LlamaCpp:
             self._decode(self.single, [(token, len(prompt) + i, 0, True)])
             token = self._argmax(self.single, 0)
             stamps.append(time.perf_counter())
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    def lookup_decode(self, prompt: list[int], n: int, lookup: bool) -> float:
+        """Greedy tok/s (first token excluded) through llama-cpp-python's own generation loop,
+        with its prompt-lookup speculation (LlamaPromptLookupDecoding, 10 tokens a guess) or
+        without: the high-level API a user of its speculation runs."""
+        llm = self.high_level.get(lookup)
+        if llm is None:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
+            llm = self.lc.Llama(
+                self.path, n_ctx=4096, n_threads=self.threads, n_threads_batch=self.threads,
+                draft_model=draft, logits_all=lookup, verbose=False,  # its lookup reads every row's logits
+            )  # fmt: skip
+            self.high_level[lookup] = llm
+        stamps = []
+        for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) == n:
+                break
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
     def long_decode(self, prompt: list[int], n: int, kv_type: str) -> float:
@@ -207,6 +232,9 @@ class LlamaCppProcess:
     def long_decode(self, prompt: list[int], n: int, kv_type: str) -> float:
         return float(self._call("long_decode", prompt, n, kv_type))
 
+    def lookup_decode(self, prompt: list[int], n: int, lookup: bool) -> float:
+        return float(self._call("lookup_decode", prompt, n, lookup))
+
     def close(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
@@ -218,7 +246,8 @@ def _child(argv: list[str]) -> None:
     gguf, threads, streams, stream_ctx = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     llama = LlamaCpp(gguf, threads, streams, stream_ctx)
     calls = {"ready": lambda: llama.load_s, "single_decode": llama.single_decode, "streams": llama.streams,
-             "prefill": llama.prefill, "long_decode": llama.long_decode}  # fmt: skip
+             "prefill": llama.prefill, "long_decode": llama.long_decode,
+             "lookup_decode": llama.lookup_decode}  # fmt: skip
     try:
         for line in sys.stdin:
             method, args = json.loads(line)

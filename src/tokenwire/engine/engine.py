@@ -35,7 +35,7 @@ from tokenwire.engine.postprocess import Finish, Outcome, StepContext, postproce
 from tokenwire.engine.request import EngineHandle, FinishEvent, GenerateOptions, Request
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session, Ttl
-from tokenwire.engine.speculation import SPECULATE, SpecStats, Speculator
+from tokenwire.engine.speculation import SPECULATE, SpecStats, Speculator, StepCost
 from tokenwire.engine.step import run_step
 from tokenwire.engine.step_team import StepTeam
 from tokenwire.engine.vision import (
@@ -164,8 +164,9 @@ class Engine(EngineAPI):
         # threads of the steps the fused decode kernel does not run (engine/step_team.py)
         self.step_team = StepTeam(self.model, enabled=self.kv.k.device.type == "cpu")
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
+        self.step_cost = StepCost()  # decode steps' time by rows: whether guesses pay (speculation.py)
         self.scheduler = Scheduler(
-            self.kv, max_batch_tokens, max_running, self._idle_sessions, self.max_model_len
+            self.kv, max_batch_tokens, max_running, self._idle_sessions, self.max_model_len, self.step_cost
         )
         self.limits = Limits(
             self.vocab_size, self.max_model_len, self.kv.num_blocks, self.kv.block_size,
@@ -440,6 +441,7 @@ class Engine(EngineAPI):
             if not items:
                 continue
             capture = tuple(self.concepts.layers) if self.concepts is not None else ()
+            started = time.perf_counter()
             try:
                 output = run_step(
                     self.model, self.kv, items, capture, vision=self.vision, team=self.step_team
@@ -451,6 +453,8 @@ class Engine(EngineAPI):
                         self._fail(item.request, f"model step failed: {exc}")
                     self._step_over()
                 continue
+            if all(item.count == 1 or item.draft for item in items):  # decode rows alone
+                self.step_cost.observe(sum(item.count for item in items), time.perf_counter() - started)
             with self._lock:
                 self._steps += 1
                 self.computed_tokens += sum(item.count for item in items)

@@ -16,6 +16,7 @@ from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.positions import ChunkRows
 from tokenwire.engine.request import Request
 from tokenwire.engine.session import Session
+from tokenwire.engine.speculation import StepCost
 from tokenwire.engine.step import StepItem
 
 FailFn = Callable[[Request, str], None]  # ends a request with finish reason "error"
@@ -38,9 +39,11 @@ class Scheduler:
         max_running: int,
         idle_sessions: Callable[[], list[Session]],
         max_model_len: int | None = None,
+        step_cost: StepCost | None = None,
     ) -> None:
         self.kv = kv
         self.max_model_len = max_model_len  # guesses stop short of it
+        self.step_cost = step_cost or StepCost()  # what a guess's row costs (engine/speculation.py)
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.idle_sessions = idle_sessions
@@ -81,6 +84,9 @@ class Scheduler:
     def _pack(self) -> list[StepItem]:
         budget = self.max_batch_tokens
         items: list[StepItem] = []
+        decoding = sum(1 for r in self.running if len(r.session.tokens) - r.session.num_computed == 1)
+        # the chance a guess must have of being kept to pay for its row beside the step's decodes
+        self._threshold = self.step_cost.per_row_share(max(1, decoding))
         scheduled: set[int] = set()
         for request in self.running:
             session = request.session
@@ -134,7 +140,7 @@ class Scheduler:
         limit = min(budget - 1, request.options.max_tokens - request.generated - 1)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - length - 1)
-        return speculator.propose(session.tokens, limit)
+        return speculator.propose(session.tokens, limit, self._threshold)
 
     def _make_room(self, needed: int, request: Request, scheduled: set[int]) -> bool:
         alloc = self.kv.allocator

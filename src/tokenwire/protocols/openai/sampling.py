@@ -118,6 +118,7 @@ def options_for(
         readout_ranges=readout_ranges,
         priority=5 if req.priority is None else req.priority,
         constraint=constraint,
+        speculate=req.speculate,
     )
 
 

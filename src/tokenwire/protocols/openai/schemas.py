@@ -130,6 +130,9 @@ class Sampling(_Strict):
     grammar: str | None = Field(default=None, description="constrain the output to this Lark grammar")
     readouts: bool = Field(default=False, description="concept projections per token (needs --concepts)")
     ignore_eos: bool = False
+    speculate: bool = Field(
+        default=True, description="false: no prompt-lookup guesses for this request (--speculate)"
+    )
 
     @field_validator("stop")
     @classmethod

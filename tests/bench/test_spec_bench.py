@@ -1,0 +1,32 @@
+"""`tokenwire bench spec --json` cut to a few tokens on the default model: each workload's speeds
+with speculation off and on, and the counters behind them (llama.cpp is a `make bench` extra)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_spec_bench_json_reports_each_workload() -> None:
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "tokenwire.cli", "bench", "spec", "--json", "--no-llamacpp"),
+            *("--repeats=1", "--edit-tokens=48", "--chat-tokens=8", "--streams=2", "--kv-cache-mb=64"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert 500 < result["edit_prompt_tokens"] < 900
+    for workload in ("edit", "chat", "streams_2"):
+        row = result[workload]
+        assert row["on_tok_s"] > 0 and row["off_tok_s"] > 0
+        assert row["ratio_vs_off"] == row["on_tok_s"] / row["off_tok_s"]
+        assert "llamacpp_tok_s" not in row  # not run: no ratio is made up
+        assert 0 <= row["acceptance"] <= 1 and row["forwards_per_token"] > 0
+    # the edit answer copies its prompt: guesses are made and most are kept, fewer forward
+    # steps than tokens
+    assert result["edit"]["acceptance"] > 0.3 and result["edit"]["forwards_per_token"] < 0.9
