@@ -97,6 +97,7 @@ def test_one_thread_prefills_as_the_team_does(smollm2_engine, gate) -> None:
         use_prefix_cache=False,
         logprobs=True,
         logprob_ranges=((0, len(prompt) + 8),),
+        speculate=False,  # one step a token: the steps counted below
     )
     gate.set_team_mode(0)  # always the team
     team = engine.generate(None, prompt, options).result()

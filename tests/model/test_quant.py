@@ -211,8 +211,9 @@ def _decode_runs(model, tokenizer, fuse: bool, int16: bool, sequences: int) -> l
     model.fuse_decode = fuse
     ops().set_int16_activations(int16)
     # an fp32 cache: these runs hold the matmuls' paths to each other, and an fp16 cache would
-    # round the paths' keys (1e-6 apart) to fp16 values an ulp (1e-3) apart now and then
-    engine = Engine(model, tokenizer, name="tiny", kv_cache_mb=16, kv_dtype="fp32")
+    # round the paths' keys (1e-6 apart) to fp16 values an ulp (1e-3) apart now and then; one
+    # step a token (no speculation), as the team tests count them
+    engine = Engine(model, tokenizer, name="tiny", kv_cache_mb=16, kv_dtype="fp32", speculate="off")
     try:
         opts = GenerateOptions(
             max_tokens=20, sampling=SamplingParams(temperature=0.0), ignore_eos=True, logprobs=True

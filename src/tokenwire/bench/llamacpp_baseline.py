@@ -133,15 +133,33 @@ class LlamaCpp:
             stamps.append(time.perf_counter())
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
+    def teacher_forced(self, tokens: list[int], kv_type: str) -> list[tuple[float, int]]:
+        """Each position p >= 1's (logprob of tokens[p], top-1 id) from the logits before it,
+        the text prefilled in 512-token batches with the cache in `kv_type` (bench quality)."""
+        ctx = self._context(seqs=1, n_ctx=len(tokens) + 16, kv_type=kv_type)
+        out: list[tuple[float, int]] = []
+        try:
+            for start in range(0, len(tokens) - 1, 512):
+                chunk = tokens[start : min(start + 512, len(tokens) - 1)]
+                self._decode(ctx, [(t, start + i, 0, True) for i, t in enumerate(chunk)])
+                for i in range(len(chunk)):
+                    ptr = self.lc.llama_get_logits_ith(ctx, i)
+                    row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
+                    top = row.max()
+                    lse = top + np.log(np.exp(row - top).sum())
+                    out.append((float(row[tokens[start + i + 1]] - lse), int(row.argmax())))
+        finally:
+            self.lc.llama_free(ctx)
+        return out
+
     def lookup_decode(self, prompt: list[int], n: int, lookup: bool) -> float:
         """Greedy tok/s (first token excluded) through llama-cpp-python's own generation loop,
         with its prompt-lookup speculation (LlamaPromptLookupDecoding, 10 tokens a guess) or
         without: the high-level API a user of its speculation runs."""
         llm = self.high_level.get(lookup)
         if llm is None:
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-            draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
+            lookup_decoding = self.lc.llama_speculative.LlamaPromptLookupDecoding  # loaded by llama_cpp
+            draft = lookup_decoding(num_pred_tokens=10) if lookup else None
             llm = self.lc.Llama(
                 self.path, n_ctx=4096, n_threads=self.threads, n_threads_batch=self.threads,
                 draft_model=draft, logits_all=lookup, verbose=False,  # its lookup reads every row's logits
@@ -235,6 +253,9 @@ class LlamaCppProcess:
     def lookup_decode(self, prompt: list[int], n: int, lookup: bool) -> float:
         return float(self._call("lookup_decode", prompt, n, lookup))
 
+    def teacher_forced(self, tokens: list[int], kv_type: str) -> list[tuple[float, int]]:
+        return [(float(lp), int(top)) for lp, top in self._call("teacher_forced", tokens, kv_type)]
+
     def close(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
@@ -247,7 +268,7 @@ def _child(argv: list[str]) -> None:
     llama = LlamaCpp(gguf, threads, streams, stream_ctx)
     calls = {"ready": lambda: llama.load_s, "single_decode": llama.single_decode, "streams": llama.streams,
              "prefill": llama.prefill, "long_decode": llama.long_decode,
-             "lookup_decode": llama.lookup_decode}  # fmt: skip
+             "lookup_decode": llama.lookup_decode, "teacher_forced": llama.teacher_forced}  # fmt: skip
     try:
         for line in sys.stdin:
             method, args = json.loads(line)

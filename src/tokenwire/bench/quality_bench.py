@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tokenwire.bench import llamacpp_baseline
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.kv_cache import KVCache, kv_bytes_per_token
@@ -126,7 +127,9 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
             "   (prefill, the same weights, against an fp32 cache)"
         )
         print(f"{'fp32':<10}{'':>13}{'':>14}{'':>13}{by_kv['fp32_kv_perplexity']:>12.3f}")
-        for kv in kv_types:
+        for kv in [*kv_types, "llamacpp_q8_0_vs_f16"]:
+            if kv not in by_kv:
+                continue
             r = by_kv[kv]
             print(
                 f"{kv:<10}{r['top1_agreement'] * 100:>12.2f}%{r['mean_abs_logprob_diff']:>14.2e}"
@@ -151,6 +154,16 @@ def score_kv_types(engine: Engine, tokens: list[int], kv_types: list[str]) -> di
     out: dict[str, Any] = {"fp32_kv_perplexity": math.exp(-statistics.fmean(lp for lp, _ in reference))}
     for kv in kv_types:
         out[kv] = compare(reference, scored(kv))
+    gguf = engine.source.source if engine.source is not None else None
+    if gguf is not None and gguf.suffix.lower() == ".gguf" and llamacpp_baseline.available():
+        # llama.cpp's own q8_0 cache against its f16 one, the same text, the same measures
+        llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), 1, 512)
+        try:
+            out["llamacpp_q8_0_vs_f16"] = compare(
+                llama.teacher_forced(tokens, "f16"), llama.teacher_forced(tokens, "q8_0")
+            )
+        finally:
+            llama.close()
     return out
 
 

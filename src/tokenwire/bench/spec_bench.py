@@ -21,17 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from tokenwire.bench import llamacpp_baseline
-from tokenwire.bench.engine_bench import QUESTIONS
+from tokenwire.bench.engine_bench import QUESTIONS, ours_single, ours_streams
 from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
-from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
 
 NAMES = ["width", "height", "depth", "scale", "offset", "margin", "radius", "weight"]
 
@@ -53,25 +51,6 @@ def edit_prompt(engine: Engine, variant: int = 0) -> list[int]:
     old = NAMES[variant % len(NAMES)]
     ask = f"Rewrite this Python file exactly as it is, but rename `{old}` to `{old}_{variant}`:\n\n"
     return engine.tokenizer.apply_chat_template([{"role": "user", "content": ask + source_file()}])
-
-
-def _greedy(n: int) -> GenerateOptions:
-    return GenerateOptions(max_tokens=n, sampling=SamplingParams(temperature=0.0), ignore_eos=True)
-
-
-def single(engine: Engine, prompt: list[int], n: int) -> float:
-    stamps = []
-    for event in iter_events(engine.generate(None, prompt, _greedy(n))):
-        if isinstance(event, TokenEvent) and not event.is_prefill:
-            stamps.append(time.perf_counter())
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-
-def streams(engine: Engine, prompts: list[list[int]], n: int) -> float:
-    start = time.perf_counter()
-    handles = [engine.generate(None, p, _greedy(n)) for p in prompts]
-    total = sum(len(h.result()[0]) for h in handles)
-    return total / (time.perf_counter() - start)
 
 
 class Counted:
@@ -116,22 +95,22 @@ def run_spec_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     counted = {w: Counted(on) for w in runs}
     generated = dict.fromkeys(runs, 0)
     try:
-        single(on, chats[0], 8)  # warm-up
-        single(off, chats[0], 8)
+        ours_single(on, chats[0], 8)  # warm-up
+        ours_single(off, chats[0], 8)
 
         def add(workload: str, who: str, value: float) -> None:
             runs[workload].setdefault(who, []).append(value)
 
         for _ in range(reps):
-            add("edit", "on", counted["edit"](single, edit, n))
-            add("edit", "off", single(off, edit, n))
+            add("edit", "on", counted["edit"](ours_single, edit, n))
+            add("edit", "off", ours_single(off, edit, n))
             generated["edit"] += n
-            add("chat", "on", statistics.fmean(counted["chat"](single, c, chat_n) for c in chats))
-            add("chat", "off", statistics.fmean(single(off, c, chat_n) for c in chats))
+            add("chat", "on", statistics.fmean(counted["chat"](ours_single, c, chat_n) for c in chats))
+            add("chat", "off", statistics.fmean(ours_single(off, c, chat_n) for c in chats))
             generated["chat"] += chat_n * len(chats)
             key = f"streams_{args.streams}"
-            add(key, "on", counted[key](streams, many, n))
-            add(key, "off", streams(off, many, n))
+            add(key, "on", counted[key](ours_streams, many, n))
+            add(key, "off", ours_streams(off, many, n))
             generated[key] += n * len(many)
             if llama is not None:
                 for lookup, who in ((True, "llamacpp_lookup"), (False, "llamacpp")):

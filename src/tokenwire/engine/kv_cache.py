@@ -15,6 +15,7 @@ from collections import OrderedDict, deque
 
 import torch
 
+from tokenwire.model import kernels
 from tokenwire.model.config import ModelConfig
 
 
@@ -202,8 +203,6 @@ class KVCache:
             if scales is None:
                 layer_cache.view(-1, *layer_cache.shape[2:]).index_copy_(0, slots, rows.to(cache.dtype))
             else:
-                from tokenwire.model import kernels  # local: only a q8 cache needs the kernels
-
                 kernels.ops().kv_store(layer_cache, scales[layer], slots, rows)
 
     def read(
