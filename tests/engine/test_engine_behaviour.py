@@ -406,3 +406,27 @@ def test_readouts_project_hidden_states(tokenizer) -> None:
             assert torch.allclose(e.readout, expected, atol=1e-3, rtol=1e-4)
     finally:
         engine.shutdown()
+
+
+def test_a_scheduling_failure_fails_its_requests_and_the_engine_serves_on(tokenizer) -> None:
+    """A bug in scheduling (a stub raises here) ends the requests waiting on it with an error
+    naming it, instead of ending the model thread and leaving every request hanging."""
+    engine, _ = make_engine("smollm2", tokenizer)
+    try:
+        real = engine.scheduler.schedule
+        calls = []
+
+        def broken(fail):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("stub: no room computed")
+            return real(fail)
+
+        engine.scheduler.schedule = broken  # type: ignore[method-assign]
+        opts = GenerateOptions(max_tokens=4, sampling=GREEDY, ignore_eos=True)
+        events, finish = engine.generate(None, rand_tokens(10, 1), opts).result()
+        assert finish.reason == "error" and "scheduling failed: RuntimeError: stub" in finish.error
+        events, finish = engine.generate(None, rand_tokens(10, 1), opts).result()
+        assert finish.reason == "length" and len(events) == 4
+    finally:
+        engine.shutdown()

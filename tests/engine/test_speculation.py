@@ -205,6 +205,63 @@ def test_sampling_against_a_guess_keeps_the_distribution() -> None:
         assert chi2 < 24.3, (guess, counts.tolist(), chi2)
 
 
+class _FixedGuesses(Speculator):
+    def __init__(self, guesses: list[int]) -> None:
+        super().__init__()
+        self.fixed = guesses
+
+    def propose(self, tokens: list[int], limit: int, threshold: float = 0.0) -> list[int]:
+        return self.fixed[:limit]
+
+
+def test_sampled_tokens_at_guessed_rows_follow_the_model(tiny, tokenizer, monkeypatch) -> None:
+    """Through the engine on a tiny model: the token sampled at a guessed row (the second of
+    each request, drawn against a fixed guess) has the model's distribution given the first.
+    top_k 4 keeps the outcomes few; chi-square with 3 degrees of freedom under 16.3 (p = 0.001)
+    for every first token seen often enough, at fixed seeds."""
+    engine = Engine(tiny, tokenizer, name="on", kv_cache_mb=16, speculate="ngram")
+    try:
+        prompt = rand_tokens(12, 31)
+        sampling = SamplingParams(temperature=1.0, top_k=4)
+        # the model's own distribution of the second token after each first one: from one
+        # greedy-free step over prompt + first (the engine's exact logits)
+        firsts = torch.topk(_logits(engine, prompt), 4).indices.tolist()
+        guess = torch.topk(_logits(engine, [*prompt, firsts[0]]), 4).indices[1].item()  # a likely one
+        monkeypatch.setattr("tokenwire.engine.engine.Speculator", lambda: _FixedGuesses([guess, 7]))
+        pairs: dict[int, list[int]] = {}
+        for seed in range(1200):
+            # three tokens: the first decode step then has room for one guess, drawn against
+            opts = GenerateOptions(max_tokens=3, sampling=SamplingParams(temperature=1.0, top_k=4, seed=seed))
+            events, _ = engine.generate(None, prompt, opts).result()
+            pairs.setdefault(events[0].token_id, []).append(events[1].token_id)
+        assert engine.stats()["spec_proposed"] >= 1200
+        tested = 0
+        for first, seconds in pairs.items():
+            if len(seconds) < 200:
+                continue
+            logits = _logits(engine, [*prompt, first]) / sampling.temperature
+            top = torch.topk(logits, 4)
+            p = torch.softmax(top.values, -1)
+            counts = torch.tensor([seconds.count(t) for t in top.indices.tolist()], dtype=torch.float64)
+            assert counts.sum() == len(seconds)  # top_k 4: nothing else is drawn
+            chi2 = float((((counts - len(seconds) * p) ** 2) / (len(seconds) * p)).sum())
+            assert chi2 < 16.3, (first, counts.tolist(), p.tolist(), chi2)
+            tested += 1
+        assert tested >= 1
+    finally:
+        engine.shutdown()
+
+
+def _logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
+    """The model's logits after `tokens` (prompt logprobs of a one-token continuation)."""
+    opts = GenerateOptions(max_tokens=1, sampling=GREEDY, logprobs=True, top_logprobs=engine.logits_size)
+    events, _ = engine.generate(None, tokens, opts).result()
+    row = torch.full((engine.logits_size,), float("-inf"), dtype=torch.float64)
+    for token, logprob in events[-1].top_logprobs:
+        row[token] = logprob
+    return row
+
+
 def test_seeded_sampling_with_guesses_is_reproducible(tiny, tokenizer, monkeypatch) -> None:
     engine = Engine(tiny, tokenizer, name="on", kv_cache_mb=16, speculate="ngram")
     try:

@@ -36,7 +36,7 @@ from tokenwire.engine.request import EngineHandle, FinishEvent, GenerateOptions,
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session, Ttl
 from tokenwire.engine.speculation import SPECULATE, SpecStats, Speculator, StepCost
-from tokenwire.engine.step import run_step
+from tokenwire.engine.step import StepItem, run_step
 from tokenwire.engine.step_team import StepTeam
 from tokenwire.engine.vision import (
     EmbeddingCache,
@@ -430,7 +430,7 @@ class Engine(EngineAPI):
                     self._wake.wait(timeout=REAP_INTERVAL_S)
                     continue
                 calls, self._model_calls = self._model_calls, []
-                items = self.scheduler.schedule(self._fail)
+                items = self._schedule()
                 self._stepping = {item.request.session.id for item in items}
             for fn, fut in calls:
                 if fut.set_running_or_notify_cancel():
@@ -461,6 +461,17 @@ class Engine(EngineAPI):
                 for outcome in postprocess(items, output, self._step_context):
                     self._deliver(outcome)
                 self._step_over()
+
+    def _schedule(self) -> list[StepItem]:
+        """Must hold the lock. The next step's items; a scheduling bug fails the requests it
+        could not place instead of ending the model thread (every request would hang)."""
+        try:
+            return self.scheduler.schedule(self._fail)
+        except Exception as exc:
+            log.exception("scheduling failed")
+            for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                self._fail(request, f"scheduling failed: {type(exc).__name__}: {exc}")
+            return []
 
     def _deliver(self, outcome: Outcome) -> None:
         """Must hold the lock. Emit a request's events; end it if the step finished it."""
