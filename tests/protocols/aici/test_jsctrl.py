@@ -430,3 +430,15 @@ def raise_for(ctrl: Controller, program: str) -> None:
         fresh.pre_process(deadline(0.3))
         fresh.mid_process(deadline(0.3))
     pytest.fail("the program did not fail")
+
+
+def test_a_null_thrown_at_the_memory_limit_is_reported_as_out_of_memory() -> None:
+    """QuickJS, out of memory while building the error object, throws null instead (one run
+    in twenty of ALLOC's program did before this check): the context at its limit names it."""
+    from tokenwire.protocols.aici.jsctrl.controller import _program_error
+
+    full = {"malloc_size": 33_000_000, "malloc_limit": 32 * 2**20}
+    assert "out of memory (memory limit)" in str(_program_error("null", full))
+    roomy = {"malloc_size": 1_000_000, "malloc_limit": 32 * 2**20}
+    # a program that throws null itself, far from its limit
+    assert str(_program_error("null", roomy)) == "jsctrl: the program failed: null"

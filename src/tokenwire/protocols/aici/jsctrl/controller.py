@@ -262,7 +262,7 @@ class JsController(Controller):
             raise self._fail(ControllerTimeout(f"jsctrl: {name} ran past its deadline"))
         state = self._state(deadline)
         if state["error"]:
-            raise self._fail(_program_error(state["error"]))
+            raise self._fail(_program_error(state["error"], ctx.memory()))
         if self._replay is not None:
             expected = self._replay.pop(0)
             if expected[0] != name or expected[2] != out:
@@ -297,7 +297,11 @@ def _js_error(name: str, e: quickjs.JSException) -> ControllerError:
     return ControllerError(f"jsctrl: {name}: {text}")
 
 
-def _program_error(text: str) -> ControllerError:
+def _program_error(text: str, memory: dict[str, int]) -> ControllerError:
     if text.startswith("InternalError: interrupted"):
         return ControllerTimeout("jsctrl: the program ran past its deadline (interrupted)")
+    # QuickJS out of memory while it builds the error object throws null instead (seen about one
+    # run in six of the allocating test program): the context at its limit says which it was
+    if text == "null" and memory.get("malloc_size", 0) >= 0.9 * memory.get("malloc_limit", -1) > 0:
+        return ControllerError("jsctrl: the program failed: out of memory (memory limit)")
     return ControllerError(f"jsctrl: the program failed: {text}")
