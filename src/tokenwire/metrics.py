@@ -116,7 +116,7 @@ class EngineCollector:
         yield GaugeMetricFamily(
             "tokenwire_spec_tokens_per_verification",
             "Tokens a step with guesses produced, on average (1 = no guess kept)",
-            stats["spec_verified_tokens"] / verifications if verifications else 0.0,
+            (stats["spec_accepted"] + verifications) / verifications if verifications else 0.0,
         )
         choice = engine_threads.current()
         if choice is not None:  # source: flag, env, affinity or cgroup (engine/threads.py)

@@ -93,7 +93,7 @@ def test_the_choice_is_logged_and_exported(monkeypatch, caplog) -> None:
     assert "engine threads: 1 ($TOKENWIRE_THREADS=1" in caplog.text
     stats = dict.fromkeys(("running", "waiting", "kv_blocks_total", "prefix_cache_hits", "sessions"), 0)
     stats.update(kv_blocks_available=0, kv_dtype="fp16", kv_tokens_total=0, kv_bytes_per_token=0)
-    stats.update(spec_proposed=0, spec_accepted=0, spec_verifications=0, spec_verified_tokens=0)
+    stats.update(spec_proposed=0, spec_accepted=0, spec_verifications=0)
     engine = SimpleNamespace(stats=lambda: stats, kv=SimpleNamespace(block_size=16))
     gauges = {m.name: m for m in EngineCollector(engine).collect()}  # type: ignore[arg-type]
     sample = gauges["tokenwire_engine_threads"].samples[0]

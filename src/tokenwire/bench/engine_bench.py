@@ -45,6 +45,7 @@ import torch
 
 from tokenwire.bench import llamacpp_baseline, load_probe
 from tokenwire.bench.long_context import print_long_context, run_long_context
+from tokenwire.bench.measures import greedy, ours_single, ours_streams
 from tokenwire.bench.neighbours import busy_neighbours, describe
 from tokenwire.bench.quality_bench import add_quality_parser
 from tokenwire.bench.shapes import (
@@ -59,7 +60,7 @@ from tokenwire.bench.shapes import (
 from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
-from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
+from tokenwire.engine.request import TokenEvent, iter_events
 from tokenwire.heap import freeze_startup_heap
 from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.loader import cache_key, default_cache_dir, default_model_path
@@ -94,30 +95,6 @@ def _prompts(engine: Engine, n: int) -> list[list[int]]:
     return out
 
 
-def _greedy(n: int, use_prefix_cache: bool = True) -> GenerateOptions:
-    return GenerateOptions(
-        max_tokens=n,
-        sampling=SamplingParams(temperature=0.0),
-        ignore_eos=True,
-        use_prefix_cache=use_prefix_cache,
-    )
-
-
-def ours_single(engine: Engine, prompt: list[int], n: int) -> float:
-    stamps = []
-    for event in iter_events(engine.generate(None, prompt, _greedy(n, use_prefix_cache=False))):
-        if isinstance(event, TokenEvent):
-            stamps.append(time.perf_counter())
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-
-def ours_streams(engine: Engine, prompts: list[list[int]], n: int) -> float:
-    start = time.perf_counter()
-    handles = [engine.generate(None, p, _greedy(n, use_prefix_cache=False)) for p in prompts]
-    total = sum(len(h.result()[0]) for h in handles)
-    return total / (time.perf_counter() - start)
-
-
 def ours_turn2(engine: Engine, session_tokens: int, reuse: bool) -> float:
     tok = engine.tokenizer
     filler = tok.encode(" ".join(f"The number {i} is followed by {i + 1}." for i in range(400)))
@@ -125,13 +102,13 @@ def ours_turn2(engine: Engine, session_tokens: int, reuse: bool) -> float:
     turn2 = tok.encode(" Now, what comes after 7?")
     if reuse:
         sid = engine.create_session()
-        engine.generate(sid, turn1, _greedy(0)).result()
+        engine.generate(sid, turn1, greedy(0)).result()
         start = time.perf_counter()
-        handle = engine.generate(sid, turn2, _greedy(1))
+        handle = engine.generate(sid, turn2, greedy(1))
     else:
         sid = None
         start = time.perf_counter()
-        handle = engine.generate(None, turn1 + turn2, _greedy(1, use_prefix_cache=False))
+        handle = engine.generate(None, turn1 + turn2, greedy(1, use_prefix_cache=False))
     events = iter_events(handle)
     for event in events:
         if isinstance(event, TokenEvent):
@@ -161,7 +138,7 @@ def hf_baseline(
 def ours_prefill(engine: Engine, prompt: list[int]) -> float:
     """Prompt tokens per second until the first generated token (prefix cache off)."""
     start = time.perf_counter()
-    engine.generate(None, prompt, _greedy(1, use_prefix_cache=False)).result()
+    engine.generate(None, prompt, greedy(1, use_prefix_cache=False)).result()
     return len(prompt) / (time.perf_counter() - start)
 
 

@@ -125,11 +125,15 @@ class LlamaCpp:
 
     def single_decode(self, prompt: list[int], n: int) -> float:
         self._clear(self.single)
-        token = self._prefill(self.single, [prompt])[0]
+        return self._greedy_tok_s(self.single, self._prefill(self.single, [prompt])[0], len(prompt), n)
+
+    def _greedy_tok_s(self, ctx: Any, token: int, position: int, n: int) -> float:
+        """Greedy decode of sequence 0 from `token` at `position`: tok/s over n - 1 steps (the
+        first token, which came from the prefill, excluded)."""
         stamps = [time.perf_counter()]
         for i in range(n - 1):
-            self._decode(self.single, [(token, len(prompt) + i, 0, True)])
-            token = self._argmax(self.single, 0)
+            self._decode(ctx, [(token, position + i, 0, True)])
+            token = self._argmax(ctx, 0)
             stamps.append(time.perf_counter())
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
@@ -188,12 +192,7 @@ class LlamaCpp:
         else:
             self.lc.llama_memory_seq_rm(self.lc.llama_get_memory(ctx), 0, len(prompt), -1)
         self.long[key] = (ctx, prompt, token)
-        stamps = [time.perf_counter()]
-        for i in range(n - 1):
-            self._decode(ctx, [(token, len(prompt) + i, 0, True)])
-            token = self._argmax(ctx, 0)
-            stamps.append(time.perf_counter())
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        return self._greedy_tok_s(ctx, token, len(prompt), n)
 
     def streams(self, prompts: list[list[int]], n: int) -> float:
         self._clear(self.multi)

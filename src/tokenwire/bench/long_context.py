@@ -15,13 +15,12 @@ keeps its context and drops only the decoded tokens), so the rounds measure deco
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 from tokenwire.bench.llamacpp_baseline import LlamaCppProcess
+from tokenwire.bench.measures import ours_single
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.kv_cache import kv_bytes_per_token
-from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
 
 CONTEXTS = {"decode_at_4k": 4096, "decode_at_8k": 8192}
 PEER_KV = {"fp32": "f16", "fp16": "f16", "bf16": "f16", "q8": "q8_0"}  # llama.cpp's cache beside ours
@@ -38,16 +37,6 @@ def context_tokens(engine: Engine, wanted: int, decode_tokens: int) -> list[int]
     base = tok.encode(text)
     n = min(wanted, engine.max_model_len - decode_tokens)
     return (base * (n // len(base) + 1))[:n]
-
-
-def ours_long_decode(engine: Engine, prompt: list[int], n: int) -> float:
-    """Decode tok/s after `prompt`, whose KV the prefix cache keeps between calls."""
-    opts = GenerateOptions(max_tokens=n, sampling=SamplingParams(temperature=0.0), ignore_eos=True)
-    stamps = []
-    for event in iter_events(engine.generate(None, prompt, opts)):
-        if isinstance(event, TokenEvent):
-            stamps.append(time.perf_counter())
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
 def kv_engine(engine: Engine, kv_dtype: str, tokens: int) -> Engine:
@@ -75,11 +64,13 @@ def run_long_context(
     try:
         for e in engines.values():  # prefill each context once (the prefix cache keeps it)
             for prompt in prompts.values():
-                ours_long_decode(e, prompt, 2)
+                ours_single(e, prompt, 2, use_prefix_cache=True)
         for _ in range(repeats):
             for measure, prompt in prompts.items():
                 for kv, e in engines.items():
-                    ours.setdefault((measure, kv), []).append(ours_long_decode(e, prompt, decode_tokens))
+                    ours.setdefault((measure, kv), []).append(
+                        ours_single(e, prompt, decode_tokens, use_prefix_cache=True)
+                    )
                     if llama is not None:
                         peer.setdefault((measure, kv), []).append(
                             llama.long_decode(prompt, decode_tokens, PEER_KV[kv])

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from tokenwire.bench import llamacpp_baseline
-from tokenwire.bench.engine_bench import QUESTIONS, ours_single, ours_streams
+from tokenwire.bench.engine_bench import QUESTIONS
+from tokenwire.bench.measures import ours_single, ours_streams
 from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine

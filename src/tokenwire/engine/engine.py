@@ -481,7 +481,6 @@ class Engine(EngineAPI):
             self.spec.proposed += proposed
             self.spec.accepted += accepted
             self.spec.verifications += 1
-            self.spec.verified_tokens += accepted + 1
         if request.finished:
             return
         for event in outcome.events:
@@ -567,7 +566,6 @@ class Engine(EngineAPI):
                 "spec_proposed": self.spec.proposed,
                 "spec_accepted": self.spec.accepted,
                 "spec_verifications": self.spec.verifications,
-                "spec_verified_tokens": self.spec.verified_tokens,
                 "computed_tokens": self.computed_tokens,
                 **({"vision_tower_runs": self.vision.tower_runs} if self.vision is not None else {}),
             }

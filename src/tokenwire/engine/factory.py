@@ -34,7 +34,6 @@ from tokenwire.progress import StartupProgress
 
 log = logging.getLogger("tokenwire")
 
-_KV_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # auto: a GGUF's own quantisation on the CPU (fp32 activations), else --dtype; gguf: the file's
 # blocks as they are; int8 / int4: quantise fp32 weights at load to Q8_0 / Q4_1 blocks
@@ -90,7 +89,7 @@ def default_kv_cache_mb(
     ones share it), capped at half the free GPU memory or a quarter of the free RAM (the model and
     the rest of the process need the others). The MiB are what they were before --kv-dtype: an
     fp16 cache holds twice those tokens in them, a q8 one 3.8 times."""
-    model_kv = _KV_OF_DTYPE.get(dtype, "fp32")
+    model_kv = resolve_kv_dtype("auto", dtype, quantized=False)  # the model dtype's KV type
     wanted = max_num_seqs * max_model_len * KVCache.bytes_per_block(config, 1, model_kv) / 2**20
     free = free_memory_mb(device)
     if free is None:
@@ -175,10 +174,8 @@ def _log_conversion(settings: EngineSettings) -> None:
         return  # resolve_model reports what is wrong with the path
     log.info(
         "reading the tokenizer and config of %s (%.0f MiB GGUF) into %s: first start only",
-        path,
-        path.stat().st_size / 2**20,
-        cache,
-    )
+        path, path.stat().st_size / 2**20, cache,
+    )  # fmt: skip
 
 
 def build_engine(settings: EngineSettings) -> Engine:

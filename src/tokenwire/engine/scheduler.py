@@ -86,7 +86,7 @@ class Scheduler:
         items: list[StepItem] = []
         decoding = sum(1 for r in self.running if len(r.session.tokens) - r.session.num_computed == 1)
         # the chance a guess must have of being kept to pay for its row beside the step's decodes
-        self._threshold = self.step_cost.per_row_share(max(1, decoding))
+        threshold = self.step_cost.per_row_share(max(1, decoding))
         scheduled: set[int] = set()
         for request in self.running:
             session = request.session
@@ -110,7 +110,7 @@ class Scheduler:
             count = min(len(session.tokens) - start, budget)
             if count <= 0:
                 continue
-            draft = self._guesses(request, budget) if count == 1 else []
+            draft = self._guesses(request, budget, threshold) if count == 1 else []
             count += len(draft)
             end = start + count
             if not self._make_room(session.blocks_needed(end, self.kv), request, scheduled):
@@ -126,7 +126,7 @@ class Scheduler:
             budget -= count
         return items
 
-    def _guesses(self, request: Request, budget: int) -> list[int]:
+    def _guesses(self, request: Request, budget: int, threshold: float) -> list[int]:
         """Prompt-lookup guesses for a decoding request's step (engine/speculation.py): none
         where it does not speculate or its step owes readouts or prompt logprobs."""
         speculator = request.speculator
@@ -140,7 +140,7 @@ class Scheduler:
         limit = min(budget - 1, request.options.max_tokens - request.generated - 1)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - length - 1)
-        return speculator.propose(session.tokens, limit, self._threshold)
+        return speculator.propose(session.tokens, limit, threshold)
 
     def _make_room(self, needed: int, request: Request, scheduled: set[int]) -> bool:
         alloc = self.kv.allocator

@@ -37,8 +37,7 @@ class SpecStats:
 
     proposed: int = 0  # guessed tokens run through the model
     accepted: int = 0  # guesses kept
-    verifications: int = 0  # steps of a request that carried guesses
-    verified_tokens: int = 0  # tokens those steps produced (accepted + one sampled each)
+    verifications: int = 0  # steps of a request that carried guesses (each: its kept + 1 token)
 
 
 class StepCost:

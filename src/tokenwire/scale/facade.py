@@ -495,5 +495,5 @@ class ReplicaEngine(EngineAPI):
 _SUMMED = (
     "sessions", "running", "waiting", "kv_blocks_total", "kv_blocks_available", "prefix_cache_blocks",
     "prefix_cache_hits", "steps", "computed_tokens", "kv_tokens_total",
-    "spec_proposed", "spec_accepted", "spec_verifications", "spec_verified_tokens",
+    "spec_proposed", "spec_accepted", "spec_verifications",
 )  # fmt: skip

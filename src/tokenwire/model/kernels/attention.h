@@ -275,8 +275,8 @@ inline void merge_partials(const float* o, int64_t o_stride, const float* mx, co
                            int64_t n, int64_t D, float* out) {
   float top = -INFINITY, total = 0;
   for (int64_t c = 0; c < n; ++c) top = std::max(top, mx[c * s_stride]);
-  float w[64];
-  float* weights = n <= 64 ? w : new float[n];
+  thread_local std::vector<float> weights;
+  weights.resize(n);
   for (int64_t c = 0; c < n; ++c) {
     weights[c] = std::exp(mx[c * s_stride] - top);
     total += weights[c] * sums[c * s_stride];
@@ -287,7 +287,6 @@ inline void merge_partials(const float* o, int64_t o_stride, const float* mx, co
     for (int64_t c = 1; c < n; ++c) acc += weights[c] * o[c * o_stride + i];
     out[i] = acc;
   }
-  if (weights != w) delete[] weights;
 }
 
 // Calls f with a value of the reader type of a cache's storage (kv_store.h)
