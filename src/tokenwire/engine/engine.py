@@ -128,7 +128,9 @@ class Engine(EngineAPI):
         # whole batch) poll it between layers and give up, so the thread is free within a layer
         self.stopping = threading.Event()
         self._steps = 0
-        self.computed_tokens = 0  # positions run through the model (prefill + decode), all steps
+        # positions computed into a sequence's KV (prefill + decode), all steps: a rejected
+        # guess's row (engine/speculation.py) runs but is not counted, it leaves nothing behind
+        self.computed_tokens = 0
         # called (model thread, lock held) with each request as it finishes: metrics, access log
         self.on_finish: Callable[[Request, FinishEvent], None] | None = None
         loaded: Future[_Loaded] = Future()
@@ -481,6 +483,7 @@ class Engine(EngineAPI):
             self.spec.proposed += proposed
             self.spec.accepted += accepted
             self.spec.verifications += 1
+            self.computed_tokens -= proposed - accepted
         if request.finished:
             return
         for event in outcome.events:
