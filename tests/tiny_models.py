@@ -67,7 +67,7 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
     # norms, scaled embeddings, query pre-scale, GELU-tanh, windowed local layers with their own
     # RoPE base, linear RoPE scaling on the global ones, final soft-capping (its attention cap
     # is a config field transformers' Gemma 3 never applies: set, so we must ignore it too),
-    # Phi-3's fused checkpoint tensors and LongRoPE (past its original 64 positions: long factors)
+    # Phi-3's fused checkpoint tensors and LongRoPE (past its original 16 positions: long factors)
     "qwen3": Qwen3Config(**_common(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     "smollm3": SmolLM3Config(**_common(num_hidden_layers=4, pad_token_id=None, no_rope_layer_interval=4)),
     "gemma3": Gemma3TextConfig(
@@ -78,6 +78,28 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
             sliding_window=8,
             query_pre_attn_scalar=24,
             attn_logit_softcapping=20.0,
+            final_logit_softcapping=15.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            },
+            pad_token_id=0,
+        )
+    ),
+    # as a GGUF can hold them: llama.cpp runs Qwen3 without a window and Qwen3-MoE with experts
+    # in every layer, fixes Gemma 3's every sixth layer global and scales its q.k by head_dim^-1/2
+    # (the file records none of these)
+    "qwen3_gguf": Qwen3Config(**_common()),
+    "qwen3_moe_gguf": Qwen3MoeConfig(
+        **_common(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    ),
+    "gemma3_gguf": Gemma3TextConfig(
+        **_common(
+            num_hidden_layers=6,
+            head_dim=16,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            sliding_window=8,
+            query_pre_attn_scalar=16,
             final_logit_softcapping=15.0,
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -101,7 +123,7 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
     "olmoe": OlmoeConfig(**_common(num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
     "phi3": Phi3Config(
         **_common(
-            original_max_position_embeddings=64,
+            original_max_position_embeddings=16,
             pad_token_id=0,
             rope_parameters={
                 "rope_type": "longrope",

@@ -10,6 +10,7 @@ make every kernel launch slower, see Engine._start). Prints one JSON object.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import time
@@ -28,11 +29,37 @@ def transformers_model(model_dir: str) -> torch.nn.Module:
     if source.gguf is None:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-    left = model.load_state_dict(dict(GgufWeights(source.gguf, source.config, dense=True)), strict=False)
+    state = dict(GgufWeights(source.gguf, source.config, dense=True))
+    if any(k.endswith(".mlp.experts.gate_up_proj") for k in model.state_dict()):
+        state = _fused_experts(state)
+    left = model.load_state_dict(state, strict=False)
     if left.unexpected_keys or set(left.missing_keys) - {"lm_head.weight"}:
         raise ValueError(f"{model_dir}: transformers' names differ from the GGUF's: {left}")
     model.tie_weights()  # a tied lm_head: the embedding's table
     return model.eval()
+
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def _fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors as transformers >= 5 holds them: gate and up stacked into one
+    [experts, 2 x ff, hidden] `gate_up_proj`, the down projections into `down_proj`."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for key, tensor in state.items():
+        m = _EXPERT.fullmatch(key)
+        if m is None:
+            out[key] = tensor
+        else:
+            parts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = tensor
+    for prefix, kinds in parts.items():
+        def stack(kind: str, kinds: dict = kinds) -> torch.Tensor:
+            return torch.stack([kinds[kind][e] for e in sorted(kinds[kind])])
+
+        out[prefix + "gate_up_proj"] = torch.cat([stack("gate"), stack("up")], dim=1)
+        out[prefix + "down_proj"] = stack("down")
+    return out
 
 
 def main() -> None:

@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
-from gguf.quants import dequantize
 
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
 from tokenwire.model.families import GGUF_FAMILIES, read_config
-from tokenwire.model.families.base import Family, GgufNames
+from tokenwire.model.families.base import Family, GgufMeta, GgufNames
+from tokenwire.model.gguf_header import GgufHeader, read_header
 
 # Bump when the output of convert_gguf changes. (Cache keys also hash this file's source and the
 # versions of the libraries the conversion uses; see converter_fingerprint.)
-CONVERTER_VERSION = 3  # 3: no weights (read from the GGUF at load); 2 wrote fp32 + packed copies
+# 4: every family's metadata; 3: no weights (read from the GGUF at load); 2 wrote fp32 + packed copies
+CONVERTER_VERSION = 4
 
 # llama.cpp pre-tokenizer types that split every digit off before the GPT-2 regex (llama-vocab.cpp);
 # transformers 5.23 falls back to the plain GPT-2 regex for these, which merges e.g. "a  1" differently.
@@ -46,44 +46,40 @@ def converter_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-_BIG_FIELDS = {f"tokenizer.ggml.{k}" for k in ("tokens", "merges", "scores", "token_type")}
-
-
-def _fields(reader: GGUFReader) -> dict[str, Any]:
-    return {k: f.contents() for k, f in reader.fields.items() if k not in _BIG_FIELDS}
-
-
 def _f32(value: float) -> float:
     """The shortest decimal that rounds to the same float32 (1e-05, not 9.999999747378752e-06)."""
     return float(str(np.float32(value)))
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # GGUFReader raises ValueError, struct.error, IndexError... on bad files
-        raise ValueError(f"cannot read GGUF file {path}: {e}") from e
+def open_gguf(path: Path) -> GgufHeader:
+    return read_header(path)
 
 
-def gguf_to_hf_config(reader: GGUFReader, path: Path | str = "<gguf>") -> dict[str, Any]:
-    """config.json contents for a GGUF file (metadata only; no tensor data is read)."""
-    meta = _fields(reader)
-    arch = meta.get("general.architecture")
-    family = gguf_family(arch, path)
+def gguf_meta(header: GgufHeader) -> GgufMeta:
+    """The file's metadata and tensor shapes (no weight data is read)."""
+    shapes = {name: t.shape for name, t in header.tensors.items()}
+    return GgufMeta(str(header.fields.get("general.architecture")), header.fields, shapes, header.values)
+
+
+def gguf_to_hf_config(reader: GgufHeader, path: Path | str = "<gguf>") -> dict[str, Any]:
+    """config.json contents for a GGUF file (metadata only; no weight data is read)."""
+    info = gguf_meta(reader)
+    meta, arch = info.fields, info.arch
+    family = gguf_family(info, path)
     assert family.gguf is not None
     model_type = family.gguf.model_type
     hf_arch = next(a for a, t in family.architectures.items() if t == model_type)
-    tensors = {t.name for t in reader.tensors}
+    tensors = set(info.shapes)
 
     def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{key}", default)
+        return info.get(key, default)
 
     def need(key: str) -> int:
         if f"{arch}.{key}" not in meta:
             raise ValueError(f"GGUF file {path} lacks metadata {arch}.{key}")
         return int(meta[f"{arch}.{key}"])
 
-    if "tokenizer.ggml.tokens" not in reader.fields:
+    if "tokenizer.ggml.tokens" not in reader.lengths:
         raise ValueError(f"GGUF file {path} has no tokenizer (tokenizer.ggml.tokens)")
 
     hidden, heads = need("embedding_length"), need("attention.head_count")
@@ -96,7 +92,7 @@ def gguf_to_hf_config(reader: GGUFReader, path: Path | str = "<gguf>") -> dict[s
     rot_dim = int(get("rope.dimension_count", head_dim))
     if rot_dim != head_dim:
         raise UnsupportedArchitectureError(f"partial rotary embedding ({rot_dim}/{head_dim} dims) in {path}")
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = get("vocab_size") or reader.lengths["tokenizer.ggml.tokens"]
     theta = _f32(get("rope.freq_base", 10000.0))
     # eot/eom (end of turn / message, Llama 3) also end generation, as in HF generation configs.
     eos = [meta[key] for k in ("eos", "eot", "eom") if (key := f"tokenizer.ggml.{k}_token_id") in meta]
@@ -124,12 +120,15 @@ def gguf_to_hf_config(reader: GGUFReader, path: Path | str = "<gguf>") -> dict[s
     }
     if isinstance(config["eos_token_id"], list) and len(config["eos_token_id"]) == 1:
         config["eos_token_id"] = config["eos_token_id"][0]
+    config.update(family.gguf.config(info))
     return config
 
 
-def _rope_scaling(reader: GGUFReader, get: Any, theta: float, dim: int, path: Path | str) -> dict | None:
+def _rope_scaling(reader: GgufHeader, get: Any, theta: float, dim: int, path: Path | str) -> dict | None:
     kind = get("rope.scaling.type", "none")
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if kind == "longrope":  # Phi-3's factors are tensors its family reads
+        return None
+    freqs = reader.tensors.get("rope_freqs.weight")
     if kind not in ("none", "") and freqs is None:
         scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(get("rope.scaling.factor", 1.0))}
         if get("rope.scaling.original_context_length") is not None:
@@ -137,7 +136,7 @@ def _rope_scaling(reader: GGUFReader, get: Any, theta: float, dim: int, path: Pa
         return scaling  # ModelConfig rejects anything but llama3, naming the kind
     if freqs is None:
         return None
-    factors = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float64).reshape(-1)
+    factors = reader.values("rope_freqs.weight").astype(np.float64).reshape(-1)
     if np.allclose(factors, 1.0):
         return None
     old_context = int(get("rope.scaling.original_context_length", 8192))
@@ -178,21 +177,32 @@ def _infer_llama3_scaling(factors: np.ndarray, theta: float, dim: int, old: int,
     raise UnsupportedArchitectureError(f"rope_freqs tensor in {path} does not match llama3 rope scaling")
 
 
-def gguf_family(arch: Any, path: Path | str = "<gguf>") -> Family:
-    """The family converting a GGUF's `general.architecture` (its tensor names are the family's)."""
-    if arch not in GGUF_FAMILIES:
+def gguf_family(meta: GgufMeta, path: Path | str = "<gguf>") -> Family:
+    """The family a GGUF's `general.architecture` names (Mixtral's files say "llama" and count
+    experts: the family with experts of that architecture)."""
+    experts = int(meta.get("expert_count") or 0) > 0
+    candidates = GGUF_FAMILIES.get(meta.arch, [])
+    if not candidates:
         supported = ", ".join(GGUF_FAMILIES)
         raise UnsupportedArchitectureError(
-            f"unsupported GGUF architecture {arch!r} in {path}: tokenwire converts {supported}"
+            f"unsupported GGUF architecture {meta.arch!r} in {path}: tokenwire converts {supported}"
         )
-    return GGUF_FAMILIES[arch]
+    for family in candidates:
+        assert family.gguf is not None
+        if family.gguf.experts == experts:
+            return family
+    kind = "with" if experts else "without"
+    raise UnsupportedArchitectureError(
+        f"unsupported GGUF architecture {meta.arch!r} {kind} experts in {path}: tokenwire has no such family"
+    )
 
 
 def hf_tensor_name(gguf_name: str, names: GgufNames) -> str | None:
-    """HF name for a GGUF tensor name; None for tensors HF has no parameter for (rope_freqs)."""
+    """HF name for a GGUF tensor name ("{e}" in it for stacked experts); None for tensors HF has
+    no parameter for (rope_freqs, Phi-3's rope factors: config)."""
     stem, _, kind = gguf_name.rpartition(".")
     parts = stem.split(".")
-    if stem == "rope_freqs":
+    if stem in ("rope_freqs", "rope_factors_long", "rope_factors_short"):
         return None
     if stem in names.globals:
         return f"{names.globals[stem]}.{kind}"
@@ -226,17 +236,25 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Mo
     return model_config
 
 
-def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None:
+def _write_tokenizer(reader: GgufHeader, gguf_path: Path, out_dir: Path) -> None:
     # local: transformers takes seconds to import; only a GGUF's first conversion writes a tokenizer
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import pre_tokenizers, processors
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    meta = _fields(reader)
+    meta = reader.fields
+    where = {"gguf_file": gguf_path.name, "local_files_only": True}
     try:
-        hf = AutoTokenizer.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-        )
+        hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), **where)
+    except ValueError as e:
+        if "is not supported yet" not in str(e):
+            raise ValueError(f"cannot build a tokenizer from {gguf_path}: {e}") from e
+        # transformers reads no config of this architecture (OLMoE, SmolLM3): its tokenizer
+        # fields are the same as every other's, built without the config
+        try:
+            hf = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), **where)
+        except Exception as e2:
+            raise ValueError(f"cannot build a tokenizer from {gguf_path}: {e2}") from e2
     except Exception as e:
         raise ValueError(f"cannot build a tokenizer from {gguf_path}: {e}") from e
     hf.save_pretrained(str(out_dir))
@@ -244,7 +262,7 @@ def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None
     # transformers' GPT2Tokenizer adds "<|endoftext|>" as a default special token even when the
     # vocabulary lacks it, growing the tokenizer past the model's embedding; keep GGUF tokens only.
     spec = json.loads((out_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    n_tokens = reader.lengths["tokenizer.ggml.tokens"]
     spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["id"] < n_tokens]
     raw = RawTokenizer.from_str(json.dumps(spec))
     if meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:

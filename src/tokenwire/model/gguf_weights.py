@@ -29,7 +29,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from tokenwire.model import kernels, weight_types
 from tokenwire.model.config import ModelConfig
-from tokenwire.model.gguf import gguf_family, hf_tensor_name, open_gguf, unpermute_rope_rows
+from tokenwire.model.gguf import gguf_family, gguf_meta, hf_tensor_name, open_gguf, unpermute_rope_rows
 from tokenwire.model.quant import dequantize
 
 _FLOATS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F64: np.float64}
@@ -50,25 +50,34 @@ class GgufTensor:
     offset: int  # absolute file offset of its data
     nbytes: int
     rope_heads: int | None  # q/k rows to un-permute, by this many heads
+    shift: float = 0.0  # taken off the values (a norm the converter stored as 1 + w)
 
 
 class GgufWeights(Mapping[str, torch.Tensor]):
     def __init__(self, path: Path, config: ModelConfig, *, dense: bool = False) -> None:
         self.path = Path(path)
-        reader = open_gguf(self.path)
-        names = gguf_family(reader.fields["general.architecture"].contents(), path).gguf
+        header = open_gguf(self.path)
+        names = gguf_family(gguf_meta(header), path).gguf
         assert names is not None
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
         self.tensors: dict[str, GgufTensor] = {}
-        for t in reader.tensors:
+        for t in header.tensors.values():
             name = hf_tensor_name(t.name, names)
             if name is None:
                 continue
             kind = t.name.split(".")[-2]
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             rope = heads[kind] if names.permuted_qk and kind in heads else None
-            qtype = GGMLQuantizationType(int(t.tensor_type))
-            self.tensors[name] = GgufTensor(t.name, qtype, shape, int(t.data_offset), int(t.n_bytes), rope)
+            shift = names.norm_shift if t.name.endswith("norm.weight") else 0.0
+            qtype, shape, offset, nbytes = t.qtype, t.shape, t.offset, t.nbytes
+            if "{e}" not in name:
+                self.tensors[name] = GgufTensor(t.name, qtype, shape, offset, nbytes, rope, shift)
+                continue
+            # stacked experts: each expert's rows are whole blocks, one expert after another
+            experts, each = shape[0], nbytes // shape[0]
+            for e in range(experts):
+                self.tensors[name.format(e=e)] = GgufTensor(
+                    f"{t.name}[{e}]", qtype, shape[1:], offset + e * each, each, None
+                )
         self.qtypes: dict[str, int] = {}  # the quantised tensors' block types (none when dense)
         if not dense:
             for name, t in self.tensors.items():
@@ -103,6 +112,8 @@ class GgufWeights(Mapping[str, torch.Tensor]):
             values = self._dequantized(raw, t)
         if t.rope_heads is not None:
             values = unpermute_rope_rows(values, t.rope_heads)
+        if t.shift:
+            values = values - np.float32(t.shift)  # exact: the stored 1 + w less 1 is w as stored
         return torch.from_numpy(np.ascontiguousarray(values))
 
     def _read(self, t: GgufTensor) -> np.ndarray:

@@ -33,7 +33,10 @@ FAMILIES: tuple[Family, ...] = (
 )  # fmt: skip
 ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.architectures}
 MODEL_TYPES = {model_type: arch for family in FAMILIES for arch, model_type in family.architectures.items()}
-GGUF_FAMILIES = {family.gguf.architecture: family for family in FAMILIES if family.gguf is not None}
+GGUF_FAMILIES: dict[str, list[Family]] = {}
+for _family in FAMILIES:
+    if _family.gguf is not None:
+        GGUF_FAMILIES.setdefault(_family.gguf.architecture, []).append(_family)
 
 
 def read_config(d: dict[str, Any]) -> ModelConfig:

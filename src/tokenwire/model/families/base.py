@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,13 +34,48 @@ GGUF_LAYER_NAMES = {
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+# a mixture of experts' router and stacked experts ([experts, rows, cols], one expert's rows
+# after another's), each expert's slice read as the per-expert tensor it was stacked from
+GGUF_EXPERT_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class GgufMeta:
+    """What a GGUF says of its model: metadata, tensor shapes (rows first), small tensors' values."""
+
+    arch: str  # general.architecture
+    fields: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+    values: Callable[[str], np.ndarray]  # a tensor's values as float32 (rope factors, not weights)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(f"{self.arch}.{key}", default)
+
+    def layers_with(self, kind: str) -> list[int]:
+        """The blocks holding a tensor of `kind` (ffn_gate_exps: the sparse layers)."""
+        parts = (name.split(".") for name in self.shapes if name.startswith("blk."))
+        return sorted({int(p[1]) for p in parts if p[2] == kind})
+
+
 @dataclass(frozen=True)
 class GgufNames:
+    """How llama.cpp's convert_hf_to_gguf.py wrote a family: its architecture name, tensor names,
+    what it did to the tensors, and the config.json entries its metadata gives beyond the common
+    ones (`config`)."""
+
     architecture: str  # general.architecture
     model_type: str  # the HF model_type its config.json gets (one of the family's architectures')
     permuted_qk: bool  # llama.cpp's converter interleaved q/k rows for its RoPE (undone on reading)
     layer: dict[str, str] = field(default_factory=lambda: dict(GGUF_LAYER_NAMES))
     globals: dict[str, str] = field(default_factory=lambda: dict(GGUF_GLOBAL_NAMES))
+    experts: bool = False  # the family's files have `{arch}.expert_count` (Mixtral shares "llama")
+    norm_shift: float = 0.0  # added to every norm weight by the converter (Gemma's 1 + w), taken off
+    config: Callable[[GgufMeta], dict[str, Any]] = lambda meta: {}
 
 
 @dataclass(frozen=True)

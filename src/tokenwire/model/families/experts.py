@@ -15,6 +15,7 @@ import re
 import torch
 
 from tokenwire.model.config import ModelConfig
+from tokenwire.model.families.base import GgufMeta
 from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.layers.mlp import MixtureOfExperts
 from tokenwire.model.layers.weights import Tensors, WeightNames
@@ -68,3 +69,19 @@ def moe(
     config: ModelConfig, intermediate: int, experts: int, top_k: int, normalize: bool
 ) -> MixtureOfExperts:
     return MixtureOfExperts(config.hidden_size, intermediate, experts, top_k, normalize, config.hidden_act)
+
+
+def gguf_config(meta: GgufMeta, normalize: bool) -> dict[str, object]:
+    """Qwen's and OLMoE's expert entries from a GGUF: counts from the metadata, each expert's
+    width from its stacked tensor, which layers are sparse from where experts are, and the
+    top-k normalisation llama.cpp applies for the family (`expert_weights_norm` where written)."""
+    sparse = meta.layers_with("ffn_gate_exps")
+    n = int(meta.get("block_count"))
+    return {
+        "num_experts": int(meta.get("expert_count")),
+        "num_experts_per_tok": int(meta.get("expert_used_count")),
+        "moe_intermediate_size": meta.shapes[f"blk.{sparse[0]}.ffn_gate_exps.weight"][1],
+        "norm_topk_prob": bool(meta.get("expert_weights_norm", normalize)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(n) if i not in sparse],
+    }

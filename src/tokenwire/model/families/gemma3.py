@@ -8,7 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
-from tokenwire.model.families.base import Family, llama_names, qk_norm_names
+from tokenwire.model.families.base import (
+    GGUF_LAYER_NAMES,
+    Family,
+    GgufMeta,
+    GgufNames,
+    llama_names,
+    qk_norm_names,
+)
 from tokenwire.model.layers.attention import Attention, AttentionSpec
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.mlp import GatedMLP
@@ -74,7 +81,48 @@ def model_options(config: ModelConfig) -> dict[str, Any]:
     return {"embed_scale": config.hidden_size**0.5, "logit_softcap": cap, "norm_offset": 1.0}
 
 
+def gguf_config(meta: GgufMeta) -> dict[str, Any]:
+    """Gemma 3 as llama.cpp reads its GGUF: every `sliding_window_pattern`-th layer global (6
+    where the file does not say; a list of booleans marks the sliding ones), local layers at
+    `rope.freq_base_swa` (10,000 where unsaid) without scaling, and q.k scaled by head_dim^-1/2
+    except on the 62-layer 27B, by (hidden / heads)^-1/2."""
+    n, window = int(meta.get("block_count")), int(meta.get("attention.sliding_window") or 0)
+    pattern = meta.get("attention.sliding_window_pattern", 6)
+    if not window:
+        sliding = [False] * n
+    elif isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(n)]
+    hidden, heads = int(meta.get("embedding_length")), int(meta.get("attention.head_count"))
+    head_dim = int(meta.get("attention.key_length", hidden // heads))
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 1e6))}
+    if meta.get("rope.scaling.type") == "linear":
+        full.update(rope_type="linear", factor=float(meta.get("rope.scaling.factor")))
+    local = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base_swa", 10000.0))}
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": window or None,
+        "query_pre_attn_scalar": hidden // heads if n == 62 else head_dim,
+        "rope_parameters": {"sliding_attention": local, "full_attention": full},
+        "rope_scaling": None,
+        "final_logit_softcapping": meta.get("final_logit_softcapping"),
+    }
+
+
+# llama.cpp's names for the sandwich norms; its converter stores each norm as 1 + w
+GGUF = GgufNames(
+    "gemma3", "gemma3_text", permuted_qk=False, norm_shift=1.0,
+    layer={
+        **GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    },
+    config=gguf_config,
+)  # fmt: skip
+
 FAMILY = Family(
     name="gemma3", architectures={"Gemma3ForCausalLM": "gemma3_text"}, assemble=assemble,
-    weight_names=weight_names, model_options=model_options,
+    weight_names=weight_names, model_options=model_options, gguf=GGUF,
 )  # fmt: skip

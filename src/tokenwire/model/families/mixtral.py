@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.families import experts
-from tokenwire.model.families.base import Family, llama_layer, llama_names, sliding_windows
+from tokenwire.model.families.base import (
+    GGUF_EXPERT_NAMES,
+    GGUF_LAYER_NAMES,
+    Family,
+    GgufMeta,
+    GgufNames,
+    llama_layer,
+    llama_names,
+    sliding_windows,
+)
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.weights import WeightNames
 
@@ -32,7 +41,18 @@ def weight_names(config: ModelConfig) -> WeightNames:
     return names
 
 
+def gguf_config(meta: GgufMeta) -> dict[str, int]:
+    used = int(meta.get("expert_used_count"))
+    return {"num_local_experts": int(meta.get("expert_count")), "num_experts_per_tok": used}
+
+
+# llama.cpp writes Mixtral as a Llama ("llama", q/k rows interleaved) with experts stacked
+GGUF = GgufNames(
+    "llama", "mixtral", permuted_qk=True, layer={**GGUF_LAYER_NAMES, **GGUF_EXPERT_NAMES}, experts=True,
+    config=gguf_config,
+)  # fmt: skip
+
 FAMILY = Family(
     name="mixtral", architectures={"MixtralForCausalLM": "mixtral"}, assemble=assemble,
-    weight_names=weight_names, prepare=experts.prepare,
+    weight_names=weight_names, prepare=experts.prepare, gguf=GGUF,
 )  # fmt: skip

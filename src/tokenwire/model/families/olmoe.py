@@ -7,7 +7,16 @@ from typing import Any
 
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError, common_config
 from tokenwire.model.families import experts
-from tokenwire.model.families.base import Family, llama_layer, llama_names, qk_norm_names
+from tokenwire.model.families.base import (
+    GGUF_EXPERT_NAMES,
+    Family,
+    GgufMeta,
+    GgufNames,
+    llama_layer,
+    llama_names,
+    qk_norm_names,
+)
+from tokenwire.model.families.qwen3 import GGUF as QWEN3_GGUF
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.weights import WeightNames
 
@@ -40,7 +49,19 @@ def weight_names(config: ModelConfig) -> WeightNames:
     return names
 
 
+def gguf_config(meta: GgufMeta) -> dict[str, object]:
+    entries = experts.gguf_config(meta, normalize=False)  # llama.cpp keeps OLMoE's raw top-k weights
+    # every layer is sparse; OLMoE's config calls each expert's width intermediate_size
+    return {**entries, "intermediate_size": entries.pop("moe_intermediate_size")}
+
+
+# the q/k norms (over whole projections here) under Qwen3's names, experts stacked; rows as they are
+GGUF = GgufNames(
+    "olmoe", "olmoe", permuted_qk=False, layer={**QWEN3_GGUF.layer, **GGUF_EXPERT_NAMES}, experts=True,
+    config=gguf_config,
+)  # fmt: skip
+
 FAMILY = Family(
     name="olmoe", architectures={"OlmoeForCausalLM": "olmoe"}, assemble=assemble, weight_names=weight_names,
-    read_config=read_config, prepare=experts.prepare,
+    read_config=read_config, prepare=experts.prepare, gguf=GGUF,
 )  # fmt: skip

@@ -7,7 +7,14 @@ from dataclasses import replace
 from typing import Any
 
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError, common_config
-from tokenwire.model.families.base import Family, llama_layer, sliding_windows
+from tokenwire.model.families.base import (
+    GGUF_LAYER_NAMES,
+    Family,
+    GgufMeta,
+    GgufNames,
+    llama_layer,
+    sliding_windows,
+)
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.weights import WeightNames
 
@@ -47,7 +54,30 @@ def weight_names(config: ModelConfig) -> WeightNames:
     return names
 
 
+def gguf_config(meta: GgufMeta) -> dict[str, Any]:
+    """The window (0: none, Phi-4) and LongRoPE: llama.cpp's converter writes the factors as
+    tensors and the attention factor it derived from the two lengths, which we derive again."""
+    entries: dict[str, Any] = {"sliding_window": int(meta.get("attention.sliding_window") or 0) or None}
+    original = meta.get("rope.scaling.original_context_length")
+    if original is not None:
+        entries["original_max_position_embeddings"] = int(original)
+    if "rope_factors_long.weight" in meta.shapes:
+        entries["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": [float(f) for f in meta.values("rope_factors_long.weight")],
+            "short_factor": [float(f) for f in meta.values("rope_factors_short.weight")],
+        }
+    return entries
+
+
+# llama.cpp keeps Phi-3's fused tensors: attn_qkv, and ffn_up holding gate and up; rows as they are
+GGUF = GgufNames(
+    "phi3", "phi3", permuted_qk=False,
+    layer={**GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    config=gguf_config,
+)  # fmt: skip
+
 FAMILY = Family(
     name="phi3", architectures={"Phi3ForCausalLM": "phi3"}, assemble=assemble, weight_names=weight_names,
-    read_config=read_config,
+    read_config=read_config, gguf=GGUF,
 )  # fmt: skip

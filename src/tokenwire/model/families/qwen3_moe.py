@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.families import experts
-from tokenwire.model.families.base import Family, llama_layer, llama_names, qk_norm_names, sliding_windows
+from tokenwire.model.families.base import (
+    GGUF_EXPERT_NAMES,
+    Family,
+    GgufNames,
+    llama_layer,
+    llama_names,
+    qk_norm_names,
+    sliding_windows,
+)
+from tokenwire.model.families.qwen3 import GGUF as QWEN3_GGUF
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.weights import WeightNames
 
@@ -36,7 +45,13 @@ def weight_names(config: ModelConfig) -> WeightNames:
     return names
 
 
+# Qwen3's names plus stacked experts; llama.cpp renormalises Qwen3-MoE's top-k weights
+GGUF = GgufNames(
+    "qwen3moe", "qwen3_moe", permuted_qk=False, layer={**QWEN3_GGUF.layer, **GGUF_EXPERT_NAMES}, experts=True,
+    config=lambda meta: experts.gguf_config(meta, normalize=True),
+)  # fmt: skip
+
 FAMILY = Family(
     name="qwen3_moe", architectures={"Qwen3MoeForCausalLM": "qwen3_moe"}, assemble=assemble,
-    weight_names=weight_names, prepare=experts.prepare,
+    weight_names=weight_names, prepare=experts.prepare, gguf=GGUF,
 )  # fmt: skip

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from tokenwire.model.config import ModelConfig
-from tokenwire.model.families.base import Family, config_rope, llama_layer, llama_names, sliding_windows
+from tokenwire.model.families.base import (
+    Family,
+    GgufNames,
+    config_rope,
+    llama_layer,
+    llama_names,
+    sliding_windows,
+)
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.rotary import RopeSpec
 
@@ -20,9 +27,14 @@ def assemble(config: ModelConfig) -> list[DecoderLayer]:
     ]
 
 
+# llama.cpp converts SmolLM3 as a Llama (q/k rows interleaved) and skips RoPE on every fourth
+# layer without saying so in the file (its n_no_rope_layer_step is fixed at 4)
+GGUF = GgufNames("smollm3", "smollm3", permuted_qk=True, config=lambda meta: {"no_rope_layer_interval": 4})
+
 FAMILY = Family(
     name="smollm3",
     architectures={"SmolLM3ForCausalLM": "smollm3"},
     assemble=assemble,
     weight_names=llama_names,
+    gguf=GGUF,
 )
