@@ -191,3 +191,26 @@ def test_steps_behind_each_measure() -> None:
     assert steps_per_s("streams_4", 80.0, 4, 1000, 512) == 20.0
     # a 1,000-token prompt is two 512-token steps: at 500 tok/s, half a prompt (one step) a second
     assert math.isclose(steps_per_s("prefill_1k", 500.0, 4, 1000, 512), 1.0)
+
+
+def test_a_mixture_of_experts_shape_loads_as_olmoe_and_counts_its_active_experts(tmp_path: Path) -> None:
+    """OLMoE's layout at tiny widths: llama.cpp's tensor names and metadata, experts stacked and
+    read expert by expert in the file's blocks; a token reads 2 of its 4 experts."""
+    widths = dict(hidden=128, layers=2, heads=4, kv_heads=4, ffn=64, context=512)
+    moe = shapes.Shape(**widths, experts=4, experts_used=2)
+    path = tmp_path / "tiny-moe.gguf"
+    shapes.write(path, moe, "Q8_0")
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    assert sizes["blk.0.ffn_gate_exps.weight"] == 4 * 64 * 136  # 4 experts x 64 rows x 4 Q8_0 blocks
+    experts = sum(n for name, n in sizes.items() if name.endswith("_exps.weight"))
+    # attention and routers whole, the tied head (the embedding table), half the experts
+    dense = sum(n for name, n in sizes.items() if "norm" not in name and "_exps" not in name)
+    assert shapes.weight_bytes(path) == dense + experts // 2
+    engine = build_engine(EngineSettings(model=str(path), progress=False, kv_cache_mb=8, cache_dir=tmp_path))
+    try:
+        assert engine.config.architecture == "OlmoeForCausalLM"
+        options = GenerateOptions(max_tokens=4, sampling=SamplingParams(temperature=0.0), ignore_eos=True)
+        tokens = engine.generate(None, engine.tokenizer.encode("Hello there"), options).result()[0]
+        assert len(tokens) == 4
+    finally:
+        engine.shutdown()

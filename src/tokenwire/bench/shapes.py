@@ -43,6 +43,7 @@ import gguf
 import numpy as np
 
 from tokenwire.bench.llamacpp_baseline import llama_cpp_module, quiet_llama_cpp
+from tokenwire.model.gguf_header import read_header
 from tokenwire.model.loader import resolve_model
 
 log = logging.getLogger("tokenwire.bench.shapes")
@@ -60,10 +61,18 @@ class Shape:
     context: int = 8192
     rope_theta: float = 500000.0
     tied: bool = True  # the head is the embedding (no output.weight)
+    experts: int = 0  # a mixture of `experts` MLPs of width `ffn` in every layer (OLMoE's layout)
+    experts_used: int = 0
+
+    @property
+    def architecture(self) -> str:
+        """llama.cpp's name for the file: a Llama, or OLMoE (q/k norms, experts in every layer)."""
+        return "olmoe" if self.experts else "llama"
 
     def parameters(self, vocab: int) -> int:
         kv = self.kv_heads * (self.hidden // self.heads)
-        layer = 2 * self.hidden * self.hidden + 2 * kv * self.hidden + 3 * self.ffn * self.hidden
+        mlp = 3 * self.ffn * self.hidden * max(self.experts, 1) + self.experts * self.hidden
+        layer = 2 * self.hidden * self.hidden + 2 * kv * self.hidden + mlp
         return self.layers * layer + vocab * self.hidden * (1 if self.tied else 2)
 
 
@@ -75,6 +84,11 @@ SHAPES = {
     "llama-3b": Shape(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192),
     # Llama-3.1-8B: an output matrix of its own
     "llama-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, tied=False),
+    # OLMoE-1B-7B (issue 25's mixture of experts): 64 experts of width 1024, 8 used a token
+    "olmoe-1b-7b": Shape(
+        hidden=2048, layers=16, heads=16, kv_heads=16, ffn=1024, context=4096, rope_theta=10000.0, tied=False,
+        experts=64, experts_used=8,
+    ),
 }
 # what gguf-py's Python quantiser writes
 WRITTEN = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -213,9 +227,19 @@ def tensors(s: Shape, vocab: int, quant: str) -> Iterator[tuple[str, tuple[int, 
         yield p + "attn_k.weight", (kv, s.hidden), kind
         yield p + "attn_v.weight", (kv, s.hidden), kind
         yield p + "attn_output.weight", (s.hidden, s.hidden), kind
-        yield p + "ffn_gate.weight", (s.ffn, s.hidden), kind
-        yield p + "ffn_up.weight", (s.ffn, s.hidden), kind
-        yield p + "ffn_down.weight", (s.hidden, s.ffn), kind
+        if not s.experts:
+            yield p + "ffn_gate.weight", (s.ffn, s.hidden), kind
+            yield p + "ffn_up.weight", (s.ffn, s.hidden), kind
+            yield p + "ffn_down.weight", (s.hidden, s.ffn), kind
+            continue
+        # OLMoE: RMSNorms over the whole q and k; the router in F32 (llama.cpp never quantises
+        # it); each projection's experts stacked in one tensor
+        yield p + "attn_q_norm.weight", (s.hidden,), Q.F32
+        yield p + "attn_k_norm.weight", (kv,), Q.F32
+        yield p + "ffn_gate_inp.weight", (s.experts, s.hidden), Q.F32
+        yield p + "ffn_gate_exps.weight", (s.experts, s.ffn, s.hidden), kind
+        yield p + "ffn_up_exps.weight", (s.experts, s.ffn, s.hidden), kind
+        yield p + "ffn_down_exps.weight", (s.experts, s.hidden, s.ffn), kind
 
 
 def _nbytes(shape: tuple[int, ...], kind: Q) -> int:
@@ -232,7 +256,7 @@ def write(path: Path, s: Shape, quant: str) -> None:
     the tensor table first, then each tensor's bytes as they are made."""
     if quant not in WRITTEN:
         raise ValueError(f"gguf-py writes {', '.join(WRITTEN)}, not {quant}")
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), s.architecture)
     w.add_name("random weights, bench shape")
     vocab = copy_shipped_tokenizer(w)
     head_dim = s.hidden // s.heads
@@ -246,6 +270,9 @@ def write(path: Path, s: Shape, quant: str) -> None:
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
+    if s.experts:
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.experts_used)
     w.add_file_type(int(gguf.LlamaFileType["ALL_F32" if quant == "F32" else f"MOSTLY_{quant}"]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     plan = list(tensors(s, vocab, quant))
@@ -267,8 +294,8 @@ def _make(rng: np.random.Generator, shape: tuple[int, ...], kind: Q) -> np.ndarr
     """One tensor's bytes: ones for a norm, else normal(0, 0.02) made and quantised in chunks."""
     if len(shape) == 1:
         return np.ones(shape, dtype=np.float32).view(np.uint8)
-    rows, cols = shape
-    out = np.empty(gguf.quants.quant_shape_to_byte_shape(shape, kind), dtype=np.uint8)
+    rows, cols = math.prod(shape[:-1]), shape[-1]  # stacked experts: one expert's rows after another's
+    out = np.empty(gguf.quants.quant_shape_to_byte_shape((rows, cols), kind), dtype=np.uint8)
     step = max(1, _CHUNK // cols)
     for r in range(0, rows, step):
         n = min(step, rows - r)
@@ -296,10 +323,17 @@ def weight_bytes(path: Path) -> int:
     """Bytes of weight matrices one forward step reads: every matrix of the layers, and the head
     (output.weight; the embedding where the head is tied to it). The embedding is otherwise only
     looked up (a row a token), and norms and biases are vectors; from the file's own tensor sizes,
-    so it is the same figure for every engine that runs the file. Dense models: a mixture of
-    experts reads only its routed experts."""
-    reader = gguf.GGUFReader(path)
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors if len(t.shape) >= 2}
+    so it is the same figure for every engine that runs the file. A mixture of experts: a token
+    reads its `expert_used_count` of `expert_count` experts (the active-parameter bound)."""
+    header = read_header(path)
+    arch = header.fields.get("general.architecture")
+    experts = int(header.fields.get(f"{arch}.expert_count") or 0)
+    share = int(header.fields.get(f"{arch}.expert_used_count") or 0) / experts if experts else 1.0
+    sizes = {name: t.nbytes for name, t in header.tensors.items() if len(t.shape) >= 2}
     head = sizes.get("output.weight", sizes.get("token_embd.weight", 0))
-    layers = sum(n for name, n in sizes.items() if name not in ("output.weight", "token_embd.weight"))
-    return layers + head
+    layers = sum(
+        n * (share if name.endswith("_exps.weight") else 1)
+        for name, n in sizes.items()
+        if name not in ("output.weight", "token_embd.weight")
+    )
+    return round(layers) + head
