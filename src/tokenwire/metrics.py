@@ -88,6 +88,15 @@ class EngineCollector:
         blocks.add_metric(["used"], stats["kv_blocks_total"] - free)
         blocks.add_metric(["free"], free)
         yield blocks
+        if "kv_window_blocks_total" in stats:  # sliding-window layers' own pool (KVCache.window_pool)
+            window = GaugeMetricFamily(
+                "tokenwire_kv_window_blocks", "Blocks of the sliding-window layers' KV pool by state",
+                labels=["state"],
+            )  # fmt: skip
+            held = stats["kv_window_blocks_held"]
+            window.add_metric(["used"], held)
+            window.add_metric(["free"], stats["kv_window_blocks_total"] - held)
+            yield window
         # the budget in tokens and bytes as stored (--kv-dtype): fp16 holds twice fp32's tokens
         tokens = GaugeMetricFamily(
             "tokenwire_kv_cache_tokens", "Positions the KV cache holds", labels=["kv_dtype"]

@@ -92,7 +92,7 @@ def test_fork_shares_blocks_and_a_write_copies_the_shared_one() -> None:
     assert child.block_table == parent.block_table
     assert [kv.allocator.refcount[b] for b in parent.block_table] == [2, 2]
     child.tokens.append(50)
-    assert child.blocks_needed(7, kv) == 1  # the shared partial block must be copied
+    assert child.blocks_needed(7, kv) == (1, 0)  # the shared partial block must be copied
     child.reserve(7, kv)
     assert child.block_table[0] == parent.block_table[0]  # the full block stays shared
     copied = child.block_table[1]

@@ -95,10 +95,20 @@ def build_group(
 
 
 class PagedAttention:
-    def __init__(self, kv: KVCache, slot_mapping: torch.Tensor, groups: list[AttentionGroup]) -> None:
+    """`windowed`: the slots and groups of the window pool's tables, for the layers the cache
+    keeps there (KVCache.window_pool)."""
+
+    def __init__(
+        self,
+        kv: KVCache,
+        slot_mapping: torch.Tensor,
+        groups: list[AttentionGroup],
+        windowed: tuple[torch.Tensor, list[AttentionGroup]] | None = None,
+    ) -> None:
         self.kv = kv
         self.slot_mapping = slot_mapping
         self.groups = groups
+        self.windowed = windowed
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
@@ -106,10 +116,13 @@ class PagedAttention:
         n, heads, d = q.shape
         kv_heads = k.shape[1]
         rep = heads // kv_heads
-        self.kv.write(layer, self.slot_mapping, k, v)
-        single = len(self.groups) == 1 and self.groups[0].row_start == 0
+        slots, groups = self.slot_mapping, self.groups
+        if self.windowed is not None and self.kv.windowed(layer):
+            slots, groups = self.windowed
+        self.kv.write(layer, slots, k, v)
+        single = len(groups) == 1 and groups[0].row_start == 0
         out = None if single else torch.empty(n, heads * d, dtype=q.dtype, device=q.device)
-        for g in self.groups:
+        for g in groups:
             b, qlen = g.token_index.shape
             if g.contiguous_start is not None:  # a view where the cache is stored in q's dtype
                 s = g.contiguous_start

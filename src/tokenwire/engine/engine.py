@@ -137,7 +137,11 @@ class Engine(EngineAPI):
         assigned = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
-            args=((model, kv_cache_mb, block_size, max_model_len, kv_dtype), loaded, assigned),
+            args=(
+                (model, kv_cache_mb, block_size, max_model_len, kv_dtype, max_batch_tokens, max_running),
+                loaded,
+                assigned,
+            ),
             name="tokenwire-model",
             daemon=True,
         )
@@ -185,6 +189,8 @@ class Engine(EngineAPI):
         block_size: int,
         max_model_len: int | None,
         kv_dtype: str,
+        max_batch_tokens: int,
+        max_running: int,
     ) -> _Loaded:
         """Runs on the model thread. Every large torch operation (loading, the KV allocation,
         each step) happens on this one thread: with a second thread also running OpenMP
@@ -193,11 +199,29 @@ class Engine(EngineAPI):
         module = model if isinstance(model, torch.nn.Module) else model()
         config: ModelConfig = module.config
         stored = resolve_kv_dtype(kv_dtype, module.dtype, has_quantized_weights(module))
-        per_block = KVCache.bytes_per_block(config, block_size, stored)
-        num_blocks = max(2, int(kv_cache_mb * 2**20 // per_block))
-        kv = KVCache(config, num_blocks, block_size, stored, module.device)
+        budget = kv_cache_mb * 2**20
+        windows = _kept_windows(module)
+        n_windowed = sum(w is not None for w in windows)
+        if not n_windowed or n_windowed == config.num_layers:
+            per_block = KVCache.bytes_per_block(config, block_size, stored)
+            num_blocks = max(2, int(budget // per_block))
+            kv = KVCache(config, num_blocks, block_size, stored, module.device)
+            context = min(max_model_len or module.max_positions, module.max_positions)
+            return _Loaded(module, kv, context, num_blocks * per_block / 2**20)
+        # windowed layers in a pool of their own: between steps a sequence holds at most the
+        # blocks its window spans there, and a step adds its positions. The pool gets what every
+        # running sequence could hold at once (or, if smaller, the share a pool for all layers
+        # would give them) and the full-context layers the rest of the budget.
+        full = KVCache.bytes_per_block(config, block_size, stored, config.num_layers - n_windowed)
+        local = KVCache.bytes_per_block(config, block_size, stored, n_windowed)
+        widest = max(w for w in windows if w is not None)
+        spans = -(-(widest - 1) // block_size) + 2
+        most = max_running * spans + -(-max_batch_tokens // block_size)
+        window_blocks = max(2, min(int(budget // (full + local)), most))
+        num_blocks = max(2, int((budget - window_blocks * local) // full))
+        kv = KVCache(config, num_blocks, block_size, stored, module.device, windows, window_blocks)
         context = min(max_model_len or module.max_positions, module.max_positions)
-        return _Loaded(module, kv, context, num_blocks * per_block / 2**20)
+        return _Loaded(module, kv, context, (num_blocks * full + window_blocks * local) / 2**20)
 
     def _run(self, setup: tuple[Any, ...], loaded: Future[_Loaded], assigned: threading.Event) -> None:
         torch.set_grad_enabled(False)
@@ -563,6 +587,7 @@ class Engine(EngineAPI):
                 "kv_tokens_total": self.kv.num_blocks * self.kv.block_size,
                 "kv_bytes_per_token": self.kv.bytes_per_token,
                 "kv_blocks_available": alloc.num_available,
+                **self._window_stats(),
                 "prefix_cache_blocks": alloc.num_cached,
                 "prefix_cache_hits": alloc.hits,
                 "steps": self._steps,
@@ -572,6 +597,15 @@ class Engine(EngineAPI):
                 "computed_tokens": self.computed_tokens,
                 **({"vision_tower_runs": self.vision.tower_runs} if self.vision is not None else {}),
             }
+
+    def _window_stats(self) -> dict[str, Any]:
+        """The window pool's blocks (KVCache.window_pool): how many, how many sequences hold."""
+        pool = self.kv.window_pool
+        if pool is None:
+            return {}
+        held = sum(1 for count in pool.allocator.refcount if count > 0)
+        return {"kv_window": self.kv.window, "kv_window_blocks_total": pool.num_blocks,
+                "kv_window_blocks_held": held, "kv_window_cache_hits": pool.allocator.hits}  # fmt: skip
 
     def check_stopping(self) -> None:
         """Raises EngineClosedError once shutdown() has begun: for long calls on the model thread."""
@@ -598,3 +632,13 @@ class Engine(EngineAPI):
             )
             return False
         return True
+
+
+def _kept_windows(module: torch.nn.Module) -> list[int | None]:
+    """Each layer's sliding window where the cache may keep those layers apart (eager decode:
+    the fused kernel reads one pool), else none."""
+    layers = getattr(module, "layers", None)
+    if layers is None or getattr(module, "can_fuse_decode", False):
+        return []
+    specs = [getattr(getattr(layer, "attention", None), "spec", None) for layer in layers]
+    return [None if spec is None else spec.window for spec in specs]

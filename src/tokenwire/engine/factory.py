@@ -255,4 +255,11 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
         engine.kv.bytes_per_token,
         engine.max_model_len,
     )
+    pool = engine.kv.window_pool
+    if pool is not None:
+        log.info(
+            "sliding-window layers (window %d) in a pool of their own: %d blocks, %.0f bytes a token; "
+            "a sequence holds only the blocks its window reaches",
+            engine.kv.window, pool.num_blocks, engine.kv.window_bytes_per_token,
+        )  # fmt: skip
     return engine

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -137,9 +139,11 @@ def check_kv_dtype(kv_dtype: str, config: ModelConfig, device: torch.device | st
         )
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> float:
-    """Bytes a position takes in the cache: keys and values of every layer, scales included."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * _BYTES_PER_VALUE[kv_dtype]
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, layers: int | None = None) -> float:
+    """Bytes a position takes in the cache: keys and values of every layer (or of `layers`
+    layers), scales included."""
+    n = config.num_layers if layers is None else layers
+    return 2 * n * config.num_kv_heads * config.head_dim * _BYTES_PER_VALUE[kv_dtype]
 
 
 def as_stored(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
@@ -155,21 +159,15 @@ def as_stored(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     return (d.half().float() * q).reshape(x.shape).to(x.dtype)
 
 
-class KVCache:
-    """Key/value storage for every layer: [layers, blocks, block_size, kv_heads, head_dim] in the
-    `kv_dtype`'s storage (int8 for q8, with scales [layers, blocks, block_size, kv_heads, D/32])."""
+class KVPool:
+    """Blocks of keys and values for some of the model's layers, [layers, blocks, block_size,
+    kv_heads, head_dim] in the `kv_dtype`'s storage (int8 for q8, with scales [.., D/32]), and
+    the allocator that hands out their blocks."""
 
     def __init__(
-        self,
-        config: ModelConfig,
-        num_blocks: int,
-        block_size: int,
-        kv_dtype: str,
-        device: torch.device | str,
+        self, layers: int, num_blocks: int, block_size: int, config: ModelConfig, kv_dtype: str, device: Any
     ) -> None:
-        check_kv_dtype(kv_dtype, config, device)
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_dtype = kv_dtype
+        shape = (layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=_STORED[kv_dtype], device=device)
         self.v = torch.zeros(shape, dtype=_STORED[kv_dtype], device=device)
         self.k_scale: torch.Tensor | None = None
@@ -178,43 +176,106 @@ class KVCache:
             scales = (*shape[:-1], config.head_dim // Q8_BLOCK)
             self.k_scale = torch.zeros(scales, dtype=torch.float16, device=device)
             self.v_scale = torch.zeros(scales, dtype=torch.float16, device=device)
-        self.block_size = block_size
         self.num_blocks = num_blocks
-        self.bytes_per_token = kv_bytes_per_token(config, kv_dtype)
         self.allocator = BlockAllocator(num_blocks)
-
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str) -> float:
-        return block_size * kv_bytes_per_token(config, kv_dtype)
-
-    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
-        return as_stored(x, self.kv_dtype)
 
     def copy_block(self, src: int, dst: int) -> None:
         for t in (self.k, self.v, self.k_scale, self.v_scale):
             if t is not None:
                 t[:, dst].copy_(t[:, src])
 
+
+class KVCache:
+    """Key/value storage for every layer. Layers attending to all earlier positions share one
+    pool of blocks (`k`, `v`, `allocator`: a block holds its positions for all of them). Where
+    `windows` gives some layers a sliding window and `window_blocks` is set, those layers keep
+    their keys and values in a second pool (`window_pool`) from which a sequence holds only the
+    blocks its window still reaches (engine/session.py lets the older ones go): Gemma 3's five
+    local layers in six then cost a window's worth of positions, not the whole context."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: str,
+        device: torch.device | str,
+        windows: Sequence[int | None] = (),
+        window_blocks: int = 0,
+    ) -> None:
+        check_kv_dtype(kv_dtype, config, device)
+        windowed = [i for i, w in enumerate(windows) if w is not None] if window_blocks else []
+        if len(windowed) == config.num_layers:  # every layer windowed (Mistral): one pool, as before
+            windowed = []
+        full = [i for i in range(config.num_layers) if i not in windowed]
+        self.kv_dtype = kv_dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        pool = KVPool(len(full), num_blocks, block_size, config, kv_dtype, device)
+        self.pool = pool
+        # the full-context pool's storage and allocator, under the names every path uses
+        self.k, self.v, self.k_scale, self.v_scale = pool.k, pool.v, pool.k_scale, pool.v_scale
+        self.allocator = pool.allocator
+        self.window: int | None = None  # the window the second pool keeps (its layers' widest)
+        self.window_pool: KVPool | None = None
+        self._where: dict[int, tuple[KVPool, int]] = {layer: (pool, i) for i, layer in enumerate(full)}
+        if windowed:
+            self.window = max(int(windows[i]) for i in windowed)  # type: ignore[arg-type]
+            self.window_pool = KVPool(len(windowed), window_blocks, block_size, config, kv_dtype, device)
+            self._where |= {layer: (self.window_pool, i) for i, layer in enumerate(windowed)}
+        self.bytes_per_token = kv_bytes_per_token(config, kv_dtype, len(full))
+        self.window_bytes_per_token = kv_bytes_per_token(config, kv_dtype, len(windowed))
+
+    def has_room(self, needed: Sequence[int], extra: Sequence[int] = (0, 0)) -> bool:
+        """Whether `needed` blocks (full-context pool, window pool) are available, counting
+        `extra` blocks as if given back."""
+        if self.allocator.num_available + extra[0] < needed[0]:
+            return False
+        return self.window_pool is None or self.window_pool.allocator.num_available + extra[1] >= needed[1]
+
+    def windowed(self, layer: int) -> bool:
+        """Whether `layer`'s keys and values live in the window pool (addressed by window tables)."""
+        return self.window_pool is not None and self._where[layer][0] is self.window_pool
+
+    def first_needed_block(self, position: int) -> int:
+        """The first window block a query at `position` or later may read."""
+        assert self.window is not None
+        return max(0, position - self.window + 1) // self.block_size
+
+    @staticmethod
+    def bytes_per_block(
+        config: ModelConfig, block_size: int, kv_dtype: str, layers: int | None = None
+    ) -> float:
+        return block_size * kv_bytes_per_token(config, kv_dtype, layers)
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        return as_stored(x, self.kv_dtype)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.pool.copy_block(src, dst)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """New keys and values [n, kv_heads, D] into `slots` of one layer, stored as the fused
         step stores them (kernels/kv_store.h): torch's rounding to fp16/bf16 is the same."""
-        for cache, scales, rows in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            layer_cache = cache[layer]
+        pool, i = self._where[layer]
+        for cache, scales, rows in ((pool.k, pool.k_scale, k), (pool.v, pool.v_scale, v)):
+            layer_cache = cache[i]
             if scales is None:
                 layer_cache.view(-1, *layer_cache.shape[2:]).index_copy_(0, slots, rows.to(cache.dtype))
             else:
-                kernels.ops().kv_store(layer_cache, scales[layer], slots, rows)
+                kernels.ops().kv_store(layer_cache, scales[i], slots, rows)
 
     def read(
         self, layer: int, blocks: torch.Tensor | slice, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `blocks` of one layer in `dtype`: [n, block_size, kv_heads, D] each."""
         out = []
-        for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            stored = cache[layer][blocks]
+        pool, i = self._where[layer]
+        for cache, scales in ((pool.k, pool.k_scale), (pool.v, pool.v_scale)):
+            stored = cache[i][blocks]
             if scales is None:
                 out.append(stored.to(dtype))
             else:  # a q8 value is its fp16 scale times its integer, one rounding (as the kernel)
-                s = scales[layer][blocks].float().repeat_interleave(Q8_BLOCK, dim=-1)
+                s = scales[i][blocks].float().repeat_interleave(Q8_BLOCK, dim=-1)
                 out.append((s * stored.float()).to(dtype))
         return out[0], out[1]

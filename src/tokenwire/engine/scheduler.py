@@ -142,26 +142,29 @@ class Scheduler:
             limit = min(limit, self.max_model_len - length - 1)
         return speculator.propose(session.tokens, limit, threshold)
 
-    def _make_room(self, needed: int, request: Request, scheduled: set[int]) -> bool:
-        alloc = self.kv.allocator
-        if alloc.num_available >= needed:
+    def _make_room(self, needed: tuple[int, int], request: Request, scheduled: set[int]) -> bool:
+        """Free blocks until `needed` (full-context pool, window pool) are available: idle
+        sessions first, then less urgent requests not in this step."""
+        kv = self.kv
+        if kv.has_room(needed):
             return True
         for session in self.idle_sessions():
-            session.release(self.kv)
-            if alloc.num_available >= needed:
+            session.release(kv)
+            if kv.has_room(needed):
                 return True
         victims = [
             v
             for v in sorted(self.running, key=_order, reverse=True)
             if _order(v) > _order(request) and v.id not in scheduled and v.session.block_table
         ]
-        if alloc.num_available + sum(len(v.session.block_table) for v in victims) < needed:
+        held = [v.session.blocks_held(kv) for v in victims]
+        if not kv.has_room(needed, [sum(h[0] for h in held), sum(h[1] for h in held)]):
             return False  # preempting them all would not be enough: leave them running
         for victim in victims:
             self._preempt(victim)
-            if alloc.num_available >= needed:
+            if kv.has_room(needed):
                 return True
-        return alloc.num_available >= needed
+        return kv.has_room(needed)
 
     def _preempt(self, request: Request) -> None:
         if request.session.block_table:

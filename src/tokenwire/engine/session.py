@@ -3,6 +3,13 @@
 Invariant: positions [0, num_computed) have their keys/values in the blocks of
 `block_table` (block i covers positions [i*B, (i+1)*B)). Tokens past num_computed are
 pending: the scheduler feeds them to the model. All methods run under the engine lock.
+
+Where the cache keeps windowed layers apart (KVCache.window_pool), `window_table` holds their
+blocks by the same positions, but only those a query at num_computed or later can still
+reach: older ones are let go (-1) as the sequence moves on. They stay in the prefix cache
+until evicted, so going back (truncate, fork, a constraint's backtrack) takes
+them from there; a block evicted meanwhile means the whole sequence is computed again, as its
+keys depend on the ones before it.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from tokenwire.engine.kv_cache import ROOT_HASH, KVCache, block_hash
+from tokenwire.engine.kv_cache import ROOT_HASH, BlockAllocator, KVCache, block_hash
 from tokenwire.engine.vision import block_key
 
 
@@ -28,6 +35,7 @@ class Session:
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    window_table: list[int] = field(default_factory=list)  # -1: a block the window has left
     # hashes of the leading full blocks whose content is final (chained prefix hashes)
     full_hashes: list[bytes] = field(default_factory=list)
     ttl_s: float | None = None
@@ -43,29 +51,75 @@ class Session:
     def release(self, kv: KVCache) -> None:
         for block in self.block_table:
             kv.allocator.decref(block)
+        self._let_go(self.window_table, kv)
         self.block_table = []
+        self.window_table = []
         self.full_hashes = []
         self.num_computed = 0
+
+    @staticmethod
+    def _let_go(blocks: list[int], kv: KVCache) -> None:
+        if kv.window_pool is not None:
+            for block in blocks:
+                if block >= 0:
+                    kv.window_pool.allocator.decref(block)
 
     def truncate(self, length: int, kv: KVCache) -> None:
         """Keep tokens [0, length). Blocks past the new end are released."""
         del self.tokens[length:]
         self.images = [b for b in self.images if b.end <= length]  # the engine refuses splits
         self.num_computed = min(self.num_computed, length)
+        hashes = list(self.full_hashes)
         self._drop_blocks_after(length, kv)
+        self._restore_window(kv, hashes)
 
     def uncompute_from(self, position: int, kv: KVCache) -> None:
         """Forget the KV of positions >= position so they are computed again (for logits)."""
         if position < self.num_computed:
             self.num_computed = position
+            hashes = list(self.full_hashes)
             self._drop_blocks_after(position, kv)
+            self._restore_window(kv, hashes)
 
     def _drop_blocks_after(self, length: int, kv: KVCache) -> None:
         keep = -(-length // kv.block_size)
         for block in self.block_table[keep:]:
             kv.allocator.decref(block)
         del self.block_table[keep:]
+        self._let_go(self.window_table[keep:], kv)
+        del self.window_table[keep:]
         del self.full_hashes[length // kv.block_size :]
+
+    def _restore_window(self, kv: KVCache, hashes: list[bytes]) -> None:
+        """Take back from the prefix cache the window blocks a query at num_computed reaches
+        and the sequence let go; where one is gone, compute the sequence again from the start.
+        `hashes`: the full blocks' hashes before the cut (a block the cut left partial was full
+        when let go; its kept positions hold the same keys, the others are written again)."""
+        pool = kv.window_pool
+        if pool is None:
+            return
+        for i in range(kv.first_needed_block(self.num_computed), -(-self.num_computed // kv.block_size)):
+            if self.window_table[i] >= 0:
+                continue
+            block = pool.allocator.lookup(hashes[i]) if i < len(hashes) else None
+            if block is None:
+                self.uncompute_from(0, kv)
+                return
+            pool.allocator.incref(block)
+            self.window_table[i] = block
+
+    def _slide_window(self, kv: KVCache) -> None:
+        """Let go of the window blocks no query at num_computed or later reaches (those let go
+        before them are already -1: walk back from the newest such block to the first -1)."""
+        pool = kv.window_pool
+        if pool is None:
+            return
+        for i in range(kv.first_needed_block(self.num_computed) - 1, -1, -1):
+            block = self.window_table[i]
+            if block < 0:
+                break
+            pool.allocator.decref(block)
+            self.window_table[i] = -1
 
     def fork(self, new_id: str, at: int, kv: KVCache) -> Session:
         """A session holding tokens [0, at), sharing this one's blocks (no copy, no compute)."""
@@ -76,7 +130,13 @@ class Session:
         child.block_table = self.block_table[:keep]
         for block in child.block_table:
             kv.allocator.incref(block)
+        child.window_table = self.window_table[:keep]
+        if kv.window_pool is not None:
+            for block in child.window_table:
+                if block >= 0:
+                    kv.window_pool.allocator.incref(block)
         child.full_hashes = self.full_hashes[: child.num_computed // kv.block_size]
+        child._restore_window(kv, self.full_hashes)
         return child
 
     def match_prefix(self, limit: int, kv: KVCache) -> int:
@@ -88,6 +148,7 @@ class Session:
         bs = kv.block_size
         if self.num_computed % bs or len(self.block_table) * bs != self.num_computed:
             return 0
+        pool = kv.window_pool
         reused = 0
         while self.num_computed + bs <= limit:
             start = self.num_computed
@@ -95,11 +156,18 @@ class Session:
             block = kv.allocator.lookup(digest)
             if block is None:
                 break
+            if pool is not None:  # the windowed layers' block too, or the match ends here
+                window_block = pool.allocator.lookup(digest)
+                if window_block is None:
+                    break
+                pool.allocator.incref(window_block)
+                self.window_table.append(window_block)
             kv.allocator.incref(block)
             self.block_table.append(block)
             self.full_hashes.append(digest)
             self.num_computed += bs
             reused += bs
+        self._slide_window(kv)
         return reused
 
     def _prefix_hash(self) -> bytes:
@@ -132,17 +200,38 @@ class Session:
                 kv.allocator.unregister(block)
         while len(self.block_table) * bs < end:
             self.block_table.append(kv.allocator.allocate())
+        pool = kv.window_pool
+        if pool is None:
+            return
+        for index in range(first, min(len(self.window_table), -(-end // bs))):
+            block = self.window_table[index]
+            if pool.allocator.refcount[block] > 1:
+                fresh = pool.allocator.allocate()
+                pool.copy_block(block, fresh)
+                pool.allocator.decref(block)
+                self.window_table[index] = fresh
+            else:
+                pool.allocator.unregister(block)
+        while len(self.window_table) * bs < end:
+            self.window_table.append(pool.allocator.allocate())
 
-    def blocks_needed(self, end: int, kv: KVCache) -> int:
-        """Upper bound on the fresh blocks reserve(end) takes."""
-        bs = kv.block_size
-        new = max(0, -(-end // bs) - len(self.block_table))
+    def blocks_needed(self, end: int, kv: KVCache) -> tuple[int, int]:
+        """Upper bounds on the fresh blocks reserve(end) takes: from the full-context pool and
+        from the window pool (0 where there is none)."""
+        needed = [self._needed(self.block_table, kv.allocator, end, kv.block_size)]
+        if kv.window_pool is not None:
+            return needed[0], self._needed(self.window_table, kv.window_pool.allocator, end, kv.block_size)
+        return needed[0], 0
+
+    def blocks_held(self, kv: KVCache) -> tuple[int, int]:
+        """Blocks this session would give back (an upper bound: shared ones count too)."""
+        return len(self.block_table), sum(1 for b in self.window_table if b >= 0)
+
+    def _needed(self, table: list[int], allocator: BlockAllocator, end: int, bs: int) -> int:
+        new = max(0, -(-end // bs) - len(table))
         first = self.num_computed // bs
-        shared = sum(
-            1
-            for i in range(first, min(len(self.block_table), -(-end // bs)))
-            if kv.allocator.refcount[self.block_table[i]] > 1
-        )
+        writable = range(first, min(len(table), -(-end // bs)))
+        shared = sum(1 for i in writable if allocator.refcount[table[i]] > 1)
         return new + shared
 
     def computed(self, end: int, kv: KVCache) -> None:
@@ -154,3 +243,6 @@ class Session:
             digest = self._block_hash(i * bs, bs)
             self.full_hashes.append(digest)
             kv.allocator.register(self.block_table[i], digest)
+            if kv.window_pool is not None and self.window_table[i] >= 0:
+                kv.window_pool.allocator.register(self.window_table[i], digest)
+        self._slide_window(kv)

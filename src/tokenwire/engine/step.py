@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenwire.engine.attention import PagedAttention, build_group
+from tokenwire.engine.attention import AttentionGroup, PagedAttention, build_group
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.positions import ChunkRows
 from tokenwire.engine.request import Request
@@ -59,11 +59,12 @@ def run_step(
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    window_slots: list[int] = []  # the same positions in the window pool (kv.window_pool)
     decode_rows: list[list[int]] = []
     decode_starts: list[int] = []
-    decode_tables: list[list[int]] = []
+    decode_tables: list[tuple[list[int], list[int]]] = []  # full-context and window blocks
     item_tables: list[tuple[list[int], int]] = []  # each item's blocks and rows, for a fused step
-    chunks: list[tuple[list[int], int, list[int]]] = []  # prefill chunks: rows, start, table
+    chunks: list[tuple[list[int], int, list[int], list[int]]] = []  # prefill chunks: rows, start, tables
     logit_rows: list[int] = []
     logit_keys: list[tuple[int, int]] = []
     stat_rows: list[tuple[int, bool]] = []  # (index into logit rows, wants logprobs)
@@ -72,21 +73,26 @@ def run_step(
     for item in items:
         session = item.request.session
         base = len(ids)
-        table = session.block_table
+        table, window_table = session.block_table, session.window_table
         known = len(session.tokens)
         for p in range(item.start, item.start + item.count):
             ids.append(session.tokens[p] if p < known else item.draft[p - known])
             positions.append(p)
             slots.append(table[p // bs] * bs + p % bs)
+            if window_table:
+                window_slots.append(window_table[p // bs] * bs + p % bs)
         rows = list(range(base, base + item.count))
-        blocks = table[: -(-(item.start + item.count) // bs)]
+        n_blocks = -(-(item.start + item.count) // bs)
+        blocks = table[:n_blocks]
+        # blocks the window has left read block 0: the window's mask hides their positions
+        window_blocks = [max(b, 0) for b in window_table[:n_blocks]]
         item_tables.append((blocks, item.count))
         if item.count == 1:
             decode_rows.append(rows)
             decode_starts.append(item.start)
-            decode_tables.append(blocks)
+            decode_tables.append((blocks, window_blocks))
         else:
-            chunks.append((rows, item.start, blocks))
+            chunks.append((rows, item.start, blocks, window_blocks))
         rid = item.request.id
         opts = item.request.options
         for p in item.rows.logits:
@@ -100,7 +106,7 @@ def run_step(
             capture_keys.append((rid, p))
     attention: PagedAttention | PagedDecode
     position_tensor = torch.tensor(positions, device=device)
-    if model.can_fuse_decode:
+    if model.can_fuse_decode and kv.window_pool is None:
         # every step, decode rows and prefill chunks alike, runs the stack as one fused kernel
         # that reads the block tables itself (a row per token: its position, its sequence's
         # table). One kernel for every step is what keeps a token's arithmetic the same whether
@@ -110,10 +116,17 @@ def run_step(
         tables = torch.tensor(rows_tables, dtype=torch.long)
         attention = PagedDecode(kv.k, kv.v, position_tensor, tables, kv.k_scale, kv.v_scale)
     else:
-        groups = [build_group([r], [start], [t], bs, rep, device, dtype) for r, start, t in chunks]
-        if decode_rows:
-            groups.append(build_group(decode_rows, decode_starts, decode_tables, bs, rep, device, dtype))
-        attention = PagedAttention(kv, torch.tensor(slots, device=device), groups)
+        def groups_of(pool: int) -> list[AttentionGroup]:
+            groups = [build_group([r], [start], [t[pool]], bs, rep, device, dtype) for r, start, *t in chunks]
+            if decode_rows:
+                tables = [t[pool] for t in decode_tables]
+                groups.append(build_group(decode_rows, decode_starts, tables, bs, rep, device, dtype))
+            return groups
+
+        windowed = None
+        if kv.window_pool is not None:
+            windowed = (torch.tensor(window_slots, device=device), groups_of(1))
+        attention = PagedAttention(kv, torch.tensor(slots, device=device), groups_of(0), windowed)
     capture_index = torch.tensor(capture_rows, dtype=torch.long, device=device) if capture_rows else None
     # vision models: M-RoPE positions and the image embeddings of pad rows (engine/vision.py)
     extra = {}

@@ -113,7 +113,9 @@ class GgufWeights(Mapping[str, torch.Tensor]):
         if t.rope_heads is not None:
             values = unpermute_rope_rows(values, t.rope_heads)
         if t.shift:
-            values = values - np.float32(t.shift)  # exact: the stored 1 + w less 1 is w as stored
+            # exact where 1 + w lies in [0.5, 2] (Sterbenz), as trained norms' do: the layer's
+            # own 1 + w then gives back the stored float bit for bit
+            values = values - np.float32(t.shift)
         return torch.from_numpy(np.ascontiguousarray(values))
 
     def _read(self, t: GgufTensor) -> np.ndarray:
