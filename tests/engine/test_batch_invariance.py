@@ -15,7 +15,7 @@ from tests.tiny_models import hf_model
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.request import GenerateOptions, TokenEvent, iter_events
-from tokenwire.model.families import build_model, read_config
+from tokenwire.model.families import build_model, experts, read_config
 from tokenwire.model.layers.weights import quantize_state
 from tokenwire.model.quant import Q4_1
 
@@ -23,9 +23,10 @@ Run = list[tuple[int, float]]
 OPTS = GenerateOptions(max_tokens=12, ignore_eos=True, sampling=GREEDY, logprobs=True)
 
 
-def _tiny_quantised() -> torch.nn.Module:
-    hf = hf_model("smollm2")
-    tensors, qtypes = quantize_state(dict(hf.state_dict()), Q4_1)
+def _tiny_quantised(arch: str = "smollm2") -> torch.nn.Module:
+    hf = hf_model(arch)
+    state = experts.prepare(None, dict(hf.state_dict()), torch.float32, torch.device("cpu"))  # type: ignore[arg-type]
+    tensors, qtypes = quantize_state(state, Q4_1)
     return build_model(read_config(hf.config.to_dict()), tensors, qtypes)
 
 
@@ -36,7 +37,9 @@ def _smollm2() -> torch.nn.Module:
     return load_model(resolve_model(None), "gguf", torch.device("cpu"), None)
 
 
-MODELS = {"smollm2": _smollm2, "tiny": _tiny_quantised}
+# OLMoE's tiny twin: each token's experts in the fused stack (its 4 experts, 2 a token, in a
+# batch of 32 mixing every routing), summed the same whatever shares the step
+MODELS = {"smollm2": _smollm2, "tiny": _tiny_quantised, "tiny-olmoe": lambda: _tiny_quantised("olmoe")}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

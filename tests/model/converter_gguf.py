@@ -63,13 +63,15 @@ def _rope(c, family: str) -> dict[str, dict]:
     return params if family == "gemma3" else {"full_attention": params}
 
 
-def write_like_llama_cpp(hf: torch.nn.Module, path: Path, quant: str = "F32") -> None:
+def write_like_llama_cpp(
+    hf: torch.nn.Module, path: Path, quant: str = "F32", chat_template: str | None = None
+) -> None:
     c = hf.config
     arch, permuted = ARCHES[type(hf).__name__]
     name = gguf.MODEL_ARCH_NAMES[arch]
     family = c.model_type.replace("_text", "")
     w = gguf.GGUFWriter(str(path), name)
-    assert copy_shipped_tokenizer(w) == c.vocab_size
+    assert copy_shipped_tokenizer(w, chat_template) == c.vocab_size
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     for key, value in {
         "block_count": c.num_hidden_layers,

@@ -60,3 +60,16 @@ def test_gguf_as_llama_cpp_writes_it_loads_as_its_hf_directory(tmp_path: Path, a
             assert (dense_logits(dense, ids) - reference(ids).logits).abs().max() <= 1e-4
         assert (dense_logits(quantised, ids) - dense_logits(dense, ids)).abs().max() <= 1e-3
     assert engine_greedy(quantised, source.tokenizer, prompt, 24) == hf_greedy(reference, prompt, 24)
+
+
+def test_a_turn_end_the_chat_template_writes_ends_generation(tmp_path: Path) -> None:
+    """Converters often record only <eos>; llama.cpp also stops at turn-ending tokens it knows
+    by text (Gemma's <end_of_turn>). We take those the file's chat template writes: here a
+    template ending turns with <|endoftext|> (id 0 of the shipped vocabulary) adds it; the
+    shipped model's own template does not write it, so SmolLM2 keeps [2] (tests/model/test_loader)."""
+    template = "{% for m in messages %}{{ m['content'] }}<|endoftext|>{% endfor %}"
+    path = tmp_path / "tiny-gemma3-turns.gguf"
+    write_like_llama_cpp(hf_model("gemma3_gguf"), path, "F32", chat_template=template)
+    source = resolve_model(path, cache_dir=tmp_path / "cache")
+    assert source.config.eos_token_ids == [2, 0]
+    assert source.tokenizer.chat_prompt([{"role": "user", "content": "hi"}]) == "hi<|endoftext|>"

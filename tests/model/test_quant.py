@@ -15,7 +15,7 @@ from gguf.quants import quantize as gguf_quantize
 from tests.random_blocks import HALVES, offsets, random_blocks
 from tests.tiny_models import hf_model
 from tokenwire.model import weight_types
-from tokenwire.model.families import build_model, read_config
+from tokenwire.model.families import build_model, experts, read_config
 from tokenwire.model.kernels import ops
 from tokenwire.model.layers.attention import DenseCausalAttention
 from tokenwire.model.layers.weights import quantize_state
@@ -169,7 +169,9 @@ def _twins(qtype: int, arch: str = "smollm2") -> tuple[torch.nn.Module, torch.nn
     """A quantised tiny model and the fp32 model built from its dequantised weights."""
     hf = hf_model(arch)
     config = read_config(hf.config.to_dict())
-    tensors, qtypes = quantize_state(dict(hf.state_dict()), qtype)
+    # experts one tensor each (transformers >= 5 stacks them), so each is quantised like the rest
+    state = experts.prepare(None, dict(hf.state_dict()), torch.float32, torch.device("cpu"))  # type: ignore[arg-type]
+    tensors, qtypes = quantize_state(state, qtype)
     quantised = build_model(config, tensors, qtypes)
     dense_state = {
         name: dequantize(t, qtypes[name], t.shape[1] // {Q4_0: 18, Q4_1: 20, Q8_0: 34}[qtype] * 32)
@@ -251,6 +253,11 @@ def _max_logprob_diff(a: list[list[tuple[int, float]]], b: list[list[tuple[int, 
         # the attention's other head sizes (AVX-512: 8 and 3 vectors a head)
         ("llama_d128", Q4_0, 2),
         ("llama_d48", Q8_0, 2),
+        # mixtures of experts: Mixtral's renormalised top 2 of 4, Qwen3-MoE's with a dense layer
+        # among them, OLMoE's raw weights and q/k norms over whole projections
+        ("mixtral", Q8_0, 2),
+        ("qwen3_moe", Q4_1, 2),
+        ("olmoe", Q8_0, 2),
     ],
 )
 def test_fused_decode_equals_eager_layers_in_the_engine(

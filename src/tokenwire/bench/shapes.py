@@ -198,9 +198,12 @@ def vocab_size() -> int:
     return next(len(values) for key, _, values in _shipped_tokenizer() if key == "tokenizer.ggml.tokens")
 
 
-def copy_shipped_tokenizer(writer: gguf.GGUFWriter) -> int:
-    """Copies the shipped model's tokenizer into `writer`; returns the vocabulary size."""
+def copy_shipped_tokenizer(writer: gguf.GGUFWriter, chat_template: str | None = None) -> int:
+    """Copies the shipped model's tokenizer into `writer` (with `chat_template` in place of its
+    own where given); returns the vocabulary size."""
     for key, kind, values in _shipped_tokenizer():
+        if key == "tokenizer.chat_template" and chat_template is not None:
+            values = chat_template
         if kind == gguf.GGUFValueType.ARRAY:
             writer.add_array(key, values)
         else:

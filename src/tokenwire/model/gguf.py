@@ -229,14 +229,31 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Mo
     except UnsupportedArchitectureError as e:
         raise UnsupportedArchitectureError(f"{e} (in {gguf_path})") from e
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer(reader, gguf_path, out_dir)
+    turn_ends = _write_tokenizer(reader, gguf_path, out_dir)
+    if turn_ends:
+        eos = config["eos_token_id"]
+        listed = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        merged = list(dict.fromkeys([*listed, *turn_ends]))
+        config["eos_token_id"] = merged[0] if len(merged) == 1 else merged
+        model_config = read_config(config)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return model_config
 
 
-def _write_tokenizer(reader: GgufHeader, gguf_path: Path, out_dir: Path) -> None:
+# Tokens llama.cpp ends generation at by their text (llama-vocab.cpp), as converters often
+# record only the end-of-sequence token: Gemma's files say <eos> while its turns end with
+# <end_of_turn>. We take those the file's chat template writes, so a chat stops where the
+# template ends the model's turn (and a token the template never writes changes nothing).
+_TURN_END_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+)  # fmt: skip
+
+
+def _write_tokenizer(reader: GgufHeader, gguf_path: Path, out_dir: Path) -> list[int]:
+    """Writes the tokenizer files; returns the turn-ending tokens the chat template writes."""
     # local: transformers takes seconds to import; only a GGUF's first conversion writes a tokenizer
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import pre_tokenizers, processors
@@ -297,6 +314,12 @@ def _write_tokenizer(reader: GgufHeader, gguf_path: Path, out_dir: Path) -> None
     cfg.update(tokenizer_class="PreTrainedTokenizerFast")
     for key in ("is_local", "local_files_only"):
         cfg.pop(key, None)
-    if meta.get("tokenizer.chat_template"):
-        cfg["chat_template"] = meta["tokenizer.chat_template"]
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        cfg["chat_template"] = template
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    if not isinstance(template, str):
+        return []
+    vocab = hf.get_vocab()
+    written = (text for text in _TURN_END_TEXTS if text in template)
+    return [vocab[text] for text in written if vocab.get(text, n_tokens) < n_tokens]

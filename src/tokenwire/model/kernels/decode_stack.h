@@ -6,7 +6,9 @@
 #include <omp.h>
 #include <torch/custom_class.h>
 
+#include <algorithm>
 #include <memory>
+#include <numeric>
 
 #include "barrier.h"
 #include "matvec.h"
@@ -91,13 +93,27 @@ struct Proj {
   }
 };
 
+// A mixture of experts in place of the dense MLP: a float32 router [experts, hidden] and each
+// expert's gate/up (a Proj: its parts may differ in type) and down; `top_k` experts a token,
+// their router probabilities renormalised to sum 1 when `normalize` (Mixtral, Qwen3-MoE).
+struct Experts {
+  at::Tensor router;
+  std::vector<Proj> gate_up;
+  std::vector<at::Tensor> down;
+  std::vector<int64_t> down_type;
+  int64_t top_k = 0, inter = 0;
+  bool normalize = false;
+};
+
 struct StackLayer {
   at::Tensor attn_norm, mlp_norm;
-  Proj qkv, gate_up;
+  Proj qkv, gate_up;   // gate_up and down: empty in a layer of experts
   at::Tensor o, down;  // one weight each (one tensor in every checkpoint)
   std::optional<at::Tensor> qkv_bias, q_norm, k_norm, rope_cos, rope_sin;
   int64_t o_type, down_type, window, activation;
   float eps, scale;
+  bool qk_norm_whole = false;  // q and k normed over the whole projection (OLMoE), not per head
+  std::optional<Experts> experts;
 };
 
 struct DecodeStack : torch::CustomClassHolder {
@@ -123,29 +139,57 @@ struct DecodeStack : torch::CustomClassHolder {
 
   void add_layer(c10::Dict<std::string, at::Tensor> t, c10::Dict<std::string, int64_t> n,
                  c10::Dict<std::string, double> f) {
-    for (const char* name : {"attn_norm", "mlp_norm", "o", "down"})
+    const bool moe = t.contains("router");
+    for (const char* name : {"attn_norm", "mlp_norm", "o"})
       TORCH_CHECK(t.contains(name), "layer description lacks ", name);
-    for (const char* name : {"o_type", "down_type", "window", "activation"})
+    for (const char* name : {"o_type", "window", "activation"})
       TORCH_CHECK(n.contains(name), "layer description lacks ", name);
+    TORCH_CHECK(moe || (t.contains("down") && n.contains("down_type")), "layer description lacks down");
     TORCH_CHECK(f.contains("eps") && f.contains("scale"), "layer description lacks eps or scale");
     const int64_t H = t.at("attn_norm").numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    StackLayer L{t.at("attn_norm"), t.at("mlp_norm"), Proj::from(t, n, "qkv", H), Proj::from(t, n, "gate_up", H),
-                 t.at("o"), t.at("down"),
+    StackLayer L{t.at("attn_norm"), t.at("mlp_norm"), Proj::from(t, n, "qkv", H),
+                 moe ? Proj{} : Proj::from(t, n, "gate_up", H), t.at("o"), moe ? at::Tensor() : t.at("down"),
                  part(t, "qkv_bias"), part(t, "q_norm"), part(t, "k_norm"), part(t, "rope_cos"), part(t, "rope_sin"),
-                 n.at("o_type"), n.at("down_type"), n.at("window"),
+                 n.at("o_type"), moe ? 0 : n.at("down_type"), n.at("window"),
                  n.at("activation"), static_cast<float>(f.at("eps")), static_cast<float>(f.at("scale"))};
-    const int64_t inter = L.gate_up.rows / 2;
+    L.qk_norm_whole = n.contains("qk_norm_whole") && n.at("qk_norm_whole") != 0;
     check_floats(L.attn_norm, H, "attn_norm");
     check_floats(L.mlp_norm, H, "mlp_norm");
     check_weight(L.o, L.o_type, q_size);
-    check_weight(L.down, L.down_type, inter);
-    // the SwiGLU is shared out in whole vectors of 8 (types without an activation format: F16, BF16)
-    TORCH_CHECK(inter % 8 == 0, "the intermediate size ", inter, " is not a multiple of 8");
-    TORCH_CHECK(L.qkv.rows == q_size + 2 * kv_size && L.o.size(0) == H && L.down.size(0) == H,
+    if (moe) {
+      Experts E;
+      E.router = t.at("router");
+      const int64_t count = E.router.size(0);
+      TORCH_CHECK(E.router.dtype() == at::kFloat && E.router.is_contiguous() && E.router.dim() == 2 &&
+                      E.router.size(1) == H, "the router must be contiguous float32 [experts, hidden]");
+      E.top_k = n.at("top_k");
+      E.normalize = n.at("normalize") != 0;
+      TORCH_CHECK(0 < E.top_k && E.top_k <= count, "top_k ", E.top_k, " of ", count, " experts");
+      for (int64_t e = 0; e < count; ++e) {
+        const std::string name = "expert" + std::to_string(e);
+        E.gate_up.push_back(Proj::from(t, n, name + ".gate_up", H));
+        E.inter = E.gate_up.back().rows / 2;
+        TORCH_CHECK(t.contains(name + ".down") && n.contains(name + ".down_type"), "layer description lacks ", name, ".down");
+        E.down.push_back(t.at(name + ".down"));
+        E.down_type.push_back(n.at(name + ".down_type"));
+        check_weight(E.down.back(), E.down_type.back(), E.inter);
+        TORCH_CHECK(E.gate_up.back().rows == 2 * E.inter && E.down.back().size(0) == H && E.inter % 8 == 0 &&
+                        E.inter == E.gate_up[0].rows / 2,
+                    "expert ", e, "'s shapes do not match the hidden size, or its width is not a multiple of 8");
+      }
+      L.experts = std::move(E);
+    } else {
+      const int64_t inter = L.gate_up.rows / 2;
+      check_weight(L.down, L.down_type, inter);
+      // the SwiGLU is shared out in whole vectors of 8 (types without an activation format: F16, BF16)
+      TORCH_CHECK(inter % 8 == 0, "the intermediate size ", inter, " is not a multiple of 8");
+      TORCH_CHECK(L.down.size(0) == H, "projection shapes do not match the hidden size and heads");
+    }
+    TORCH_CHECK(L.qkv.rows == q_size + 2 * kv_size && L.o.size(0) == H,
                 "projection shapes do not match the hidden size and heads");
     check_floats(L.qkv_bias, L.qkv.rows, "qkv bias");
-    check_floats(L.q_norm, head_dim, "q_norm");
-    check_floats(L.k_norm, head_dim, "k_norm");
+    check_floats(L.q_norm, L.qk_norm_whole ? q_size : head_dim, "q_norm");
+    check_floats(L.k_norm, L.qk_norm_whole ? kv_size : head_dim, "k_norm");
     TORCH_CHECK(L.q_norm.has_value() == L.k_norm.has_value(), "q_norm and k_norm come together");
     TORCH_CHECK(L.rope_cos.has_value() == L.rope_sin.has_value(), "rope_cos and rope_sin come together");
     if (L.rope_cos.has_value())
@@ -155,12 +199,105 @@ struct DecodeStack : torch::CustomClassHolder {
                   "rotary tables must be contiguous float32 [max_positions, head_dim]");
     TORCH_CHECK(L.window >= 0 && (L.activation == 0 || L.activation == 1), "window must be >= 0, activation 0 or 1");
     if (!layers.empty())
-      TORCH_CHECK(layers[0].attn_norm.numel() == H && layers[0].gate_up.rows == L.gate_up.rows,
-                  "every layer must have the first one's shapes");
+      TORCH_CHECK(layers[0].attn_norm.numel() == H, "every layer must have the first one's hidden size");
     layers.push_back(std::move(L));
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+// every thread of the stack's parallel region waits here for the others (barrier.h; an OpenMP
+// barrier for A/B measurement only)
+#define SYNC if (omp_barrier) { _Pragma("omp barrier") } else my_wait += barrier.wait(nt);
+
+  // A layer of experts for rows h [M, H] (every thread holds them), inside the stack's parallel
+  // region; the summed output into proj [M, H]. Three phases, a barrier after each: the router's
+  // logits (experts shared out), every chosen expert on just its rows (whole experts shared out,
+  // in the same order in every thread: an expert's rows are gathered, its gate/up, gated
+  // activation and down run on them as one small batch), then each row's outputs summed in
+  // ascending expert order (columns shared out). A row's arithmetic depends only on its own
+  // values and experts, whatever else is in the batch.
+  static void run_experts(const Experts& E, const float* h, int64_t M, int64_t H, int64_t activation, float* logits,
+                          float* out, float* proj, int tid, int nt, SpinThenSleepBarrier& barrier, bool omp_barrier,
+                          int64_t& my_wait, bool int16) {
+    const int64_t count = E.router.size(0), k = E.top_k, I = E.inter;
+    const float* router = E.router.data_ptr<float>();
+    const auto [e0, e1] = share(count, tid, nt);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t e = e0; e < e1; ++e) {
+        float acc = 0;
+        for (int64_t i = 0; i < H; ++i) acc += h[m * H + i] * router[e * H + i];
+        logits[m * count + e] = acc;
+      }
+SYNC
+    // every thread picks the same experts: the top k of each row's softmax, lowest index first
+    // among equals, their probabilities renormalised where the family does; kept in expert order
+    std::vector<int64_t> chosen(M * k);
+    std::vector<float> weight(M * k), probs(count);
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> rows_of(count);  // expert -> (row, slot)
+    for (int64_t m = 0; m < M; ++m) {
+      const float* lg = logits + m * count;
+      const float top = *std::max_element(lg, lg + count);
+      float sum = 0;
+      for (int64_t e = 0; e < count; ++e) sum += (probs[e] = std::exp(lg[e] - top));
+      std::vector<int64_t> order(count);
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                        [&](int64_t a, int64_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
+      std::sort(order.begin(), order.begin() + k);
+      float picked = 0;
+      for (int64_t j = 0; j < k; ++j) picked += probs[order[j]] / sum;
+      for (int64_t j = 0; j < k; ++j) {
+        const float p = probs[order[j]] / sum;
+        chosen[m * k + j] = order[j];
+        weight[m * k + j] = E.normalize ? p / picked : p;
+        rows_of[order[j]].emplace_back(m, j);
+      }
+    }
+    std::vector<int64_t> busy;
+    for (int64_t e = 0; e < count; ++e)
+      if (!rows_of[e].empty()) busy.push_back(e);
+    std::vector<float> x, gu, act, y;
+    QuantizedActivations qa;
+    for (size_t b = tid; b < busy.size(); b += nt) {
+      const int64_t e = busy[b], r = static_cast<int64_t>(rows_of[e].size());
+      x.resize(r * H);
+      for (int64_t j = 0; j < r; ++j) std::memcpy(x.data() + j * H, h + rows_of[e][j].first * H, H * sizeof(float));
+      const Proj& P = E.gate_up[e];
+      gu.assign(r * 2 * I, 0.0f);
+      for (size_t i = 0; i < P.w.size(); ++i) {
+        const ActFormat* format = type_row(P.type[i]).act;
+        const QuantizedActivations* q = nullptr;
+        if (int16 && format != nullptr) {
+          qa.quantize(x.data(), r, H, *format);
+          q = &qa;
+        }
+        matvec_rows(x.data(), q, r, H, P.w[i], P.type[i], 0, P.w[i].size(0), gu.data() + P.first[i], P.rows);
+      }
+      act.resize(r * I);
+      for (int64_t j = 0; j < r; ++j) gated(gu.data() + j * 2 * I, gu.data() + j * 2 * I + I, act.data() + j * I, I, activation);
+      const ActFormat* format = type_row(E.down_type[e]).act;
+      const QuantizedActivations* q = nullptr;
+      if (int16 && format != nullptr) {
+        qa.quantize(act.data(), r, I, *format);
+        q = &qa;
+      }
+      y.resize(r * H);
+      matvec_rows(act.data(), q, r, I, E.down[e], E.down_type[e], 0, H, y.data());
+      for (int64_t j = 0; j < r; ++j) {
+        const auto [m, slot] = rows_of[e][j];
+        std::memcpy(out + (m * k + slot) * H, y.data() + j * H, H * sizeof(float));
+      }
+    }
+SYNC
+    const auto [c0, c1] = share(H, tid, nt);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = c0; i < c1; ++i) {
+        float acc = 0;
+        for (int64_t j = 0; j < k; ++j) acc += out[(m * k + j) * H + i] * weight[m * k + j];
+        proj[m * H + i] = acc;
+      }
+SYNC
+  }
 
   // Layers [first, last) for one decode token per row of x [M, H] (updated in place), then the
   // final RMSNorm when `final_norm` is given. KV caches [layers, blocks, block_size, kv_heads, D];
@@ -199,11 +336,22 @@ struct DecodeStack : torch::CustomClassHolder {
     }
     if (M == 0) return;
 
-    const int64_t q_size = num_heads * D;
-    const int64_t slices = num_heads + 2 * num_kv_heads, qkv_n = slices * D, inter = layers[0].gate_up.rows / 2;
+    const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
+    int64_t inter = 0, experts = 0, top_k = 0;  // the dense MLPs' width; the widest mixture's counts
+    for (int64_t l = first; l < last; ++l) {
+      if (layers[l].experts.has_value()) {
+        experts = std::max(experts, layers[l].experts->router.size(0));
+        top_k = std::max(top_k, layers[l].experts->top_k);
+      } else {
+        inter = std::max(inter, layers[l].gate_up.rows / 2);
+      }
+    }
+    const int64_t slices = num_heads + 2 * num_kv_heads, qkv_n = slices * D;
     const int64_t half = D / 2;
     const float feps = static_cast<float>(eps), default_scale = 1.0f / std::sqrt(static_cast<float>(D));
     std::vector<float> qkv(M * qkv_n), attn(M * q_size), proj(M * H), gu(M * 2 * inter), act(M * inter);
+    // a mixture of experts: router logits, and each (row, chosen expert)'s output
+    std::vector<float> router_logits(M * experts), expert_out(M * top_k * H);
     const bool int16 = kInt16Rows && g_int16_activations;
     // the input of down, quantised as the SwiGLU makes it: one buffer per activation format the
     // layers' down projections take (their type rows'); a layer's SwiGLU is shared out in
@@ -212,6 +360,7 @@ struct DecodeStack : torch::CustomClassHolder {
     std::vector<QuantizedActivations*> down_in(last - first, nullptr);
     std::vector<int64_t> swiglu_blocks(last - first, 8);
     for (int64_t l = first; l < last; ++l) {
+      if (layers[l].experts.has_value()) continue;  // each expert's input is quantised where it runs
       const ActFormat* format = type_row(layers[l].down_type).act;
       if (format == nullptr) continue;
       swiglu_blocks[l - first] = format->block;
@@ -236,8 +385,7 @@ struct DecodeStack : torch::CustomClassHolder {
     {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       int64_t my_wait = 0;
-#define SYNC if (omp_barrier) { _Pragma("omp barrier") } else my_wait += barrier.wait(nt);
-      std::vector<float> resid(xp, xp + M * H), h(M * H), rotated(D);
+      std::vector<float> resid(xp, xp + M * H), h(M * H), rotated(D), whole_norm(2 * M);
       PagedAttention::Thread attn_thread;
       QuantizedActivations qa;  // this thread's copy of the current matvec input
       auto quantize = [&](const float* in, int64_t K, int64_t qtype) -> const QuantizedActivations* {
@@ -272,6 +420,18 @@ struct DecodeStack : torch::CustomClassHolder {
         const KvCacheView kc = kv_view(k_cache, k_scale, l), vc = kv_view(v_cache, v_scale, l);
         rms_norm_rows(resid.data(), L.attn_norm.data_ptr<float>(), L.eps, M, H, h.data());
         proj_rows(h.data(), H, L.qkv, {{s0 * D, s1 * D}}, qkv.data());
+        if (L.qk_norm_whole) {  // each row's whole q and k: every thread's slices written, read
+SYNC
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t part = 0; part < 2; ++part) {
+              const float* v = qkv.data() + m * qkv_n + (part == 0 ? 0 : q_size);
+              const int64_t n = part == 0 ? q_size : kv_size;
+              float ss = 0;
+              for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+              whole_norm[m * 2 + part] = 1.0f / std::sqrt(ss / static_cast<float>(n) + L.eps);
+            }
+SYNC
+        }
         // this thread's head slices: bias, the q/k norm of each head, RoPE on q and k
         // (x*cos + roll(x, D/2)*signed_sin), new keys and values into the cache
         const float* bias = L.qkv_bias.has_value() ? L.qkv_bias->data_ptr<float>() : nullptr;
@@ -282,7 +442,12 @@ struct DecodeStack : torch::CustomClassHolder {
             float* v = qkv.data() + m * qkv_n + s * D;
             if (bias != nullptr)
               for (int64_t i = 0; i < D; ++i) v[i] += bias[s * D + i];
-            if (L.q_norm.has_value() && s < num_heads + num_kv_heads) {
+            if (L.q_norm.has_value() && s < num_heads + num_kv_heads && L.qk_norm_whole) {
+              const bool is_q = s < num_heads;
+              const float r = whole_norm[m * 2 + (is_q ? 0 : 1)];
+              const float* w = (is_q ? *L.q_norm : *L.k_norm).data_ptr<float>() + (is_q ? s : s - num_heads) * D;
+              for (int64_t i = 0; i < D; ++i) v[i] = w[i] * (v[i] * r);
+            } else if (L.q_norm.has_value() && s < num_heads + num_kv_heads) {
               const at::Tensor& w = s < num_heads ? *L.q_norm : *L.k_norm;
               rms_norm_rows(v, w.data_ptr<float>(), L.eps, 1, D, rotated.data());
               std::memcpy(v, rotated.data(), D * sizeof(float));
@@ -310,6 +475,12 @@ SYNC
 SYNC
         for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
         rms_norm_rows(resid.data(), L.mlp_norm.data_ptr<float>(), L.eps, M, H, h.data());
+        if (L.experts.has_value()) {
+          run_experts(*L.experts, h.data(), M, H, L.activation, router_logits.data(), expert_out.data(), proj.data(),
+                      tid, nt, barrier, omp_barrier, my_wait, int16);
+          for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
+          continue;
+        }
         const int64_t ab = swiglu_blocks[l - first];
         const auto [g0, g1] = share(inter / ab, tid, nt);  // gate/up rows in blocks of down's format
         proj_rows(h.data(), H, L.gate_up, {{g0 * ab, g1 * ab}, {inter + g0 * ab, inter + g1 * ab}}, gu.data());

@@ -2,9 +2,10 @@
 
 Each layer is handed over as a description: its weights by role, its block types, window,
 activation, norm epsilon and attention scale, and its rotary table (none for a layer without
-RoPE). The kernel knows one layer shape: pre-norm attention with optional bias and per-head
-q/k norm, 1-D RoPE, an optional sliding window, a gated dense MLP, every projection quantised.
-A model with any other layer decodes eager, and `blocker` says why (the bench prints it).
+RoPE). The kernel knows one layer shape: pre-norm attention with optional bias and q/k norm (per head,
+or over the whole projection), 1-D RoPE, an optional sliding window, a gated dense MLP or a
+mixture of gated experts under a float router, every projection quantised. A model with any
+other layer decodes eager, and `blocker` says why (the bench prints it).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from torch import nn
 
 from tokenwire.model import kernels
 from tokenwire.model.layers.block import DecoderLayer
-from tokenwire.model.layers.mlp import GatedMLP
+from tokenwire.model.layers.mlp import GatedMLP, MixtureOfExperts
 from tokenwire.model.layers.rotary import RopeSpec, Rotary
 from tokenwire.model.quant import QuantLinear, StackedQuantLinear
 
 ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # decode_stack.h's gated()
+_STACKED = (QuantLinear, StackedQuantLinear)  # qkv and gate/up: parts may differ in type
 
 
 def blocker(layers: Sequence[DecoderLayer], device: torch.device, dtype: torch.dtype) -> str | None:
@@ -38,22 +40,28 @@ def blocker(layers: Sequence[DecoderLayer], device: torch.device, dtype: torch.d
     return None
 
 
+def _mlps(layer: DecoderLayer) -> list[nn.Module]:
+    """The gated MLPs the layer runs: its own, or its experts."""
+    mlp = layer.mlp
+    return list(mlp.experts) if isinstance(mlp, MixtureOfExperts) else [mlp]
+
+
 def _layer_blocker(layer: DecoderLayer) -> str | None:
-    attention, mlp = layer.attention, layer.mlp
-    if not isinstance(mlp, GatedMLP):
-        return f"{type(mlp).__name__} feed-forward (the kernel runs one dense MLP)"
-    if mlp.activation not in ACTIVATION_CODES:
-        return f"activation {mlp.activation}"
-    if mlp.down.in_features % 8:  # the kernel shares the gated activation out in vectors of 8
-        return f"intermediate size {mlp.down.in_features} (not a multiple of 8)"
-    if not all(isinstance(m, QuantLinear) for m in (attention.o_proj, mlp.down)) or not all(
-        isinstance(m, (QuantLinear, StackedQuantLinear)) for m in (attention.qkv, mlp.gate_up)
-    ):
+    attention = layer.attention
+    if not isinstance(layer.mlp, (GatedMLP, MixtureOfExperts)):
+        return f"{type(layer.mlp).__name__} feed-forward"
+    if isinstance(layer.mlp, MixtureOfExperts) and not isinstance(layer.mlp.router, nn.Linear):
+        return "a quantised router (the kernel takes its float weights)"
+    for mlp in _mlps(layer):
+        if mlp.activation not in ACTIVATION_CODES:
+            return f"activation {mlp.activation}"
+        if mlp.down.in_features % 8:  # the kernel shares the gated activation out in vectors of 8
+            return f"intermediate size {mlp.down.in_features} (not a multiple of 8)"
+    pairs = [(attention.qkv, attention.o_proj), *((mlp.gate_up, mlp.down) for mlp in _mlps(layer))]
+    if not all(isinstance(one, QuantLinear) and isinstance(stacked, _STACKED) for stacked, one in pairs):
         return "float projections (the kernel multiplies quantised blocks)"
     if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
         return "norms after attention and MLP"
-    if attention.spec.qk_norm and not attention.spec.qk_norm_per_head:
-        return "q/k norms over whole projections"
     if attention.spec.softcap is not None:
         return "attention soft-capping"
     if layer.rope.kind not in ("default", "linear", "llama3", "longrope", "none"):
@@ -65,10 +73,16 @@ def describe(
     layer: DecoderLayer, rotary: nn.Module | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, float]]:
     attention, mlp, spec = layer.attention, layer.mlp, layer.attention.spec
-    assert isinstance(mlp, GatedMLP)
-    projections = {"qkv": attention.qkv, "o": attention.o_proj, "gate_up": mlp.gate_up, "down": mlp.down}
+    projections: dict[str, nn.Module] = {"qkv": attention.qkv, "o": attention.o_proj}
     tensors: dict[str, torch.Tensor] = {}
     ints: dict[str, int] = {}
+    if isinstance(mlp, MixtureOfExperts):  # the router's float weights; each expert's projections
+        tensors["router"] = mlp.router.weight.float()
+        ints["top_k"], ints["normalize"] = mlp.top_k, int(mlp.normalize)
+        for e, expert in enumerate(mlp.experts):
+            projections[f"expert{e}.gate_up"], projections[f"expert{e}.down"] = expert.gate_up, expert.down
+    else:
+        projections["gate_up"], projections["down"] = mlp.gate_up, mlp.down
     for name, linear in projections.items():  # a stacked one's parts as qkv, qkv@1, ... (Proj)
         parts = linear.parts if isinstance(linear, StackedQuantLinear) else [linear]
         for i, part in enumerate(parts):
@@ -79,10 +93,11 @@ def describe(
         tensors["qkv_bias"] = attention.qkv.bias
     if attention.q_norm is not None and attention.k_norm is not None:
         tensors["q_norm"], tensors["k_norm"] = attention.q_norm.scale(), attention.k_norm.scale()
+        ints["qk_norm_whole"] = int(not spec.qk_norm_per_head)
     if isinstance(rotary, Rotary):
         tensors["rope_cos"], tensors["rope_sin"] = rotary.cos, rotary.sin
     ints["window"] = spec.window or 0
-    ints["activation"] = ACTIVATION_CODES[mlp.activation]
+    ints["activation"] = ACTIVATION_CODES[_mlps(layer)[0].activation]
     # scale 0: the kernel's own 1/sqrt(D) in float, as before descriptions existed (bit for bit)
     floats = {"eps": layer.attn_norm.eps, "scale": spec.scale or 0.0}
     return {k: v.contiguous() for k, v in tensors.items()}, ints, floats

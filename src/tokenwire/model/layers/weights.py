@@ -27,11 +27,13 @@ Tensors = Mapping[str, torch.Tensor]
 
 def quantize_state(state: Tensors, qtype: int) -> tuple[Tensors, dict[str, int]]:
     """fp32 HF-named weights -> the same names with every 2-D projection/embedding quantised
-    (`--weights int8|int4` on a Hugging Face directory)."""
+    (`--weights int8|int4` on a Hugging Face directory); a mixture of experts' router stays
+    float, as llama.cpp keeps it: its logits choose the experts."""
     out: dict[str, torch.Tensor] = {}
     qtypes: dict[str, int] = {}
     for name, tensor in state.items():
-        if tensor.dim() == 2 and tensor.shape[1] % 32 == 0 and tensor.is_floating_point():
+        router = name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight"))
+        if tensor.dim() == 2 and tensor.shape[1] % 32 == 0 and tensor.is_floating_point() and not router:
             out[name], qtypes[name] = quantize(tensor, qtype), qtype
         else:
             out[name] = tensor.float()
