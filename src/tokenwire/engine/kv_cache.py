@@ -251,9 +251,6 @@ class KVCache:
     def as_stored(self, x: torch.Tensor) -> torch.Tensor:
         return as_stored(x, self.kv_dtype)
 
-    def copy_block(self, src: int, dst: int) -> None:
-        self.pool.copy_block(src, dst)
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """New keys and values [n, kv_heads, D] into `slots` of one layer, stored as the fused
         step stores them (kernels/kv_store.h): torch's rounding to fp16/bf16 is the same."""

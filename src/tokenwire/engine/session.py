@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from tokenwire.engine.kv_cache import ROOT_HASH, BlockAllocator, KVCache, block_hash
+from tokenwire.engine.kv_cache import ROOT_HASH, BlockAllocator, KVCache, KVPool, block_hash
 from tokenwire.engine.vision import block_key
 
 
@@ -187,33 +187,26 @@ class Session:
 
         Raises OutOfBlocksError (leaving the session consistent) when memory is short.
         """
-        bs = kv.block_size
-        first = self.num_computed // bs
-        for index in range(first, min(len(self.block_table), -(-end // bs))):
-            block = self.block_table[index]
-            if kv.allocator.refcount[block] > 1:
-                fresh = kv.allocator.allocate()
-                kv.copy_block(block, fresh)
-                kv.allocator.decref(block)
-                self.block_table[index] = fresh
-            else:
-                kv.allocator.unregister(block)
-        while len(self.block_table) * bs < end:
-            self.block_table.append(kv.allocator.allocate())
-        pool = kv.window_pool
-        if pool is None:
-            return
-        for index in range(first, min(len(self.window_table), -(-end // bs))):
-            block = self.window_table[index]
+        first = self.num_computed // kv.block_size
+        self._writable(self.block_table, kv.pool, first, end, kv.block_size)
+        if kv.window_pool is not None:
+            self._writable(self.window_table, kv.window_pool, first, end, kv.block_size)
+
+    @staticmethod
+    def _writable(table: list[int], pool: KVPool, first: int, end: int, bs: int) -> None:
+        """Blocks `first` .. covering `end` of `table` this session's own (copied where shared,
+        out of the prefix cache where about to change), and new ones up to `end`."""
+        for index in range(first, min(len(table), -(-end // bs))):
+            block = table[index]
             if pool.allocator.refcount[block] > 1:
                 fresh = pool.allocator.allocate()
                 pool.copy_block(block, fresh)
                 pool.allocator.decref(block)
-                self.window_table[index] = fresh
+                table[index] = fresh
             else:
                 pool.allocator.unregister(block)
-        while len(self.window_table) * bs < end:
-            self.window_table.append(pool.allocator.allocate())
+        while len(table) * bs < end:
+            table.append(pool.allocator.allocate())
 
     def blocks_needed(self, end: int, kv: KVCache) -> tuple[int, int]:
         """Upper bounds on the fresh blocks reserve(end) takes: from the full-context pool and

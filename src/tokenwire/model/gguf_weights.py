@@ -30,6 +30,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from tokenwire.model import kernels, weight_types
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.gguf import gguf_family, gguf_meta, hf_tensor_name, open_gguf, unpermute_rope_rows
+from tokenwire.model.gguf_header import TensorInfo
 from tokenwire.model.quant import dequantize
 
 _FLOATS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F64: np.float64}
@@ -43,13 +44,10 @@ class UnsupportedWeightTypeError(ValueError):
 
 
 @dataclass(frozen=True)
-class GgufTensor:
-    gguf_name: str
-    qtype: GGMLQuantizationType
-    shape: tuple[int, ...]  # rows first (numpy order)
-    offset: int  # absolute file offset of its data
-    nbytes: int
-    rope_heads: int | None  # q/k rows to un-permute, by this many heads
+class GgufTensor(TensorInfo):
+    """A tensor of the file (its GGUF name, type, shape, place) and what reading it undoes."""
+
+    rope_heads: int | None = None  # q/k rows to un-permute, by this many heads
     shift: float = 0.0  # taken off the values (a norm the converter stored as 1 + w)
 
 
@@ -68,15 +66,14 @@ class GgufWeights(Mapping[str, torch.Tensor]):
             kind = t.name.split(".")[-2]
             rope = heads[kind] if names.permuted_qk and kind in heads else None
             shift = names.norm_shift if t.name.endswith("norm.weight") else 0.0
-            qtype, shape, offset, nbytes = t.qtype, t.shape, t.offset, t.nbytes
             if "{e}" not in name:
-                self.tensors[name] = GgufTensor(t.name, qtype, shape, offset, nbytes, rope, shift)
+                self.tensors[name] = GgufTensor(t.name, t.qtype, t.shape, t.offset, t.nbytes, rope, shift)
                 continue
             # stacked experts: each expert's rows are whole blocks, one expert after another
-            experts, each = shape[0], nbytes // shape[0]
+            experts, each = t.shape[0], t.nbytes // t.shape[0]
             for e in range(experts):
                 self.tensors[name.format(e=e)] = GgufTensor(
-                    f"{t.name}[{e}]", qtype, shape[1:], offset + e * each, each, None
+                    f"{t.name}[{e}]", t.qtype, t.shape[1:], t.offset + e * each, each
                 )
         self.qtypes: dict[str, int] = {}  # the quantised tensors' block types (none when dense)
         if not dense:
@@ -87,7 +84,7 @@ class GgufWeights(Mapping[str, torch.Tensor]):
                 if not kept:
                     known = ", ".join(w.name for w in weight_types.WEIGHT_TYPES)
                     raise UnsupportedWeightTypeError(
-                        f"{self.path}: tensor {t.gguf_name} is {t.qtype.name}, a weight type tokenwire's "
+                        f"{self.path}: tensor {t.name} is {t.qtype.name}, a weight type tokenwire's "
                         f"kernels do not run (they run {known}); --weights fp32 loads it dequantised"
                     )
                 self.qtypes[name] = int(t.qtype)
@@ -127,7 +124,7 @@ class GgufWeights(Mapping[str, torch.Tensor]):
             while done < t.nbytes:
                 got = f.readinto(view[done : done + _READ_CHUNK])
                 if not got:
-                    raise ValueError(f"{self.path} ends inside tensor {t.gguf_name}")
+                    raise ValueError(f"{self.path} ends inside tensor {t.name}")
                 done += got
         return buffer
 
@@ -138,5 +135,5 @@ class GgufWeights(Mapping[str, torch.Tensor]):
             packed = torch.from_numpy(raw.reshape(rows, -1))
             return dequantize(packed, int(t.qtype), cols).numpy().reshape(t.shape)
         if t.qtype not in GGML_QUANT_SIZES:
-            raise UnsupportedWeightTypeError(f"{self.path}: tensor {t.gguf_name} has unknown type {t.qtype}")
+            raise UnsupportedWeightTypeError(f"{self.path}: tensor {t.name} has unknown type {t.qtype}")
         return np.asarray(gguf_dequantize(raw, t.qtype), dtype=np.float32).reshape(t.shape)
