@@ -142,7 +142,9 @@ _engine_collector: EngineCollector | None = None
 def observe_request(request: Request, finish: FinishEvent) -> None:
     """The engine's on_finish hook: latency and token metrics, and the access log line."""
     session = None if request.session.ephemeral else request.session.id
-    record_request(request.options.origin, finish, request.arrived, request.token_times, session)
+    spec = request.speculator  # its guesses run and kept, where it guessed (engine/speculation.py)
+    guesses = {} if spec is None else {"guesses": spec.proposed, "guesses_kept": spec.accepted}
+    record_request(request.options.origin, finish, request.arrived, request.token_times, session, **guesses)
 
 
 def record_request(

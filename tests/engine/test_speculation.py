@@ -4,6 +4,7 @@ and grammar state after a rejected guess; the distribution kept when sampling.""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -167,6 +168,30 @@ def test_after_a_rejected_guess_the_session_equals_one_without_guesses(tiny, tok
                 slots = [session.block_table[p // bs] * bs + p % bs for p in range(n)]
                 rows.append(flat[:, slots])
             assert torch.equal(rows[0], rows[1])
+    finally:
+        on.shutdown()
+        off.shutdown()
+
+
+def test_the_access_log_line_counts_a_request_s_guesses(tiny, tokenizer, monkeypatch, caplog) -> None:
+    """Each request's access line says how many guesses it ran and kept (metrics.observe_request)."""
+    from tokenwire.metrics import observe_request
+
+    on, off = _pair(tiny, tokenizer)
+    try:
+        prompt = rand_tokens(40, 21)
+        sid = off.create_session()
+        _run(off, sid, prompt, max_tokens=33)
+        expected = off.session_tokens(sid)
+        monkeypatch.setattr("tokenwire.engine.engine.Speculator", lambda: _HalfRightGuesses(expected))
+        on.on_finish = observe_request
+        caplog.set_level(logging.INFO, logger="tokenwire.access")
+        _run(on, None, prompt, max_tokens=33)
+        lines = [r.getMessage() for r in caplog.records if r.name == "tokenwire.access"]
+        stats = on.stats()
+        assert stats["spec_proposed"] > stats["spec_accepted"] > 0
+        assert f"guesses={stats['spec_proposed']}" in lines[-1]
+        assert f"guesses_kept={stats['spec_accepted']}" in lines[-1]
     finally:
         on.shutdown()
         off.shutdown()

@@ -85,6 +85,8 @@ class Speculator:
         self.next = self.PRIOR_NEXT
         self._misses = 0
         self._paused = 0
+        self.proposed = 0  # this request's guesses run, and kept (the access log's line)
+        self.accepted = 0
 
     def guesses(self, threshold: float) -> int:
         """How many guesses pay for their rows: guess i is kept with chance first * next^(i-1)."""
@@ -115,6 +117,8 @@ class Speculator:
         return []
 
     def verified(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
         w = self.WEIGHT
         self.first += w * ((accepted > 0) - self.first)
         for i in range(1, min(accepted + 1, proposed)):  # guesses after a kept one

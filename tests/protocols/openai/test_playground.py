@@ -408,6 +408,30 @@ def test_stream_tokens_hover_keyboard_fork_and_close(browser: Any, server: str, 
     assert severe_console(driver) == []
 
 
+def test_the_engine_panel_shows_guesses_kept(browser: Any, server: str) -> None:
+    """A completion copying its prompt runs prompt-lookup guesses; the panel shows the share kept
+    and the tokens a guessing step made, as /stats counts them."""
+    driver = browser
+    driver.get(server + "/")
+    wait_for_page(driver)
+    text = "The cat sat on the mat. The dog sat on the log. " * 6
+    body = {"model": MODEL, "prompt": text + "The cat", "max_tokens": 48, "temperature": 0}
+    status, _, _ = http("POST", f"{server}/v1/completions", body)
+    assert status == 200
+    stats = http("GET", f"{server}/stats", key=None)[2]
+    assert stats["spec_proposed"] >= stats["spec_accepted"] > 0
+    shown = wait_for(
+        lambda: js(driver, "return document.getElementById('spec').textContent").count("%"),
+        timeout=15,
+        what="the guesses kept",
+    )
+    assert shown == 1
+    label = js(driver, "return document.getElementById('spec').textContent")
+    now = http("GET", f"{server}/stats", key=None)[2]
+    assert f"({now['spec_accepted']}/{now['spec_proposed']})" in label and "tokens a step" in label
+    assert severe_console(driver) == []
+
+
 def test_invalid_regex_shows_the_server_error_and_the_page_keeps_working(
     browser: Any, server: str, out_dir: Path
 ) -> None:

@@ -41,6 +41,10 @@ def stats_of(engine: EngineAPI) -> dict[str, Any]:
         "kv_usage": used / total if total else 0.0,
         "computed_tokens": s["computed_tokens"],
         "steps": s["steps"],
+        # prompt-lookup guesses (engine/speculation.py): run, kept, and the steps that ran some
+        "spec_proposed": s["spec_proposed"],
+        "spec_accepted": s["spec_accepted"],
+        "spec_verifications": s["spec_verifications"],
         "max_model_len": engine.max_model_len,
         "concepts": list(concepts.names) if concepts is not None else [],
         "layers": list(concepts.layers) if concepts is not None else [],

@@ -482,6 +482,12 @@ async function pollEngine() {
     if (last && s.time > last.time) {
       $("tps").textContent = ((s.computed_tokens - last.computed_tokens) / (s.time - last.time)).toFixed(1);
     }
+    // prompt-lookup speculation: the share of guessed tokens kept, and tokens a guessing step made
+    if (s.spec_proposed > 0) {
+      const kept = (100 * s.spec_accepted) / s.spec_proposed;
+      const per = (s.spec_accepted + s.spec_verifications) / s.spec_verifications;
+      $("spec").textContent = `${kept.toFixed(1)}% (${s.spec_accepted}/${s.spec_proposed}), ${per.toFixed(2)} tokens a step`;
+    }
     last = s;
     $("updated").textContent = new Date(s.time * 1000).toLocaleTimeString();
     $("engine").dataset.polls = String(polls);
