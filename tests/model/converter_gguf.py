@@ -64,13 +64,17 @@ def _rope(c, family: str) -> dict[str, dict]:
 
 
 def write_like_llama_cpp(
-    hf: torch.nn.Module, path: Path, quant: str = "F32", chat_template: str | None = None
+    hf: torch.nn.Module, path: Path, quant: str = "F32", chat_template: str | None = None, drop: str = ""
 ) -> None:
+    """`drop`: a metadata key (after the architecture) left out, as a damaged file would."""
     c = hf.config
     arch, permuted = ARCHES[type(hf).__name__]
     name = gguf.MODEL_ARCH_NAMES[arch]
     family = c.model_type.replace("_text", "")
     w = gguf.GGUFWriter(str(path), name)
+    if drop:
+        add_uint32 = w.add_uint32
+        w.add_uint32 = lambda key, value: None if key == f"{name}.{drop}" else add_uint32(key, value)  # type: ignore[method-assign]
     assert copy_shipped_tokenizer(w, chat_template) == c.vocab_size
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     for key, value in {

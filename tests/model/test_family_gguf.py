@@ -73,3 +73,10 @@ def test_a_turn_end_the_chat_template_writes_ends_generation(tmp_path: Path) -> 
     source = resolve_model(path, cache_dir=tmp_path / "cache")
     assert source.config.eos_token_ids == [2, 0]
     assert source.tokenizer.chat_prompt([{"role": "user", "content": "hi"}]) == "hi<|endoftext|>"
+
+
+def test_a_mixture_of_experts_file_without_its_expert_counts_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-qwen3moe-damaged.gguf"
+    write_like_llama_cpp(hf_model("qwen3_moe_gguf"), path, "F32", drop="expert_used_count")
+    with pytest.raises(ValueError, match=r"qwen3moe\.expert_used_count is missing"):
+        resolve_model(path, cache_dir=tmp_path / "cache")

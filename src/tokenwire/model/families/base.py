@@ -56,6 +56,13 @@ class GgufMeta:
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(f"{self.arch}.{key}", default)
 
+    def need(self, key: str) -> int:
+        """An integer the family cannot do without; a file lacking it is refused by name."""
+        value = self.fields.get(f"{self.arch}.{key}")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"GGUF metadata {self.arch}.{key} is missing or not an integer: {value!r}")
+        return value
+
     def layers_with(self, kind: str) -> list[int]:
         """The blocks holding a tensor of `kind` (ffn_gate_exps: the sparse layers)."""
         parts = (name.split(".") for name in self.shapes if name.startswith("blk."))

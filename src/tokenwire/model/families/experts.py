@@ -76,10 +76,12 @@ def gguf_config(meta: GgufMeta, normalize: bool) -> dict[str, object]:
     width from its stacked tensor, which layers are sparse from where experts are, and the
     top-k normalisation llama.cpp applies for the family (`expert_weights_norm` where written)."""
     sparse = meta.layers_with("ffn_gate_exps")
-    n = int(meta.get("block_count"))
+    if not sparse:
+        raise ValueError(f"GGUF metadata counts {meta.arch} experts but no layer has ffn_gate_exps tensors")
+    n = meta.need("block_count")
     return {
-        "num_experts": int(meta.get("expert_count")),
-        "num_experts_per_tok": int(meta.get("expert_used_count")),
+        "num_experts": meta.need("expert_count"),
+        "num_experts_per_tok": meta.need("expert_used_count"),
         "moe_intermediate_size": meta.shapes[f"blk.{sparse[0]}.ffn_gate_exps.weight"][1],
         "norm_topk_prob": bool(meta.get("expert_weights_norm", normalize)),
         "decoder_sparse_step": 1,

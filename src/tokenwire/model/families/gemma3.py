@@ -86,7 +86,7 @@ def gguf_config(meta: GgufMeta) -> dict[str, Any]:
     where the file does not say; a list of booleans marks the sliding ones), local layers at
     `rope.freq_base_swa` (10,000 where unsaid) without scaling, and q.k scaled by head_dim^-1/2
     except on the 62-layer 27B, by (hidden / heads)^-1/2."""
-    n, window = int(meta.get("block_count")), int(meta.get("attention.sliding_window") or 0)
+    n, window = meta.need("block_count"), int(meta.get("attention.sliding_window") or 0)
     pattern = meta.get("attention.sliding_window_pattern", 6)
     if not window:
         sliding = [False] * n
@@ -94,7 +94,7 @@ def gguf_config(meta: GgufMeta) -> dict[str, Any]:
         sliding = [bool(p) for p in pattern]
     else:
         sliding = [(i + 1) % int(pattern) != 0 for i in range(n)]
-    hidden, heads = int(meta.get("embedding_length")), int(meta.get("attention.head_count"))
+    hidden, heads = meta.need("embedding_length"), meta.need("attention.head_count")
     head_dim = int(meta.get("attention.key_length", hidden // heads))
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 1e6))}
     if meta.get("rope.scaling.type") == "linear":

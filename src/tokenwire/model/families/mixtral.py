@@ -42,8 +42,8 @@ def weight_names(config: ModelConfig) -> WeightNames:
 
 
 def gguf_config(meta: GgufMeta) -> dict[str, int]:
-    used = int(meta.get("expert_used_count"))
-    return {"num_local_experts": int(meta.get("expert_count")), "num_experts_per_tok": used}
+    used = meta.need("expert_used_count")
+    return {"num_local_experts": meta.need("expert_count"), "num_experts_per_tok": used}
 
 
 # llama.cpp writes Mixtral as a Llama ("llama", q/k rows interleaved) with experts stacked
