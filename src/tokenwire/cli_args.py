@@ -64,7 +64,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--speculate",
         default="ngram",
         help="ngram: guess the next tokens from the request's own context and verify them in one "
-        "step (exact; off for a request that keeps missing); off: one token a step",
+        "step (exact; off for a request that keeps missing); draft: guess them with --draft-model "
+        "(its default when given); off: one token a step",
+    )
+    g.add_argument(
+        "--draft-model",
+        help="a smaller model with the same tokenizer (any form --model takes) whose greedy tokens "
+        "are the guesses",
     )
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     g.add_argument(
@@ -94,6 +100,7 @@ def settings_from(args: argparse.Namespace, **extra: object) -> EngineSettings:
         kv_cache_mb=args.kv_cache_mb,
         kv_dtype=args.kv_dtype,
         speculate=args.speculate,
+        draft_model=args.draft_model,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_tokens,

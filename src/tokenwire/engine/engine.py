@@ -23,6 +23,7 @@ import torch
 from tokenwire.engine.admission import Limits, check_request, check_tokens, prepare
 from tokenwire.engine.api import EngineAPI, model_function
 from tokenwire.engine.concepts import ConceptSet
+from tokenwire.engine.draft import DraftSpeculator
 from tokenwire.engine.errors import (
     CapacityError,
     EngineClosedError,
@@ -94,6 +95,7 @@ class Engine(EngineAPI):
         weights: str | None = None,
         kv_dtype: str = "auto",
         speculate: str = "ngram",
+        draft: Engine | None = None,
     ) -> None:
         """`model` may be a factory: it then runs on the model thread (see _load). `source` and
         `weights`: where the model came from and the weight format it runs (factory.py), None
@@ -109,7 +111,10 @@ class Engine(EngineAPI):
         self.weights = weights
         if speculate not in SPECULATE:
             raise ValueError(f"unknown --speculate {speculate!r}: use one of {', '.join(SPECULATE)}")
+        if (speculate == "draft") != (draft is not None):
+            raise ValueError("--speculate draft and --draft-model come together")
         self.speculate = speculate
+        self.draft = draft  # the draft model's engine (engine/draft.py)
         self.spec = SpecStats()
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
@@ -394,7 +399,7 @@ class Engine(EngineAPI):
             request = Request(next(self._ids), session, options, prompt_len)
             prepare(request, self.tokenizer, self.kv)
             if self._speculates(options):
-                request.speculator = Speculator()
+                request.speculator = Speculator() if self.draft is None else DraftSpeculator(self.draft)
             self._running[session.id] = request
             self.scheduler.add(request)
             self._wake.notify()
@@ -404,7 +409,7 @@ class Engine(EngineAPI):
         """Prompt-lookup guesses (engine/speculation.py) need every step to run one arithmetic
         (the fused stack: a guess's row then gives a one-token step's bits) and no readouts."""
         return (
-            self.speculate == "ngram"
+            self.speculate != "off"
             and options.speculate
             and options.max_tokens > 1
             and not options.readout_ranges
@@ -524,6 +529,8 @@ class Engine(EngineAPI):
             return
         request.finished = True
         self.scheduler.remove(request)
+        if request.speculator is not None:
+            request.speculator.close()
         session = request.session
         self._running.pop(session.id, None)
         session.touch()
@@ -626,6 +633,8 @@ class Engine(EngineAPI):
                 fut.cancel()
             self._wake.notify_all()
         self._thread.join(timeout=timeout_s)
+        if self.draft is not None:  # after ours: our last step may still be asking it for guesses
+            self.draft.shutdown(timeout_s)
         if self._thread.is_alive():
             log.warning(
                 "the model thread was still busy %.1f s after shutdown; exiting without it", timeout_s

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from tokenwire.engine.concepts import ConceptSet
+from tokenwire.engine.draft import check_same_vocabulary
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.kv_cache import KVCache, check_kv_dtype, resolve_kv_dtype
 from tokenwire.engine.threads import apply_threads
@@ -59,7 +60,8 @@ class EngineSettings:
     threads: int | None = None
     weights: str = "auto"  # WEIGHTS: auto | gguf | fp32 | bf16 | int8 | int4
     kv_dtype: str = "auto"  # KV_DTYPES (engine/kv_cache.py): how the KV cache stores its values
-    speculate: str = "ngram"  # SPECULATE (engine/speculation.py): prompt-lookup guesses or off
+    speculate: str = "ngram"  # SPECULATE (engine/speculation.py): prompt lookup, a draft model, off
+    draft_model: str | None = None  # --draft-model: guesses from this model (engine/draft.py)
     compile: bool = True  # fused decode kernels for quantised weights (--no-compile: eager only)
 
 
@@ -189,7 +191,34 @@ def build_engine(settings: EngineSettings) -> Engine:
         return _build_engine(settings, device, bar)
 
 
+def _draft_engine(settings: EngineSettings, device: torch.device) -> Engine | None:
+    """The draft model's engine for --draft-model (implies --speculate draft), or None."""
+    if settings.draft_model is None:
+        if settings.speculate == "draft":
+            raise ValueError("--speculate draft needs --draft-model PATH")
+        return None
+    if settings.speculate == "off":
+        raise ValueError("--draft-model guesses tokens: it cannot go with --speculate off")
+    draft = replace(settings, model=settings.draft_model, model_name=None, draft_model=None, speculate="off",
+                    kv_cache_mb=None, concepts=None)  # fmt: skip
+    log.info("loading the draft model %s", settings.draft_model)
+    with StartupProgress(["model files", "load + warm-up"], enabled=False) as quiet:  # the bar is ours
+        return _build_engine(draft, device, quiet)
+
+
 def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupProgress) -> Engine:
+    draft = _draft_engine(settings, device)
+    try:
+        return _build_target(settings, device, bar, draft)
+    except BaseException:
+        if draft is not None:
+            draft.shutdown()
+        raise
+
+
+def _build_target(
+    settings: EngineSettings, device: torch.device, bar: StartupProgress, draft: Engine | None
+) -> Engine:
     started = time.monotonic()
     _log_conversion(settings)
     with bar.stage("model files"):  # the GGUF conversion (first start) is inside this one bar
@@ -198,6 +227,8 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
         )  # fmt: skip
     if time.monotonic() - started > 1:
         log.info("model files ready in %.1fs", time.monotonic() - started)
+    if draft is not None:  # its guesses are our token ids: one vocabulary, checked before loading
+        check_same_vocabulary(source.tokenizer, draft.tokenizer, str(settings.draft_model))
     concepts = None
     if settings.concepts is not None:
         concepts = ConceptSet.load(
@@ -238,7 +269,8 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
             source=source,
             weights=weights,
             kv_dtype=settings.kv_dtype,
-            speculate=settings.speculate,
+            speculate="draft" if draft is not None else settings.speculate,
+            draft=draft,
         )
     log.info(
         "model %s (%s) loaded in %.1fs: weights %s, device %s, KV cache %.0f MiB = %d tokens "

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPECULATE = ("off", "ngram")  # --speculate; a draft model (--draft-model) is not built yet
+SPECULATE = ("off", "ngram", "draft")  # --speculate; draft: a draft model's guesses (engine/draft.py)
 MAX_NGRAM = 3
 MAX_GUESSES = 8
 
@@ -115,6 +115,9 @@ class Speculator:
             if after is not None:
                 return tokens[after : after + min(limit, count)]
         return []
+
+    def close(self) -> None:
+        """The request is over (a draft model's session is closed: engine/draft.py)."""
 
     def verified(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
