@@ -56,15 +56,9 @@ class DraftSpeculator(Speculator):
         self._held: list[int] = []  # the draft session's tokens
 
     def propose(self, tokens: list[int], limit: int, threshold: float = 0.0) -> list[int]:
-        if limit <= 0:
-            return []
-        count = self.guesses(threshold)
+        count = self.to_guess(limit, threshold)
         if count == 0:
-            if self._paused:
-                self._paused -= 1
-                return []
-            count = 1  # a probe: keeps the estimate current
-        count = min(limit, count)
+            return []
         if len(tokens) + count > self.draft.max_model_len:
             return []  # past the draft's context: no guesses
         common = 0

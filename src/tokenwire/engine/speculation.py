@@ -97,23 +97,31 @@ class Speculator:
             count, chance = count + 1, chance * self.next
         return count
 
-    def propose(self, tokens: list[int], limit: int, threshold: float = 0.0) -> list[int]:
-        """Up to `limit` guesses of the tokens after `tokens`, as many as pay for their rows in
-        a step where a row must be kept with chance `threshold` (StepCost); while guessing does
-        not pay, one guess now and then."""
+    def to_guess(self, limit: int, threshold: float) -> int:
+        """How many guesses to make now (at most `limit`): as many as pay for their rows, else
+        now and then one, a probe that keeps the estimate current (0: none this step)."""
         if limit <= 0:
-            return []
+            return 0
         count = self.guesses(threshold)
         if count == 0:
             if self._paused:
                 self._paused -= 1
-                return []
-            count = 1  # a probe: keeps the estimate current
+                return 0
+            count = 1
+        return min(limit, count)
+
+    def propose(self, tokens: list[int], limit: int, threshold: float = 0.0) -> list[int]:
+        """Up to `limit` guesses of the tokens after `tokens`, as many as pay for their rows in
+        a step where a row must be kept with chance `threshold` (StepCost); while guessing does
+        not pay, one guess now and then."""
+        count = self.to_guess(limit, threshold)
+        if count == 0:
+            return []
         self._update(tokens)
         for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1):
             after = self._index.get(tuple(tokens[-n:]))
             if after is not None:
-                return tokens[after : after + min(limit, count)]
+                return tokens[after : after + count]
         return []
 
     def close(self) -> None:
