@@ -23,7 +23,7 @@ from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent
 from tokenwire.engine.speculation import Speculator
 
 if TYPE_CHECKING:
-    from tokenwire.engine.engine import Engine
+    from tokenwire.engine.api import EngineAPI
     from tokenwire.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) 
 class DraftSpeculator(Speculator):
     """One request's guesses from the draft engine (a session there, closed with the request)."""
 
-    def __init__(self, draft: Engine) -> None:
+    def __init__(self, draft: EngineAPI) -> None:
         super().__init__()
         self.draft = draft
         self._session: str | None = None
