@@ -2,54 +2,12 @@
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp.
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <omp.h>
-#include <torch/custom_class.h>
-
-#include <algorithm>
 #include <memory>
-#include <numeric>
 
-#include "barrier.h"
-#include "matvec.h"
+#include "experts.h"
 #include "paged_attention.h"
 
 namespace tw {
-
-void rms_norm_rows(const float* x, const float* weight, float eps, int64_t M, int64_t H, float* out) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * H;
-    float ss = 0;
-    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
-    const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-    for (int64_t i = 0; i < H; ++i) out[m * H + i] = weight[i] * (xr[i] * r);
-  }
-}
-
-// out = act(gate) * up for n values (a multiple of 8); act 0 = SiLU, 1 = GELU (tanh form)
-inline void gated(const float* gate, const float* up, float* out, int64_t n, int64_t act) {
-#ifdef TW_AVX2
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    __m256 a;
-    if (act == 0) {
-      a = _mm256_div_ps(g, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    } else {  // 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3)
-      const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f),
-                                     _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
-      a = _mm256_div_ps(g, _mm256_add_ps(one, exp_avx2(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u))));
-    }
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_loadu_ps(up + i)));
-  }
-#else
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = gate[i];
-    const float u = 0.7978845608f * (g + 0.044715f * g * g * g);
-    out[i] = (act == 0 ? g / (1.0f + std::exp(-g)) : g / (1.0f + std::exp(-2.0f * u))) * up[i];
-  }
-#endif
-}
 
 // ---------------------------------------------------------------------------------------------
 // The decoder stack of a decode step in one call and one parallel region, five barriers a layer
@@ -66,45 +24,6 @@ inline void gated(const float* gate, const float* up, float* out, int64_t n, int
 
 // One layer as the model describes it (model/layers/fusion.py): weights by role, optional parts
 // absent from the dict. No rotary table: a layer without RoPE. window 0: attends every position.
-// A projection's weight: row ranges stacked in order, each in its own block type. A K-quant
-// file mixes types inside one fused projection (Q4_K_M keeps v in Q6_K beside Q4_K q and k in
-// some layers); each range keeps the file's blocks rather than one type re-quantised for all.
-// In the description: `qkv`, `qkv@1`, `qkv@2`... with `qkv_type`, `qkv_type@1`...
-struct Proj {
-  std::vector<at::Tensor> w;
-  std::vector<int64_t> type, first;  // each range's block type and first output row
-  int64_t rows = 0;
-
-  static Proj from(const c10::Dict<std::string, at::Tensor>& t, const c10::Dict<std::string, int64_t>& n,
-                   const std::string& role, int64_t K) {
-    Proj p;
-    for (int i = 0;; ++i) {
-      const std::string suffix = i == 0 ? "" : "@" + std::to_string(i);
-      if (!t.contains(role + suffix)) break;
-      TORCH_CHECK(n.contains(role + "_type" + suffix), "layer description lacks ", role, "_type", suffix);
-      p.w.push_back(t.at(role + suffix));
-      p.type.push_back(n.at(role + "_type" + suffix));
-      check_weight(p.w.back(), p.type.back(), K);
-      p.first.push_back(p.rows);
-      p.rows += p.w.back().size(0);
-    }
-    TORCH_CHECK(!p.w.empty(), "layer description lacks ", role);
-    return p;
-  }
-};
-
-// A mixture of experts in place of the dense MLP: a float32 router [experts, hidden] and each
-// expert's gate/up (a Proj: its parts may differ in type) and down; `top_k` experts a token,
-// their router probabilities renormalised to sum 1 when `normalize` (Mixtral, Qwen3-MoE).
-struct Experts {
-  at::Tensor router;
-  std::vector<Proj> gate_up;
-  std::vector<at::Tensor> down;
-  std::vector<int64_t> down_type;
-  int64_t top_k = 0, inter = 0;
-  bool normalize = false;
-};
-
 struct StackLayer {
   at::Tensor attn_norm, mlp_norm;
   Proj qkv, gate_up;   // gate_up and down: empty in a layer of experts
@@ -205,115 +124,7 @@ struct DecodeStack : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
-// every thread of the stack's parallel region waits here for the others (barrier.h; an OpenMP
-// barrier for A/B measurement only)
-#define SYNC if (omp_barrier) { _Pragma("omp barrier") } else my_wait += barrier.wait(nt);
 
-  // A layer of experts for rows h [M, H] (every thread holds them), inside the stack's parallel
-  // region; the summed output into proj [M, H]. Three phases, a barrier after each: the router's
-  // logits (experts shared out), every chosen expert on just its rows (whole experts shared out,
-  // in the same order in every thread: an expert's rows are gathered, its gate/up, gated
-  // activation and down run on them as one small batch), then each row's outputs summed in
-  // ascending expert order (columns shared out). A row's arithmetic depends only on its own
-  // values and experts, whatever else is in the batch.
-  static void run_experts(const Experts& E, const float* h, int64_t M, int64_t H, int64_t activation, float* logits,
-                          float* out, float* proj, int tid, int nt, SpinThenSleepBarrier& barrier, bool omp_barrier,
-                          int64_t& my_wait, bool int16) {
-    const int64_t count = E.router.size(0), k = E.top_k, I = E.inter;
-    const float* router = E.router.data_ptr<float>();
-    const auto [e0, e1] = share(count, tid, nt);
-    // eight running sums a logit, added up in one order at the end (a single chain of dependent
-    // adds took 4 cycles a weight: ~1 ms of a 16-layer OLMoE token)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t e = e0; e < e1; ++e) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        const float* a = h + m * H;
-        const float* w = router + e * H;
-        int64_t i = 0;
-        for (; i + 8 <= H; i += 8)
-          for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * w[i + j];
-        for (; i < H; ++i) acc[i % 8] += a[i] * w[i];
-        logits[m * count + e] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      }
-SYNC
-    // every thread picks the same experts: the top k of each row's softmax, lowest index first
-    // among equals, their probabilities renormalised where the family does; kept in expert order
-    std::vector<int64_t> chosen(M * k);
-    std::vector<float> weight(M * k), probs(count);
-    std::vector<std::vector<std::pair<int64_t, int64_t>>> rows_of(count);  // expert -> (row, slot)
-    for (int64_t m = 0; m < M; ++m) {
-      const float* lg = logits + m * count;
-      const float top = *std::max_element(lg, lg + count);
-      float sum = 0;
-      for (int64_t e = 0; e < count; ++e) sum += (probs[e] = std::exp(lg[e] - top));
-      std::vector<int64_t> order(count);
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                        [&](int64_t a, int64_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
-      std::sort(order.begin(), order.begin() + k);
-      float picked = 0;
-      for (int64_t j = 0; j < k; ++j) picked += probs[order[j]] / sum;
-      for (int64_t j = 0; j < k; ++j) {
-        const float p = probs[order[j]] / sum;
-        chosen[m * k + j] = order[j];
-        weight[m * k + j] = E.normalize ? p / picked : p;
-        rows_of[order[j]].emplace_back(m, j);
-      }
-    }
-    // experts to threads, most rows first, each to the thread with the fewest rows so far (ties:
-    // the lower thread): every thread makes the same plan; an expert's arithmetic does not
-    // depend on the thread that runs it
-    std::vector<int64_t> busy, load(nt, 0), mine;
-    for (int64_t e = 0; e < count; ++e)
-      if (!rows_of[e].empty()) busy.push_back(e);
-    std::stable_sort(busy.begin(), busy.end(), [&](int64_t a, int64_t b) { return rows_of[a].size() > rows_of[b].size(); });
-    for (const int64_t e : busy) {
-      const int t = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-      load[t] += static_cast<int64_t>(rows_of[e].size());
-      if (t == tid) mine.push_back(e);
-    }
-    std::vector<float> x, gu, act, y;
-    QuantizedActivations qa;
-    for (const int64_t e : mine) {
-      const int64_t r = static_cast<int64_t>(rows_of[e].size());
-      x.resize(r * H);
-      for (int64_t j = 0; j < r; ++j) std::memcpy(x.data() + j * H, h + rows_of[e][j].first * H, H * sizeof(float));
-      const Proj& P = E.gate_up[e];
-      gu.assign(r * 2 * I, 0.0f);
-      for (size_t i = 0; i < P.w.size(); ++i) {
-        const ActFormat* format = type_row(P.type[i]).act;
-        const QuantizedActivations* q = nullptr;
-        if (int16 && format != nullptr) {
-          qa.quantize(x.data(), r, H, *format);
-          q = &qa;
-        }
-        matvec_rows(x.data(), q, r, H, P.w[i], P.type[i], 0, P.w[i].size(0), gu.data() + P.first[i], P.rows);
-      }
-      act.resize(r * I);
-      for (int64_t j = 0; j < r; ++j) gated(gu.data() + j * 2 * I, gu.data() + j * 2 * I + I, act.data() + j * I, I, activation);
-      const ActFormat* format = type_row(E.down_type[e]).act;
-      const QuantizedActivations* q = nullptr;
-      if (int16 && format != nullptr) {
-        qa.quantize(act.data(), r, I, *format);
-        q = &qa;
-      }
-      y.resize(r * H);
-      matvec_rows(act.data(), q, r, I, E.down[e], E.down_type[e], 0, H, y.data());
-      for (int64_t j = 0; j < r; ++j) {
-        const auto [m, slot] = rows_of[e][j];
-        std::memcpy(out + (m * k + slot) * H, y.data() + j * H, H * sizeof(float));
-      }
-    }
-SYNC
-    const auto [c0, c1] = share(H, tid, nt);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t i = c0; i < c1; ++i) {
-        float acc = 0;
-        for (int64_t j = 0; j < k; ++j) acc += out[(m * k + j) * H + i] * weight[m * k + j];
-        proj[m * H + i] = acc;
-      }
-SYNC
-  }
 
   // Layers [first, last) for one decode token per row of x [M, H] (updated in place), then the
   // final RMSNorm when `final_norm` is given. KV caches [layers, blocks, block_size, kv_heads, D];

@@ -1,7 +1,7 @@
 // CPU kernels for GGUF block-quantised weights (the types of type_table.h), kept in the file's
 // own blocks, and the fused decode step of a Llama decoder stack: the torch ops and class. The
 // kernels live in headers this file alone includes (blocks.h -> types_*.h -> type_table.h ->
-// matvec.h -> decode_stack.h).
+// matvec.h -> stack_parts.h -> experts.h -> decode_stack.h).
 //
 // Why our own kernels (measured on the 2-core AVX2 machine, SmolLM2-135M, all matmuls of one
 // decode step): torch's int4 weight-only kernel takes 134 ms with fp32 activations and 10.8 ms

@@ -1,0 +1,82 @@
+// Parts of the fused decode step (decode_stack.h, experts.h): RMSNorm rows, the gated
+// activation, a projection of typed row ranges, and the barrier every thread of the step's
+// parallel region meets. Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/custom_class.h>
+
+#include "barrier.h"
+#include "matvec.h"
+#include "paged_attention.h"  // share(), exp_avx2()
+
+namespace tw {
+
+void rms_norm_rows(const float* x, const float* weight, float eps, int64_t M, int64_t H, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * H;
+    float ss = 0;
+    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+    for (int64_t i = 0; i < H; ++i) out[m * H + i] = weight[i] * (xr[i] * r);
+  }
+}
+
+// out = act(gate) * up for n values (a multiple of 8); act 0 = SiLU, 1 = GELU (tanh form)
+inline void gated(const float* gate, const float* up, float* out, int64_t n, int64_t act) {
+#ifdef TW_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    __m256 a;
+    if (act == 0) {
+      a = _mm256_div_ps(g, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    } else {  // 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3)
+      const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f),
+                                     _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+      a = _mm256_div_ps(g, _mm256_add_ps(one, exp_avx2(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u))));
+    }
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_loadu_ps(up + i)));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    const float u = 0.7978845608f * (g + 0.044715f * g * g * g);
+    out[i] = (act == 0 ? g / (1.0f + std::exp(-g)) : g / (1.0f + std::exp(-2.0f * u))) * up[i];
+  }
+#endif
+}
+
+// A projection's weight: row ranges stacked in order, each in its own block type. A K-quant
+// file mixes types inside one fused projection (Q4_K_M keeps v in Q6_K beside Q4_K q and k in
+// some layers); each range keeps the file's blocks rather than one type re-quantised for all.
+// In the description: `qkv`, `qkv@1`, `qkv@2`... with `qkv_type`, `qkv_type@1`...
+struct Proj {
+  std::vector<at::Tensor> w;
+  std::vector<int64_t> type, first;  // each range's block type and first output row
+  int64_t rows = 0;
+
+  static Proj from(const c10::Dict<std::string, at::Tensor>& t, const c10::Dict<std::string, int64_t>& n,
+                   const std::string& role, int64_t K) {
+    Proj p;
+    for (int i = 0;; ++i) {
+      const std::string suffix = i == 0 ? "" : "@" + std::to_string(i);
+      if (!t.contains(role + suffix)) break;
+      TORCH_CHECK(n.contains(role + "_type" + suffix), "layer description lacks ", role, "_type", suffix);
+      p.w.push_back(t.at(role + suffix));
+      p.type.push_back(n.at(role + "_type" + suffix));
+      check_weight(p.w.back(), p.type.back(), K);
+      p.first.push_back(p.rows);
+      p.rows += p.w.back().size(0);
+    }
+    TORCH_CHECK(!p.w.empty(), "layer description lacks ", role);
+    return p;
+  }
+};
+
+// every thread of the stack's parallel region waits here for the others (barrier.h; an OpenMP
+// barrier for A/B measurement only)
+#define SYNC if (omp_barrier) { _Pragma("omp barrier") } else my_wait += barrier.wait(nt);
+
+}  // namespace tw
