@@ -40,6 +40,19 @@ def _common(**kw: object) -> dict[str, object]:
     return base
 
 
+def _gemma3(**kw: object) -> Gemma3TextConfig:
+    """A tiny Gemma 3: head size 16, a window of 8, local layers at RoPE base 10k, global ones at
+    1M with linear scaling, the final soft-cap; `kw` its layers and query scale."""
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+    }
+    common = _common(
+        head_dim=16, sliding_window=8, final_logit_softcapping=15.0, rope_parameters=rope, pad_token_id=0
+    )
+    return Gemma3TextConfig(**{**common, **kw})
+
+
 TINY_CONFIGS: dict[str, PretrainedConfig] = {
     "llama2": LlamaConfig(**_common(rope_theta=10000.0)),
     "llama3": LlamaConfig(
@@ -70,21 +83,11 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
     # Phi-3's fused checkpoint tensors and LongRoPE (past its original 16 positions: long factors)
     "qwen3": Qwen3Config(**_common(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     "smollm3": SmolLM3Config(**_common(num_hidden_layers=4, pad_token_id=None, no_rope_layer_interval=4)),
-    "gemma3": Gemma3TextConfig(
-        **_common(
-            num_hidden_layers=4,
-            head_dim=16,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            sliding_window=8,
-            query_pre_attn_scalar=24,
-            attn_logit_softcapping=20.0,
-            final_logit_softcapping=15.0,
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
-            },
-            pad_token_id=0,
-        )
+    "gemma3": _gemma3(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=20.0,
     ),
     # as a GGUF can hold them: llama.cpp runs Qwen3 without a window and Qwen3-MoE with experts
     # in every layer, fixes Gemma 3's every sixth layer global and scales its q.k by head_dim^-1/2
@@ -93,20 +96,10 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
     "qwen3_moe_gguf": Qwen3MoeConfig(
         **_common(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     ),
-    "gemma3_gguf": Gemma3TextConfig(
-        **_common(
-            num_hidden_layers=6,
-            head_dim=16,
-            layer_types=["sliding_attention"] * 5 + ["full_attention"],
-            sliding_window=8,
-            query_pre_attn_scalar=16,
-            final_logit_softcapping=15.0,
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
-            },
-            pad_token_id=0,
-        )
+    "gemma3_gguf": _gemma3(
+        num_hidden_layers=6,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        query_pre_attn_scalar=16,
     ),
     # mixtures of experts: Mixtral's renormalised top-k, Qwen3-MoE's with a dense layer among
     # them (mlp_only_layers), OLMoE's raw top-k weights and q/k norms over whole projections

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent
+from tokenwire.engine.session import common_prefix
 from tokenwire.engine.speculation import Speculator
 
 if TYPE_CHECKING:
@@ -61,12 +62,8 @@ class DraftSpeculator(Speculator):
             return []
         if len(tokens) + count > self.draft.max_model_len:
             return []  # past the draft's context: no guesses
-        common = 0
-        for a, b in zip(self._held, tokens, strict=False):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(tokens) - 1)  # the last token is fed: its logits give the first guess
+        # the last token is fed again whatever is kept: its logits give the first guess
+        common = min(common_prefix(self._held, tokens), len(tokens) - 1)
         opts = GenerateOptions(max_tokens=count, sampling=_GREEDY, ignore_eos=True, speculate=False)
         try:
             if self._session is None:

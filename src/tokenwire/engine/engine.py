@@ -207,22 +207,20 @@ class Engine(EngineAPI):
         budget = kv_cache_mb * 2**20
         windows = _kept_windows(module)
         n_windowed = sum(w is not None for w in windows)
-        if not n_windowed or n_windowed == config.num_layers:
-            per_block = KVCache.bytes_per_block(config, block_size, stored)
-            num_blocks = max(2, int(budget // per_block))
-            kv = KVCache(config, num_blocks, block_size, stored, module.device)
-            context = min(max_model_len or module.max_positions, module.max_positions)
-            return _Loaded(module, kv, context, num_blocks * per_block / 2**20)
-        # windowed layers in a pool of their own: between steps a sequence holds at most the
-        # blocks its window spans there, and a step adds its positions. The pool gets what every
-        # running sequence could hold at once (or, if smaller, the share a pool for all layers
-        # would give them) and the full-context layers the rest of the budget.
+        if n_windowed == config.num_layers:  # every layer windowed: one pool (KVCache)
+            n_windowed = 0
         full = KVCache.bytes_per_block(config, block_size, stored, config.num_layers - n_windowed)
         local = KVCache.bytes_per_block(config, block_size, stored, n_windowed)
-        widest = max(w for w in windows if w is not None)
-        spans = -(-(widest - 1) // block_size) + 2
-        most = max_running * spans + -(-max_batch_tokens // block_size)
-        window_blocks = max(2, min(int(budget // (full + local)), most))
+        window_blocks = 0
+        if n_windowed:
+            # windowed layers in a pool of their own: between steps a sequence holds at most the
+            # blocks its window spans there, and a step adds its positions. The pool gets what
+            # every running sequence could hold at once (or, if smaller, the share a pool for all
+            # layers would give them) and the full-context layers the rest of the budget.
+            widest = max(w for w in windows if w is not None)
+            spans = -(-(widest - 1) // block_size) + 2
+            most = max_running * spans + -(-max_batch_tokens // block_size)
+            window_blocks = max(2, min(int(budget // (full + local)), most))
         num_blocks = max(2, int((budget - window_blocks * local) // full))
         kv = KVCache(config, num_blocks, block_size, stored, module.device, windows, window_blocks)
         context = min(max_model_len or module.max_positions, module.max_positions)
@@ -610,7 +608,7 @@ class Engine(EngineAPI):
         pool = self.kv.window_pool
         if pool is None:
             return {}
-        held = sum(1 for count in pool.allocator.refcount if count > 0)
+        held = pool.num_blocks - pool.allocator.num_available  # free and cached-unheld: available
         return {"kv_window": self.kv.window, "kv_window_blocks_total": pool.num_blocks,
                 "kv_window_blocks_held": held, "kv_window_cache_hits": pool.allocator.hits}  # fmt: skip
 

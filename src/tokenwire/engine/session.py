@@ -15,12 +15,23 @@ keys depend on the ones before it.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from tokenwire.engine.kv_cache import ROOT_HASH, BlockAllocator, KVCache, KVPool, block_hash
 from tokenwire.engine.vision import block_key
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token lists share (what a session keeps of a new one)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Ttl(Enum):
@@ -69,26 +80,24 @@ class Session:
         del self.tokens[length:]
         self.images = [b for b in self.images if b.end <= length]  # the engine refuses splits
         self.num_computed = min(self.num_computed, length)
-        hashes = list(self.full_hashes)
         self._drop_blocks_after(length, kv)
-        self._restore_window(kv, hashes)
 
     def uncompute_from(self, position: int, kv: KVCache) -> None:
         """Forget the KV of positions >= position so they are computed again (for logits)."""
         if position < self.num_computed:
             self.num_computed = position
-            hashes = list(self.full_hashes)
             self._drop_blocks_after(position, kv)
-            self._restore_window(kv, hashes)
 
     def _drop_blocks_after(self, length: int, kv: KVCache) -> None:
+        """Blocks past `length` released; then the window blocks the new end reaches taken back."""
         keep = -(-length // kv.block_size)
         for block in self.block_table[keep:]:
             kv.allocator.decref(block)
         del self.block_table[keep:]
         self._let_go(self.window_table[keep:], kv)
         del self.window_table[keep:]
-        del self.full_hashes[length // kv.block_size :]
+        hashes, self.full_hashes = self.full_hashes, self.full_hashes[: length // kv.block_size]
+        self._restore_window(kv, hashes)
 
     def _restore_window(self, kv: KVCache, hashes: list[bytes]) -> None:
         """Take back from the prefix cache the window blocks a query at num_computed reaches
@@ -211,10 +220,9 @@ class Session:
     def blocks_needed(self, end: int, kv: KVCache) -> tuple[int, int]:
         """Upper bounds on the fresh blocks reserve(end) takes: from the full-context pool and
         from the window pool (0 where there is none)."""
-        needed = [self._needed(self.block_table, kv.allocator, end, kv.block_size)]
-        if kv.window_pool is not None:
-            return needed[0], self._needed(self.window_table, kv.window_pool.allocator, end, kv.block_size)
-        return needed[0], 0
+        bs, pool = kv.block_size, kv.window_pool
+        full = self._needed(self.block_table, kv.allocator, end, bs)
+        return full, 0 if pool is None else self._needed(self.window_table, pool.allocator, end, bs)
 
     def blocks_held(self, kv: KVCache) -> tuple[int, int]:
         """Blocks this session would give back (an upper bound: shared ones count too)."""

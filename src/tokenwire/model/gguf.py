@@ -51,33 +51,23 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def open_gguf(path: Path) -> GgufHeader:
-    return read_header(path)
-
-
 def gguf_meta(header: GgufHeader) -> GgufMeta:
     """The file's metadata and tensor shapes (no weight data is read)."""
     shapes = {name: t.shape for name, t in header.tensors.items()}
-    return GgufMeta(str(header.fields.get("general.architecture")), header.fields, shapes, header.values)
+    arch = str(header.fields.get("general.architecture"))
+    return GgufMeta(arch, header.fields, shapes, header.values, header.path)
 
 
 def gguf_to_hf_config(reader: GgufHeader, path: Path | str = "<gguf>") -> dict[str, Any]:
     """config.json contents for a GGUF file (metadata only; no weight data is read)."""
     info = gguf_meta(reader)
-    meta, arch = info.fields, info.arch
+    meta = info.fields
     family = gguf_family(info, path)
     assert family.gguf is not None
     model_type = family.gguf.model_type
     hf_arch = next(a for a, t in family.architectures.items() if t == model_type)
     tensors = set(info.shapes)
-
-    def get(key: str, default: Any = None) -> Any:
-        return info.get(key, default)
-
-    def need(key: str) -> int:
-        if f"{arch}.{key}" not in meta:
-            raise ValueError(f"GGUF file {path} lacks metadata {arch}.{key}")
-        return int(meta[f"{arch}.{key}"])
+    get, need = info.get, info.need
 
     if "tokenizer.ggml.tokens" not in reader.lengths:
         raise ValueError(f"GGUF file {path} has no tokenizer (tokenizer.ggml.tokens)")
@@ -222,7 +212,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Mo
     """Write config.json, generation_config.json and tokenizer files for `gguf_path` into
     `out_dir` (no tensor data is read). Returns the parsed ModelConfig."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = open_gguf(gguf_path)
+    reader = read_header(gguf_path)
     config = gguf_to_hf_config(reader, gguf_path)
     try:
         model_config = read_config(config)

@@ -29,8 +29,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from tokenwire.model import kernels, weight_types
 from tokenwire.model.config import ModelConfig
-from tokenwire.model.gguf import gguf_family, gguf_meta, hf_tensor_name, open_gguf, unpermute_rope_rows
-from tokenwire.model.gguf_header import TensorInfo
+from tokenwire.model.gguf import gguf_family, gguf_meta, hf_tensor_name, unpermute_rope_rows
+from tokenwire.model.gguf_header import TensorInfo, read_header
 from tokenwire.model.quant import dequantize
 
 _FLOATS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F64: np.float64}
@@ -54,7 +54,7 @@ class GgufTensor(TensorInfo):
 class GgufWeights(Mapping[str, torch.Tensor]):
     def __init__(self, path: Path, config: ModelConfig, *, dense: bool = False) -> None:
         self.path = Path(path)
-        header = open_gguf(self.path)
+        header = read_header(self.path)
         names = gguf_family(gguf_meta(header), path).gguf
         assert names is not None
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,8 @@ GGUF_LAYER_NAMES = {
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+# the per-head (Qwen3, Gemma 3) or whole-projection (OLMoE) q/k norms
+GGUF_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 # a mixture of experts' router and stacked experts ([experts, rows, cols], one expert's rows
 # after another's), each expert's slice read as the per-expert tensor it was stacked from
 GGUF_EXPERT_NAMES = {
@@ -52,6 +55,7 @@ class GgufMeta:
     fields: dict[str, Any]
     shapes: dict[str, tuple[int, ...]]
     values: Callable[[str], np.ndarray]  # a tensor's values as float32 (rope factors, not weights)
+    path: Path | str = "<gguf>"
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(f"{self.arch}.{key}", default)
@@ -60,7 +64,9 @@ class GgufMeta:
         """An integer the family cannot do without; a file lacking it is refused by name."""
         value = self.fields.get(f"{self.arch}.{key}")
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"GGUF metadata {self.arch}.{key} is missing or not an integer: {value!r}")
+            raise ValueError(
+                f"GGUF file {self.path}: metadata {self.arch}.{key} is missing or not an integer: {value!r}"
+            )
         return value
 
     def layers_with(self, kind: str) -> list[int]:

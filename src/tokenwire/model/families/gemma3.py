@@ -10,6 +10,7 @@ from typing import Any
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
 from tokenwire.model.families.base import (
     GGUF_LAYER_NAMES,
+    GGUF_QK_NORM_NAMES,
     Family,
     GgufMeta,
     GgufNames,
@@ -117,7 +118,7 @@ GGUF = GgufNames(
     layer={
         **GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-        "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+        **GGUF_QK_NORM_NAMES,
     },
     config=gguf_config,
 )  # fmt: skip

@@ -9,6 +9,8 @@ from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError, co
 from tokenwire.model.families import experts
 from tokenwire.model.families.base import (
     GGUF_EXPERT_NAMES,
+    GGUF_LAYER_NAMES,
+    GGUF_QK_NORM_NAMES,
     Family,
     GgufMeta,
     GgufNames,
@@ -16,7 +18,6 @@ from tokenwire.model.families.base import (
     llama_names,
     qk_norm_names,
 )
-from tokenwire.model.families.qwen3 import GGUF as QWEN3_GGUF
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.weights import WeightNames
 
@@ -55,9 +56,10 @@ def gguf_config(meta: GgufMeta) -> dict[str, object]:
     return {**entries, "intermediate_size": entries.pop("moe_intermediate_size")}
 
 
-# the q/k norms (over whole projections here) under Qwen3's names, experts stacked; rows as they are
+# the q/k norms (over whole projections here), experts stacked; rows as they are
 GGUF = GgufNames(
-    "olmoe", "olmoe", permuted_qk=False, layer={**QWEN3_GGUF.layer, **GGUF_EXPERT_NAMES}, experts=True,
+    "olmoe", "olmoe", permuted_qk=False, experts=True,
+    layer={**GGUF_LAYER_NAMES, **GGUF_QK_NORM_NAMES, **GGUF_EXPERT_NAMES},
     config=gguf_config,
 )  # fmt: skip
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.families.base import (
     GGUF_LAYER_NAMES,
+    GGUF_QK_NORM_NAMES,
     Family,
     GgufNames,
     llama_layer,
@@ -29,7 +30,7 @@ def weight_names(config: ModelConfig) -> WeightNames:
 # attn_q_norm / attn_k_norm
 GGUF = GgufNames(
     "qwen3", "qwen3", permuted_qk=False,
-    layer={**GGUF_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    layer={**GGUF_LAYER_NAMES, **GGUF_QK_NORM_NAMES},
 )  # fmt: skip
 
 FAMILY = Family(

@@ -7,6 +7,8 @@ from tokenwire.model.config import ModelConfig
 from tokenwire.model.families import experts
 from tokenwire.model.families.base import (
     GGUF_EXPERT_NAMES,
+    GGUF_LAYER_NAMES,
+    GGUF_QK_NORM_NAMES,
     Family,
     GgufNames,
     llama_layer,
@@ -14,7 +16,6 @@ from tokenwire.model.families.base import (
     qk_norm_names,
     sliding_windows,
 )
-from tokenwire.model.families.qwen3 import GGUF as QWEN3_GGUF
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.weights import WeightNames
 
@@ -47,7 +48,8 @@ def weight_names(config: ModelConfig) -> WeightNames:
 
 # Qwen3's names plus stacked experts; llama.cpp renormalises Qwen3-MoE's top-k weights
 GGUF = GgufNames(
-    "qwen3moe", "qwen3_moe", permuted_qk=False, layer={**QWEN3_GGUF.layer, **GGUF_EXPERT_NAMES}, experts=True,
+    "qwen3moe", "qwen3_moe", permuted_qk=False, experts=True,
+    layer={**GGUF_LAYER_NAMES, **GGUF_QK_NORM_NAMES, **GGUF_EXPERT_NAMES},
     config=lambda meta: experts.gguf_config(meta, normalize=True),
 )  # fmt: skip
 

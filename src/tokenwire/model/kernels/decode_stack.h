@@ -215,38 +215,13 @@ struct DecodeStack : torch::CustomClassHolder {
       std::vector<float> resid(xp, xp + M * H), h(M * H), rotated(D), whole_norm(2 * M);
       PagedAttention::Thread attn_thread;
       QuantizedActivations qa;  // this thread's copy of the current matvec input
-      auto quantize = [&](const float* in, int64_t K, int64_t qtype) -> const QuantizedActivations* {
-        const ActFormat* format = type_row(qtype).act;
-        if (!int16 || format == nullptr) return nullptr;
-        qa.quantize(in, M, K, *format);
-        return &qa;
-      };
-      // rows [n0, n1) of a stacked projection, each range by its own type (its activations
-      // quantised once per format in a row)
-      auto proj_rows = [&](const float* in, int64_t K, const Proj& P, std::initializer_list<std::pair<int64_t, int64_t>> ranges,
-                           float* out) {
-        const QuantizedActivations* q = nullptr;
-        const ActFormat* quantized_as = nullptr;
-        for (size_t i = 0; i < P.w.size(); ++i) {
-          const int64_t r0 = P.first[i], r1 = r0 + P.w[i].size(0);
-          const ActFormat* format = type_row(P.type[i]).act;
-          if (format != quantized_as || q == nullptr) {
-            q = quantize(in, K, P.type[i]);
-            quantized_as = format;
-          }
-          for (const auto& [n0, n1] : ranges) {
-            const int64_t a = std::max(n0, r0), b = std::min(n1, r1);
-            if (a < b) matvec_rows(in, q, M, K, P.w[i], P.type[i], a - r0, b - r0, out + r0, P.rows);
-          }
-        }
-      };
       const auto [s0, s1] = share(slices, tid, nt);                          // q/k/v head slices
       const auto [o0, o1] = share(H, tid, nt);                               // o and down rows
       for (int64_t l = first; l < last; ++l) {
         const StackLayer& L = layers[l];
         const KvCacheView kc = kv_view(k_cache, k_scale, l), vc = kv_view(v_cache, v_scale, l);
         rms_norm_rows(resid.data(), L.attn_norm.data_ptr<float>(), L.eps, M, H, h.data());
-        proj_rows(h.data(), H, L.qkv, {{s0 * D, s1 * D}}, qkv.data());
+        proj_rows(h.data(), M, H, L.qkv, {{s0 * D, s1 * D}}, qkv.data(), int16, qa);
         if (L.qk_norm_whole) {  // each row's whole q and k: every thread's slices written, read
 SYNC
           for (int64_t m = 0; m < M; ++m)
@@ -298,7 +273,8 @@ SYNC
           paged.merge(attn_thread, attn.data(), tid, nt);
         }
 SYNC
-        matvec_rows(attn.data(), quantize(attn.data(), q_size, L.o_type), M, q_size, L.o, L.o_type, o0, o1, proj.data());
+        matvec_rows(attn.data(), quantized_for(attn.data(), M, q_size, L.o_type, int16, qa), M, q_size, L.o, L.o_type, o0,
+                    o1, proj.data());
 SYNC
         for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
         rms_norm_rows(resid.data(), L.mlp_norm.data_ptr<float>(), L.eps, M, H, h.data());
@@ -310,7 +286,8 @@ SYNC
         }
         const int64_t ab = swiglu_blocks[l - first];
         const auto [g0, g1] = share(inter / ab, tid, nt);  // gate/up rows in blocks of down's format
-        proj_rows(h.data(), H, L.gate_up, {{g0 * ab, g1 * ab}, {inter + g0 * ab, inter + g1 * ab}}, gu.data());
+        proj_rows(h.data(), M, H, L.gate_up, {{g0 * ab, g1 * ab}, {inter + g0 * ab, inter + g1 * ab}}, gu.data(), int16,
+                  qa);
         QuantizedActivations* down_q = int16 ? down_in[l - first] : nullptr;
         for (int64_t m = 0; m < M; ++m)
           for (int64_t b = g0; b < g1; ++b) {  // the gated activation of this thread's gate/up rows

@@ -93,26 +93,12 @@ SYNC
     const int64_t r = static_cast<int64_t>(rows_of[e].size());
     x.resize(r * H);
     for (int64_t j = 0; j < r; ++j) std::memcpy(x.data() + j * H, h + rows_of[e][j].first * H, H * sizeof(float));
-    const Proj& P = E.gate_up[e];
-    gu.assign(r * 2 * I, 0.0f);
-    for (size_t i = 0; i < P.w.size(); ++i) {
-      const ActFormat* format = type_row(P.type[i]).act;
-      const QuantizedActivations* q = nullptr;
-      if (int16 && format != nullptr) {
-        qa.quantize(x.data(), r, H, *format);
-        q = &qa;
-      }
-      matvec_rows(x.data(), q, r, H, P.w[i], P.type[i], 0, P.w[i].size(0), gu.data() + P.first[i], P.rows);
-    }
+    gu.resize(r * 2 * I);
+    proj_rows(x.data(), r, H, E.gate_up[e], {{0, 2 * I}}, gu.data(), int16, qa);
     act.resize(r * I);
     for (int64_t j = 0; j < r; ++j) gated(gu.data() + j * 2 * I, gu.data() + j * 2 * I + I, act.data() + j * I, I, activation);
-    const ActFormat* format = type_row(E.down_type[e]).act;
-    const QuantizedActivations* q = nullptr;
-    if (int16 && format != nullptr) {
-      qa.quantize(act.data(), r, I, *format);
-      q = &qa;
-    }
     y.resize(r * H);
+    const QuantizedActivations* q = quantized_for(act.data(), r, I, E.down_type[e], int16, qa);
     matvec_rows(act.data(), q, r, I, E.down[e], E.down_type[e], 0, H, y.data());
     for (int64_t j = 0; j < r; ++j) {
       const auto [m, slot] = rows_of[e][j];

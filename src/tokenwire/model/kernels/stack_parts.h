@@ -7,6 +7,10 @@
 #include <omp.h>
 #include <torch/custom_class.h>
 
+#include <algorithm>
+#include <initializer_list>
+#include <utility>
+
 #include "barrier.h"
 #include "matvec.h"
 #include "paged_attention.h"  // share(), exp_avx2()
@@ -74,6 +78,37 @@ struct Proj {
     return p;
   }
 };
+
+// `in` [M, K] quantised into `qa` for a weight of `qtype`; nullptr where that type multiplies
+// float activations (or int16 activations are off)
+inline const QuantizedActivations* quantized_for(const float* in, int64_t M, int64_t K, int64_t qtype, bool int16,
+                                                 QuantizedActivations& qa) {
+  const ActFormat* format = type_row(qtype).act;
+  if (!int16 || format == nullptr) return nullptr;
+  qa.quantize(in, M, K, *format);
+  return &qa;
+}
+
+// rows [n0, n1) of each range of a stacked projection, each part by its own type (the
+// activations quantised once per format in a row, into `qa`)
+inline void proj_rows(const float* in, int64_t M, int64_t K, const Proj& P,
+                      std::initializer_list<std::pair<int64_t, int64_t>> ranges, float* out, bool int16,
+                      QuantizedActivations& qa) {
+  const QuantizedActivations* q = nullptr;
+  const ActFormat* quantized_as = nullptr;
+  for (size_t i = 0; i < P.w.size(); ++i) {
+    const int64_t r0 = P.first[i], r1 = r0 + P.w[i].size(0);
+    const ActFormat* format = type_row(P.type[i]).act;
+    if (format != quantized_as || q == nullptr) {
+      q = quantized_for(in, M, K, P.type[i], int16, qa);
+      quantized_as = format;
+    }
+    for (const auto& [n0, n1] : ranges) {
+      const int64_t a = std::max(n0, r0), b = std::min(n1, r1);
+      if (a < b) matvec_rows(in, q, M, K, P.w[i], P.type[i], a - r0, b - r0, out + r0, P.rows);
+    }
+  }
+}
 
 // every thread of the stack's parallel region waits here for the others (barrier.h; an OpenMP
 // barrier for A/B measurement only)

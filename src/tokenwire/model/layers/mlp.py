@@ -59,10 +59,6 @@ class MixtureOfExperts(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
-        if x.shape[0] == 1:  # one token (a decode step): its experts in the same order, no grouping
-            for w, e in sorted(zip(weights[0], chosen[0].tolist(), strict=True), key=lambda pair: pair[1]):
-                out.add_(self.experts[e](x) * w)
-            return out
         for e in chosen.unique().tolist():  # only the experts some token was routed to
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])

@@ -14,15 +14,8 @@ from dataclasses import dataclass
 from tokenwire.engine.api import EngineAPI
 from tokenwire.engine.errors import SessionNotFoundError
 from tokenwire.engine.request import FinishEvent, GenerateOptions, RequestHandle, stream_events
+from tokenwire.engine.session import common_prefix
 from tokenwire.engine.vision import ImageInput
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass

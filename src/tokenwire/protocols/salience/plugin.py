@@ -42,15 +42,6 @@ def register_cli(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.set_defaults(handler=run_chat)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _format(text: str, logprob: float | None, color: bool) -> str:
     if logprob is None:
         return text
@@ -68,6 +59,7 @@ def run_chat(args: argparse.Namespace) -> int:
         print(f"tokenwire salience: {problem}", file=sys.stderr)
         return 1
     # local: the loader imports torch and grpc the client; only `tokenwire salience` needs them
+    from tokenwire.engine.session import common_prefix
     from tokenwire.model.loader import resolve_model
     from tokenwire.protocols.salience.client import Client
     from tokenwire.protocols.salience.client_session import SalienceError
