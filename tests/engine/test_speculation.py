@@ -15,7 +15,6 @@ from tests.tiny_models import hf_model
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.grammar import GrammarConstraint
 from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
-from tokenwire.engine.sampler import sample
 from tokenwire.engine.speculation import Speculator, StepCost
 from tokenwire.model.families import build_model, read_config
 from tokenwire.model.layers.weights import quantize_state
@@ -213,21 +212,24 @@ def test_a_request_cancelled_mid_verification_frees_every_block(tiny, tokenizer)
         engine.shutdown()
 
 
-def test_sampling_against_a_guess_keeps_the_distribution() -> None:
-    """Rejection sampling with a point-mass draft: the draws' histogram against the model's
-    probabilities, chi-square with 7 degrees of freedom under 24.3 (p = 0.001) at a fixed seed,
-    for a likely guess and an unlikely one."""
-    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
-    params = SamplingParams(temperature=0.8)
-    p = torch.softmax(logits / 0.8, -1)
-    n = 20000
-    for guess in (0, 5):
-        gen = torch.Generator().manual_seed(guess)
-        counts = torch.bincount(
-            torch.tensor([sample(logits, params, gen, guess) for _ in range(n)]), minlength=8
-        )
-        chi2 = float((((counts - n * p) ** 2) / (n * p)).sum())
-        assert chi2 < 24.3, (guess, counts.tolist(), chi2)
+def test_seeded_sampling_gives_the_tokens_of_a_run_without_guesses(tiny, tokenizer, monkeypatch) -> None:
+    """The token at a guessed row is drawn as a one-token step draws it (sampler.sample), so a
+    seeded request's tokens and logprobs do not depend on what was guessed or kept."""
+    on, off = _pair(tiny, tokenizer)
+    try:
+        prompt = rand_tokens(20, 9)
+        for seed in range(4):
+            sampling = SamplingParams(temperature=0.8, seed=seed)
+            sid = off.create_session()
+            alone = _run(off, sid, prompt, sampling=sampling)
+            guesses = off.session_tokens(sid)  # what that run drew: guessed, every third one wrong
+            monkeypatch.setattr("tokenwire.engine.engine.Speculator", lambda g=guesses: _HalfRightGuesses(g))
+            assert _run(on, None, prompt, sampling=sampling) == alone
+        stats = on.stats()
+        assert stats["spec_proposed"] > stats["spec_accepted"] > 10
+    finally:
+        on.shutdown()
+        off.shutdown()
 
 
 class _FixedGuesses(Speculator):
@@ -319,4 +321,76 @@ def test_smollm2_copies_a_text_with_guesses_and_the_same_bits(smollm2_engine) ->
         assert _run(engine, None, prompt, max_tokens=48) == _run(off, None, prompt, max_tokens=48)
         assert engine.stats()["spec_accepted"] - before >= 20
     finally:
+        off.shutdown()
+
+
+def test_a_grammar_cuts_the_guesses_it_refuses_and_adds_the_span_it_forces(tokenizer) -> None:
+    """GrammarConstraint.speculation: a guess the grammar forbids is never run (the guesses stop
+    before it), and after the ones it allows comes the span it would force there."""
+    pattern = r"The answer is [0-9]+, as the table shows\."
+    constraint = GrammarConstraint.regex(tokenizer.hf, 49152, pattern)
+    opening = constraint.next_step().force
+    assert constraint.speculation([], 20) == (0, opening)  # forced now: run as the guesses
+    for token in opening:
+        constraint.on_token(token)
+    assert constraint.speculation([], 20) == (0, [])  # the digits are the model's to pick
+    digits = tokenizer.encode("42,")
+    allowed, forced = constraint.speculation(digits, 20)
+    assert allowed == len(digits)
+    assert forced and " as the table shows.".startswith(tokenizer.decode(forced))
+    assert constraint.speculation(digits, len(digits) + 1) == (len(digits), forced[:1])
+    refused = tokenizer.encode("4") + tokenizer.encode("x") + tokenizer.encode("2")
+    assert constraint.speculation(refused, 20) == (1, [])  # the guesses stop before "x"
+    assert constraint.speculation(digits, 20) == (allowed, forced)  # its own state untouched
+
+
+def test_a_forced_span_rides_in_the_forward_of_the_token_before_it(tiny, tokenizer, monkeypatch) -> None:
+    """With no prompt-lookup guess at all, a grammar's forced spans run as guesses after the
+    token before them: fewer steps, every one kept, the same tokens and logprobs."""
+    monkeypatch.setattr("tokenwire.engine.engine.Speculator", lambda: _FixedGuesses([]))
+    on, off = _pair(tiny, tokenizer)
+    try:
+        pattern = r"(item [0-9]: the value is fixed here\. ){3}"
+        runs, steps = [], []
+        for engine in (on, off):
+            constraint = GrammarConstraint.regex(tokenizer.hf, engine.logits_size, pattern)
+            before = engine.steps
+            runs.append(_run(engine, None, rand_tokens(12, 5), constraint=constraint, max_tokens=60))
+            steps.append(engine.steps - before)
+        assert runs[0] == runs[1]
+        stats = on.stats()
+        assert stats["spec_proposed"] == stats["spec_accepted"] > 10
+        assert steps[0] < steps[1], steps
+    finally:
+        on.shutdown()
+        off.shutdown()
+
+
+def test_readouts_with_guesses_are_the_bits_of_one_token_a_step(tiny, tokenizer) -> None:
+    """Readouts (hidden states projected on concepts) of prompt and generated positions, with
+    tokens and logprobs, bit for bit with and without guesses; guesses kept along the way."""
+    from tokenwire.engine.concepts import ConceptSet
+
+    hidden = tiny.config.hidden_size
+    concepts = ConceptSet(
+        ["a", "b"], [0, 2], torch.randn(2, 2, hidden, generator=torch.Generator().manual_seed(3))
+    )
+    on, off = _pair(tiny, tokenizer, concepts=concepts)
+    try:
+        prompt = rand_tokens(30, 3) * 3
+        opts = {"max_tokens": 40, "ignore_eos": True, "sampling": GREEDY, "logprobs": True}
+        results = []
+        for engine in (on, off):
+            ranges = [(70, 90), (95, 200)]  # a stretch of the prompt, then generated positions with a gap
+            events, _ = engine.generate(None, prompt, GenerateOptions(**opts, readout_ranges=ranges)).result()
+            results.append([(e.position, e.token_id, e.logprob, e.readout) for e in events])
+        assert [r[:3] for r in results[0]] == [r[:3] for r in results[1]]
+        positions = [r[0] for r in results[0] if r[3] is not None]
+        assert positions == [*range(70, 90), *range(95, 130)]  # 90 prompt positions, 40 generated
+        for mine, theirs in zip(results[0], results[1], strict=True):
+            assert (mine[3] is None) == (theirs[3] is None)
+            assert mine[3] is None or torch.equal(mine[3], theirs[3])
+        assert on.stats()["spec_accepted"] > 10
+    finally:
+        on.shutdown()
         off.shutdown()

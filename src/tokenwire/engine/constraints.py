@@ -67,6 +67,14 @@ class Constraint(ABC):
     def on_token(self, token: int) -> None:
         """Called for every token appended after :meth:`start`, sampled or forced, in order."""
 
+    def speculation(self, guesses: list[int], limit: int) -> tuple[int, list[int]]:
+        """For a step that runs guesses of the next tokens (engine/speculation.py): how many of
+        `guesses` to run, and the tokens this constraint would force after them, run as further
+        guesses (kept where it does force them); at most `limit` tokens in all. By default every
+        guess runs and verification asks next_step() at each row; a constraint that can look
+        ahead cuts the guesses it would refuse, so they are never proposed."""
+        return min(len(guesses), limit), []
+
     def on_backtrack(self, n: int) -> None:
         """The engine dropped the ``n`` most recent tokens (after this constraint asked for it).
 

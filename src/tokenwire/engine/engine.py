@@ -405,12 +405,12 @@ class Engine(EngineAPI):
 
     def _speculates(self, options: GenerateOptions) -> bool:
         """Prompt-lookup guesses (engine/speculation.py) need every step to run one arithmetic
-        (the fused stack: a guess's row then gives a one-token step's bits) and no readouts."""
+        (the fused stack: a guess's row then gives a one-token step's bits; cut where readouts
+        are captured, each layer's arithmetic is the same)."""
         return (
             self.speculate != "off"
             and options.speculate
             and options.max_tokens > 1
-            and not options.readout_ranges
             and getattr(self.model, "can_fuse_decode", False)
         )
 

@@ -209,6 +209,21 @@ class GrammarConstraint(Constraint):
             )
         self._recorded.append(not (was_stopped and token in self._eos))
 
+    def speculation(self, guesses: list[int], limit: int) -> tuple[int, list[int]]:
+        """The guesses the grammar allows from here, then the span it forces after them (a
+        JSON schema's next key, a regex's literal): the forced span runs in the same forward
+        as the tokens before it instead of a step of its own."""
+        m = self._matcher
+        if m.is_stopped() or m.is_error():
+            return 0, []
+        allowed = m.validate_tokens(guesses[:limit]) if guesses else 0
+        if allowed == 0:
+            return 0, list(m.compute_ff_tokens())[:limit]
+        ahead = m.deep_copy()  # the state after the guesses, without touching this one's
+        if not ahead.consume_tokens(guesses[:allowed]):
+            return allowed, []
+        return allowed, list(ahead.compute_ff_tokens())[: limit - allowed]
+
     def on_backtrack(self, n: int) -> None:
         if n < 0 or n > len(self._recorded):
             raise ConstraintError(f"cannot backtrack {n} tokens: only {len(self._recorded)} were generated")

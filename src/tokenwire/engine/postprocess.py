@@ -79,14 +79,11 @@ def _readout(ctx: StepContext, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _after_item(ctx: StepContext, item: StepItem, output: StepOutput, out: Outcome) -> None:
-    if item.draft:
-        _verify(ctx, item, output, out)
-        return
     request = item.request
     opts = request.options
     session = request.session
     rid = request.id
-    end = item.start + item.count
+    end = item.start + item.count - len(item.draft)  # the guesses, if any, come after this
     session.computed(end, ctx.kv)
     positions = request.positions
     for q in item.rows.prompt_logprobs:
@@ -99,40 +96,61 @@ def _after_item(ctx: StepContext, item: StepItem, output: StepOutput, out: Outco
         logprob, top = done.logprob or (None, None)
         readout = _readout(ctx, output.hidden[(rid, p)]) if done.readout else None
         out.events.append(TokenEvent(session.tokens[p], p, True, logprob, top, readout))
-    for event in positions.generated_done(end):
-        event.readout = _readout(ctx, output.hidden[(rid, event.position)])
-        out.events.append(event)
+    _readouts_done(ctx, request, output, end, out)
     if end < len(session.tokens):
         return  # more of the prompt (or of forced tokens) still to compute
-    if positions.finish_after_readouts is not None:
-        reason, detail = positions.finish_after_readouts
-        out.finish = Finish(reason, detail=detail)
+    if _finish_after_readouts(request, out):
         return
-    _next_token(ctx, request, output.logits[(rid, end - 1)], output.stats.get((rid, end - 1)), out)
+    if item.draft:
+        _verify(ctx, item, output, out, end - 1)
+    else:
+        _next_token(ctx, request, output.logits[(rid, end - 1)], output.stats.get((rid, end - 1)), out)
 
 
-def _verify(ctx: StepContext, item: StepItem, output: StepOutput, out: Outcome) -> None:
-    """A step that ran guesses after the last token (engine/speculation.py): each row is
-    sampled as a one-token step would sample it; while the token picked is the guess run after
-    it, that guess's KV (computed in this step at the right position) is kept and the next row
-    is read. The first other token, or the one after every guess, is appended like any sampled
-    token; the KV of the rows after it is not marked computed and the next step overwrites it."""
-    request, session = item.request, item.request.session
-    start, rid = item.start, request.id
-    session.computed(start + 1, ctx.kv)
-    accepted = 0
-    for i in range(len(item.draft) + 1):
-        row = start + i
-        guess = item.draft[i] if i < len(item.draft) else None
+def _readouts_done(ctx: StepContext, request: Request, output: StepOutput, end: int, out: Outcome) -> None:
+    """The generated tokens' events held for their readouts, of positions now computed below `end`."""
+    for event in request.positions.generated_done(end):
+        event.readout = _readout(ctx, output.hidden[(request.id, event.position)])
+        out.events.append(event)
+
+
+def _finish_after_readouts(request: Request, out: Outcome) -> bool:
+    """A finish held until the readouts before it went out (they have, once its token is computed)."""
+    if request.positions.finish_after_readouts is None:
+        return False
+    reason, detail = request.positions.finish_after_readouts
+    out.finish = Finish(reason, detail=detail)
+    return True
+
+
+def _verify(ctx: StepContext, item: StepItem, output: StepOutput, out: Outcome, row: int) -> None:
+    """A step that ran guesses after the last token (engine/speculation.py), whose position is
+    `row`: each row is sampled as a one-token step would sample it (the constraint asked, as
+    ever); while the tokens appended, sampled or forced, are the guesses run after that row,
+    their KV (computed in this step at their positions) is kept and the row after them is read.
+    The first token that is not a guess ends it: it is appended like any token, and the KV of
+    the rows after it is not marked computed (the next step overwrites it)."""
+    request, session, rid = item.request, item.request.session, item.request.id
+    draft, used = item.draft, 0
+    while True:
         before = len(session.tokens)
-        _next_token(ctx, request, output.logits[(rid, row)], output.stats.get((rid, row)), out, guess)
-        if out.finish is not None or len(session.tokens) != before + 1 or session.tokens[-1] != guess:
-            break  # finished, forced or backtracked by a constraint, or not the guess
-        accepted += 1
-        session.computed(row + 2, ctx.kv)
+        _next_token(ctx, request, output.logits[(rid, row)], output.stats.get((rid, row)), out)
+        added = session.tokens[before:]  # empty after a backtrack
+        kept = 0
+        while kept < len(added) and used + kept < len(draft) and added[kept] == draft[used + kept]:
+            kept += 1
+        if kept:
+            row, used = row + kept, used + kept
+            session.computed(row + 1, ctx.kv)
+            _readouts_done(ctx, request, output, row + 1, out)
+        if out.finish is not None or kept == 0 or kept < len(added):
+            break  # finished, backtracked, or a token that is not the guess
+        if request.positions.finish_after_readouts is not None:
+            _finish_after_readouts(request, out)
+            break  # the last token kept ends the request (its readout, if owed, went out)
     assert request.speculator is not None  # the scheduler guesses only for requests that have one
-    request.speculator.verified(len(item.draft), accepted)
-    out.guesses = (len(item.draft), accepted)
+    request.speculator.verified(item.guessed, min(used, item.guessed))
+    out.guesses = (len(draft), used)
 
 
 def _next_token(
@@ -141,7 +159,6 @@ def _next_token(
     logits: torch.Tensor,
     stats: RowStats | None,
     out: Outcome,
-    guess: int | None = None,
 ) -> None:
     opts = request.options
     session = request.session
@@ -183,7 +200,7 @@ def _next_token(
     if plain and stats is not None and greedy:
         token = stats.argmax
     else:
-        token = sample(scores, opts.sampling, request.generator, guess)
+        token = sample(scores, opts.sampling, request.generator)
         if constrained and greedy and scores[token] == float("-inf"):
             out.finish = Finish("error", error=NO_TOKEN_ALLOWED)
             return

@@ -28,13 +28,14 @@ def processed_logits(
     return out
 
 
-def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, guess: int | None = None
-) -> int:
-    """Greedy when temperature is 0; otherwise temperature, top-k, top-p, then a draw. `guess`: a
-    speculated token (engine/speculation.py), a draft that puts all its mass on one token:
-    kept with probability p(guess), else the draw is from p without it, which keeps the
-    distribution p (rejection sampling with a point-mass draft)."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Greedy when temperature is 0; otherwise temperature, top-k, top-p, then a draw.
+
+    A speculated token (engine/speculation.py) is a draft that puts all its mass on one token.
+    Rejection sampling keeps it with probability p(guess) and otherwise draws from p without it;
+    drawing from p and keeping the guess when the draw is the guess is that same rule, and it
+    uses the generator exactly as a step without a guess: a seeded request samples the same
+    tokens with and without speculation, whatever was guessed."""
     if params.temperature == 0:
         if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
             # numpy's argmax is vectorised: ~4 us for 49k floats where torch's CPU argmax
@@ -53,11 +54,6 @@ def sample(
         drop[0] = False
         scores = scores.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if guess is not None:
-        if float(torch.rand((), generator=generator)) < float(probs[guess]):
-            return guess
-        probs = probs.clone()
-        probs[guess] = 0  # multinomial renormalises what is left
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

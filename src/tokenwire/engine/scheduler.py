@@ -107,40 +107,44 @@ class Scheduler:
                 continue
             session = request.session
             start = session.num_computed
-            count = min(len(session.tokens) - start, budget)
+            length = len(session.tokens)
+            count = min(length - start, budget)
             if count <= 0:
                 continue
-            draft = self._guesses(request, budget, threshold) if count == 1 else []
-            count += len(draft)
             end = start + count
-            if not self._make_room(session.blocks_needed(end, self.kv), request, scheduled):
-                continue
-            session.reserve(end, self.kv)
             # the request's positions say which rows of the chunk the step keeps
-            if draft:  # every row's logits: postprocess verifies the guesses in order
-                rows = ChunkRows([], start, list(range(start, end)), [])
-            else:
-                rows = request.positions.rows(start, end, len(session.tokens))
-            items.append(StepItem(request, start, count, rows, draft))
+            rows = request.positions.rows(start, end, length)
+            draft, guessed = self._guesses(request, budget - count, threshold) if end == length else ([], 0)
+            if not self._make_room(session.blocks_needed(end + len(draft), self.kv), request, scheduled):
+                continue
+            session.reserve(end + len(draft), self.kv)
+            if draft:  # every row from the last token on: postprocess verifies the guesses in order
+                rows = _with_guesses(request, rows, end, len(draft))
+            items.append(StepItem(request, start, count + len(draft), rows, draft, guessed))
             scheduled.add(request.id)
-            budget -= count
+            budget -= count + len(draft)
         return items
 
-    def _guesses(self, request: Request, budget: int, threshold: float) -> list[int]:
-        """Prompt-lookup guesses for a decoding request's step (engine/speculation.py): none
-        where it does not speculate or its step owes readouts or prompt logprobs."""
+    def _guesses(self, request: Request, room: int, threshold: float) -> tuple[list[int], int]:
+        """Guesses of the tokens after a chunk that ends the request's context (a decode step,
+        the prompt's last chunk, a forced span; engine/speculation.py), at most `room`: the
+        speculator's, cut where the request's constraint would refuse them and followed by what
+        it would force after them. Also how many of them are the speculator's own."""
         speculator = request.speculator
-        if speculator is None:
-            return []
-        session = request.session
-        length = len(session.tokens)
-        rows = request.positions.rows(length - 1, length, length)
-        if rows.capture or rows.prompt_logprobs:
-            return []
-        limit = min(budget - 1, request.options.max_tokens - request.generated - 1)
+        if speculator is None or request.positions.finish_after_readouts is not None:
+            return [], 0  # no speculation, or its last token ends it once its readout is out
+        length = len(request.session.tokens)
+        limit = min(room, request.options.max_tokens - request.generated - 1)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - length - 1)
-        return speculator.propose(session.tokens, limit, threshold)
+        if limit <= 0:
+            return [], 0
+        guesses = speculator.propose(request.session.tokens, limit, threshold)
+        constraint = request.options.constraint
+        if constraint is None:
+            return guesses, len(guesses)
+        allowed, forced = constraint.speculation(guesses, limit)
+        return guesses[:allowed] + forced, allowed
 
     def _make_room(self, needed: tuple[int, int], request: Request, scheduled: set[int]) -> bool:
         """Free blocks until `needed` (full-context pool, window pool) are available: idle
@@ -170,3 +174,12 @@ class Scheduler:
         if request.session.block_table:
             request.session.release(self.kv)
             request.started = False
+
+
+def _with_guesses(request: Request, rows: ChunkRows, end: int, guesses: int) -> ChunkRows:
+    """A chunk's rows with guesses after it: every row's logits from its last token on (each
+    verifies the next guess), and the hidden states of guessed positions that owe readouts."""
+    verify = list(range(end - 1, end + guesses))
+    logits = [*(p for p in rows.logits if p < end - 1), *verify]
+    capture = [*rows.capture, *(p for p in range(end, end + guesses) if request.positions.wants_readout(p))]
+    return ChunkRows(rows.prompt_logprobs, rows.sample, logits, capture)

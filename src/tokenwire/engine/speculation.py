@@ -9,8 +9,10 @@ guesses while they are what the sampler picks, so a step yields 1 + the accepted
 Exact: every step of a fused model runs one arithmetic whatever its rows (the batch
 invariance of kernels/matvec.h and paged_attention.h), so a row's logits here are the bits a
 one-token step gives; greedy output and logprobs are the same with and without speculation.
-With sampling, a guess is a point-mass draft: kept with probability p(guess), else the token is
-drawn from p without it (rejection sampling keeps the model's distribution; sampler.py).
+With sampling, a guess is a point-mass draft: the row's token is drawn from p as without guesses
+and the guess is kept when the draw is the guess, which is rejection sampling for such a draft
+(kept with probability p(guess)); a seeded request then samples the same tokens with and
+without speculation (sampler.py).
 The KV of rejected rows is never marked computed, and the next step overwrites it.
 
 Worth it or not: a guess costs a row of the step, and on a CPU a row is not free (SmolLM2 on 2

@@ -24,8 +24,10 @@ class StepItem:
     count: int  # positions [start, start+count)
     rows: ChunkRows  # whose logits / hidden states the step returns: request.positions.rows()
     # guessed tokens after the session's last one (engine/speculation.py): positions
-    # len(tokens) .. start+count-1 run these, and every row's logits come back to be verified
+    # len(tokens) .. start+count-1 run these, and the logits of every row from the last token on
+    # come back to be verified
     draft: list[int] = field(default_factory=list)
+    guessed: int = 0  # how many of `draft` are the speculator's own (the rest: a constraint's forced span)
 
 
 @dataclass
