@@ -15,6 +15,7 @@ import wasmtime
 
 from tests.protocols.aici.test_jsctrl import SEED_PROGRAM as SEED
 from tests.protocols.aici.test_runtime_shm import TINY_WAT
+from tokenwire.engine.speculation import Speculator
 from tokenwire.protocols.aici.client import AiciClient
 from tokenwire.protocols.aici.rest import AiciServer, tokenizer_spec
 
@@ -80,7 +81,18 @@ def test_seed_example_end_to_end(server):
     assert usage["sampled_tokens"] >= 2 and usage["cost"] == 2 * usage["sampled_tokens"] + usage["ff_tokens"]
 
 
-def test_declarative_fork_and_backtrack(server):
+class _NoGuesses(Speculator):
+    """Prompt lookup that never guesses: what runs as guesses is a controller's splice."""
+
+    def propose(self, tokens: list[int], limit: int, threshold: float = 0.0) -> list[int]:
+        return []
+
+
+def test_declarative_fork_and_backtrack(server, monkeypatch):
+    """The splice after a backtrack (" C") runs as guesses after the token before it, kept."""
+    engine = server[1].engine
+    monkeypatch.setattr("tokenwire.engine.engine.Speculator", _NoGuesses)
+    before = engine.stats()
     prog = {
         "steps": [
             {"fixed": "Pick:"},
@@ -94,6 +106,9 @@ def test_declarative_fork_and_backtrack(server):
     assert re.fullmatch(r"Pick: A[xy]{2}", texts[0]) or re.fullmatch(r" A[xy]{2}", texts[0]), texts
     assert any(re.fullmatch(r"(Pick:)? B↩ C[xy]{2}", t) for t in texts), texts
     assert all(f["finish_reason"] == "aici-stop" and f["error"] == "" for f in forks.values())
+    after = engine.stats()
+    kept = after["spec_accepted"] - before["spec_accepted"]
+    assert kept == after["spec_proposed"] - before["spec_proposed"] >= 1
 
 
 def test_regex_tag_with_prompt(server):

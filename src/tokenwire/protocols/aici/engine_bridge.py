@@ -363,6 +363,16 @@ class AiciConstraint(Constraint):
             self.sampled += 1
             return ConstraintStep(bias=mid["bias"])
 
+    def speculation(self, guesses: list[int], limit: int) -> tuple[int, list[int]]:
+        """The tokens a controller splices in after its backtrack are certain: they run as
+        guesses after the token before them, in the same forward. Its other forced tokens come
+        from the round that sees that token (mid_process), so nothing is known of them when the
+        step is scheduled; the model's guesses run, and each row asks the controller as ever."""
+        with self.coord._lock:
+            if self._splice is not None:
+                return 0, self._splice[:limit]
+        return min(len(guesses), limit), []
+
     def on_token(self, token: int) -> None:
         with self.coord._lock:
             if self._reporting:

@@ -301,7 +301,15 @@ def _program_error(text: str, memory: dict[str, int]) -> ControllerError:
     if text.startswith("InternalError: interrupted"):
         return ControllerTimeout("jsctrl: the program ran past its deadline (interrupted)")
     # QuickJS out of memory while it builds the error object throws null instead (seen about one
-    # run in six of the allocating test program): the context at its limit says which it was
-    if text == "null" and memory.get("malloc_size", 0) >= 0.9 * memory.get("malloc_limit", -1) > 0:
-        return ControllerError("jsctrl: the program failed: out of memory (memory limit)")
+    # run in six of the allocating test program). At its limit the context says which it was; but
+    # QuickJS frees by reference count, so what ran out is often freed before we look, and a
+    # null the program threw itself reads the same: then the message names both
+    limit = memory.get("malloc_limit", -1)
+    if text == "null" and limit > 0:
+        if memory.get("malloc_size", 0) >= 0.9 * limit:
+            return ControllerError("jsctrl: the program failed: out of memory (memory limit)")
+        return ControllerError(
+            f"jsctrl: the program failed: null (thrown by the program, or by QuickJS out of memory "
+            f"as it built the error: the memory limit is {limit / 2**20:g} MiB)"
+        )
     return ControllerError(f"jsctrl: the program failed: {text}")
