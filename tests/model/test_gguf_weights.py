@@ -116,6 +116,49 @@ def test_loading_a_gguf_costs_its_size_in_memory(smollm2_source, tmp_path: Path)
     assert grown <= m["file"] + (80 << 20), f"RSS grew {grown >> 20} MiB for a {m['file'] >> 20} MiB file"
 
 
+_START_SCRIPT = """
+import json, sys
+from pathlib import Path
+from tokenwire.engine.factory import EngineSettings, build_engine
+engine = build_engine(EngineSettings(kv_cache_mb=64, cache_dir=Path(sys.argv[1]), progress=False))
+line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+heavy = [m for m in ("torch._dynamo", "transformers.models.auto.tokenization_auto") if m in sys.modules]
+print(json.dumps({"peak": int(line.split()[1]) * 1024, "file": engine.source.gguf.stat().st_size,
+                  "kv": engine.kv_cache_mb * 2**20, "heavy": heavy}))
+engine.shutdown()
+"""
+
+
+def test_a_whole_start_peaks_under_the_file_the_kv_cache_and_300_mib(smollm2_source, tmp_path: Path) -> None:
+    """A fresh process starts the engine on the shipped GGUF (interpreter, torch, tokenizer,
+    weights, a 64 MiB KV cache, warm-up), first with its conversion (a new cache), then warm:
+    each peak RSS stays within the file + the KV cache + 300 MiB. Warm, it measured 440 of 458
+    MiB; 512 before, when the meta-device init imported torch._dynamo, AutoTokenizer every
+    model's registry (the conversion still does), and glibc kept the read buffers."""
+    for start in ("first", "warm"):
+        out = subprocess.run(
+            [sys.executable, "-c", _START_SCRIPT, str(tmp_path / "cache")],
+            capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+        m = json.loads(out.stdout.strip().splitlines()[-1])
+        limit = m["file"] + m["kv"] + (300 << 20)
+        assert m["peak"] <= limit, f"{start} start: peak RSS {m['peak'] >> 20} MiB over {limit // 2**20:.0f}"
+    assert m["heavy"] == []
+
+
+def test_meta_modules_skip_their_init_and_real_ones_keep_it() -> None:
+    from torch import nn
+
+    from tokenwire.model.layers.weights import meta_init_skipped
+
+    with meta_init_skipped():
+        real = nn.Linear(64, 64)
+        meta = nn.Linear(64, 64, device="meta")
+    assert meta.weight.is_meta
+    assert 0 < float(real.weight.abs().max()) <= 1 / 8  # kaiming-uniform's bound, 1 / sqrt(64)
+    assert nn.init.normal_.__module__ == "torch.nn.init"  # restored
+
+
 TINY_K_QUANT = Path(__file__).parent.parent / "data" / "tiny-llama-Q4_K_M.gguf"  # make_tiny_kquant.py
 # int16 activations against fp32 ones on that model: the logits' largest gap over their largest
 # magnitude (measured 2.1e-4 through its 4 random layers; each activation is rounded to 1/65534

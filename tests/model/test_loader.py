@@ -15,7 +15,7 @@ import torch
 
 import tokenwire.model.gguf as gguf_module
 from tests.model.conftest import TinyGGUF
-from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
+from tokenwire.model.config import UnsupportedArchitectureError
 from tokenwire.model.gguf_weights import GgufWeights
 from tokenwire.model.loader import (
     DEFAULT_MODEL_NAME,
@@ -33,6 +33,8 @@ def dequantized(src: ModelSource) -> dict[str, torch.Tensor]:
     """A GGUF's weights as `--weights fp32` loads them, read from the file."""
     assert src.gguf is not None
     return dict(GgufWeights(src.gguf, src.config, dense=True))
+
+
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -110,7 +112,7 @@ def test_second_load_reuses_cache(smollm2_source: ModelSource, monkeypatch: pyte
     def no_conversion(*args: object, **kwargs: object) -> None:
         raise AssertionError("reconverted a cached GGUF")
 
-    monkeypatch.setattr(gguf_module, "convert_gguf", no_conversion)
+    monkeypatch.setattr(gguf_module, "convert_gguf_apart", no_conversion)
     start = time.perf_counter()
     again = resolve_model(None)  # smollm2_source used the default cache dir too
     print(f"cached default load: {time.perf_counter() - start:.2f}s")
@@ -121,21 +123,21 @@ def test_second_load_reuses_cache(smollm2_source: ModelSource, monkeypatch: pyte
 def test_tiny_llama_gguf(tiny_gguf: TinyGGUF, tmp_path: Path) -> None:
     path, expected = tiny_gguf("llama", name="Tiny-Llama-Q8_0.gguf", add_bos=True)
     calls = []
-    real = gguf_module.convert_gguf
+    real = gguf_module.convert_gguf_apart
 
-    def counting(*args: object, **kwargs: object) -> ModelConfig:
+    def counting(*args: object, **kwargs: object) -> None:
         calls.append(args)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf_module, "convert_gguf", counting)
+        mp.setattr(gguf_module, "convert_gguf_apart", counting)
         src = resolve_model(path, cache_dir=tmp_path / "cache")
         again = resolve_model(str(path), cache_dir=tmp_path / "cache", name="custom")
     assert len(calls) == 1 and again.model_dir == src.model_dir
     stat = path.stat()  # a changed file converts again, and its old entry is removed
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf_module, "convert_gguf", counting)
+        mp.setattr(gguf_module, "convert_gguf_apart", counting)
         changed = resolve_model(path, cache_dir=tmp_path / "cache")
     assert len(calls) == 2 and changed.model_dir != src.model_dir and not src.model_dir.exists()
     src = changed
@@ -235,7 +237,7 @@ def test_crash_mid_conversion_leaves_no_entry(
         (out_dir / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf_module, "convert_gguf", crash)
+    monkeypatch.setattr(gguf_module, "convert_gguf_apart", crash)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(path, cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").iterdir())

@@ -17,7 +17,7 @@ from tokenwire.engine.kv_cache import KVCache, check_kv_dtype, resolve_kv_dtype
 from tokenwire.engine.threads import apply_threads
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.families import build_model
-from tokenwire.model.gguf_weights import GgufWeights
+from tokenwire.model.gguf_weights import GgufWeights, return_freed_memory
 from tokenwire.model.images import ImagePreprocessor
 from tokenwire.model.kernels import load_kernels
 from tokenwire.model.layers.decoder import DecoderModel
@@ -146,7 +146,9 @@ def load_model(source: ModelSource, weights: str, device: torch.device, max_len:
     if weights == "gguf":
         assert source.gguf is not None
         blocks = GgufWeights(source.gguf, source.config)  # read tensor by tensor into place
-        return build_model(source.config, blocks, blocks.qtypes, max_positions=positions)
+        model = build_model(source.config, blocks, blocks.qtypes, max_positions=positions)
+        return_freed_memory()
+        return model
     # float weights: a GGUF's dequantised (the only fp32 copy of one, made because asked for)
     if source.gguf is not None:
         state: Mapping[str, torch.Tensor] = GgufWeights(source.gguf, source.config, dense=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -232,6 +234,24 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Mo
     return model_config
 
 
+def convert_gguf_apart(gguf_path: Path, out_dir: Path) -> None:
+    """convert_gguf in a child process, so what the tokenizer's conversion imports and reads
+    (transformers' GGUF reader and its registry of every model) never stays in the server: the
+    shipped model's first start peaked 58 MiB higher with it in-process. Its errors come back
+    as the type and message they were raised with; its progress and logs go to our stderr."""
+    out = subprocess.run(
+        [sys.executable, "-m", __name__, str(gguf_path), str(out_dir)], stdout=subprocess.PIPE, text=True
+    )
+    if out.returncode == 0:
+        return
+    try:
+        error = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise RuntimeError(f"converting {gguf_path} failed (exit status {out.returncode})") from None
+    kind = {e.__name__: e for e in (UnsupportedArchitectureError, ValueError, FileNotFoundError)}
+    raise kind.get(error["type"], RuntimeError)(error["message"])
+
+
 # Tokens llama.cpp ends generation at by their text (llama-vocab.cpp), as converters often
 # record only the end-of-sequence token: Gemma's files say <eos> while its turns end with
 # <end_of_turn>. We take those the file's chat template writes, so a chat stops where the
@@ -313,3 +333,11 @@ def _write_tokenizer(reader: GgufHeader, gguf_path: Path, out_dir: Path) -> list
     vocab = hf.get_vocab()
     written = (text for text in _TURN_END_TEXTS if text in template)
     return [vocab[text] for text in written if vocab.get(text, n_tokens) < n_tokens]
+
+
+if __name__ == "__main__":  # convert_gguf_apart's child: python -m tokenwire.model.gguf GGUF OUT_DIR
+    try:
+        convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))
+    except Exception as exc:
+        print(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+        sys.exit(1)

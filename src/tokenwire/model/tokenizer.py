@@ -46,6 +46,21 @@ def _decoder_types(hf: PreTrainedTokenizerFast) -> list[dict[str, Any]]:
     return spec.get("decoders", [spec]) if spec.get("type") == "Sequence" else [spec]
 
 
+def _names_the_generic_class(model_dir: Path) -> bool:
+    """Whether the directory's tokenizer is transformers' generic tokenizers-backed class, as
+    every GGUF's conversion writes it: AutoTokenizer then loads that same class, but resolving
+    it imports every model's registry on the way (683 modules; SmolLM2's load peaked 66 MiB
+    higher). Anything else (a named class, remote code, Mistral's own files) goes through
+    AutoTokenizer."""
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    generic = config.get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    mistral = any(model_dir.glob("tekken*.json")) or any(model_dir.glob("tokenizer.model*"))
+    return generic and "auto_map" not in config and not mistral
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -81,11 +96,16 @@ class Tokenizer:
         """Load the tokenizer of an HF model directory, offline. EOS ids come from config.json,
         generation_config.json and the tokenizer itself."""
         # local: transformers takes seconds to import; the protocols' clients use this module without it
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast
 
         model_dir = Path(model_dir)
         try:
-            hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            if _names_the_generic_class(model_dir):
+                hf = PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+            else:  # the name alone imports transformers' registry of every model
+                from transformers import AutoTokenizer
+
+                hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         except Exception as e:
             raise ValueError(f"cannot load the tokenizer in {model_dir}: {e}") from e
         if not isinstance(hf, PreTrainedTokenizerFast):

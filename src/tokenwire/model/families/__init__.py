@@ -25,7 +25,7 @@ from tokenwire.model.families import (
 )
 from tokenwire.model.families.base import Family
 from tokenwire.model.layers.decoder import DecoderModel
-from tokenwire.model.layers.weights import Tensors, load_weights
+from tokenwire.model.layers.weights import Tensors, load_weights, meta_init_skipped
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, qwen2.FAMILY, qwen2_vl.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY, gemma3.FAMILY,
@@ -67,17 +67,18 @@ def build_model(
     """`qtypes`: the block type of each quantised tensor (a GGUF's own blocks, or weights
     quantised at load); those stay quantised, fp32 only, on the CPU."""
     family = family_of(config)
-    with torch.device("meta"):
-        model = family.model_class(
-            config, family.assemble(config), max_positions, **family.model_options(config)
-        )
-    if family.prepare is not None:
-        tensors = family.prepare(model, tensors, dtype, torch.device(device))
-    names = family.weight_names(config)
-    tie = None
-    if config.tie_word_embeddings or "lm_head.weight" not in tensors:
-        names.pop("lm_head", None)
-        tie = ("embed", "lm_head")
-    load_weights(model, names, tensors, qtypes, dtype=dtype, device=device, tie=tie)
+    with meta_init_skipped():
+        with torch.device("meta"):
+            model = family.model_class(
+                config, family.assemble(config), max_positions, **family.model_options(config)
+            )
+        if family.prepare is not None:
+            tensors = family.prepare(model, tensors, dtype, torch.device(device))
+        names = family.weight_names(config)
+        tie = None
+        if config.tie_word_embeddings or "lm_head.weight" not in tensors:
+            names.pop("lm_head", None)
+            tie = ("embed", "lm_head")
+        load_weights(model, names, tensors, qtypes, dtype=dtype, device=device, tie=tie)
     model.finish_build(device)
     return model.eval().requires_grad_(False)
