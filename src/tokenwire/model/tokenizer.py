@@ -96,19 +96,16 @@ class Tokenizer:
         """Load the tokenizer of an HF model directory, offline. EOS ids come from config.json,
         generation_config.json and the tokenizer itself."""
         # local: transformers takes seconds to import; the protocols' clients use this module without it
-        from transformers import PreTrainedTokenizerFast
+        import transformers
 
         model_dir = Path(model_dir)
+        # transformers.AutoTokenizer's name alone imports its registry of every model
+        loader = transformers.PreTrainedTokenizerFast if _names_the_generic_class(model_dir) else None
         try:
-            if _names_the_generic_class(model_dir):
-                hf = PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
-            else:  # the name alone imports transformers' registry of every model
-                from transformers import AutoTokenizer
-
-                hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            hf = (loader or transformers.AutoTokenizer).from_pretrained(str(model_dir), local_files_only=True)
         except Exception as e:
             raise ValueError(f"cannot load the tokenizer in {model_dir}: {e}") from e
-        if not isinstance(hf, PreTrainedTokenizerFast):
+        if not isinstance(hf, transformers.PreTrainedTokenizerFast):
             raise ValueError(f"tokenizer in {model_dir} is not tokenizers-backed (fast): {type(hf).__name__}")
         eos = list(config.eos_token_ids) if config else []
         gen = model_dir / "generation_config.json"
