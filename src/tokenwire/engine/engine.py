@@ -15,27 +15,24 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from tokenwire.engine.admission import Limits, check_request, check_tokens, prepare
+from tokenwire.engine.admission import Limits, check_request, prepare
 from tokenwire.engine.api import EngineAPI, model_function
 from tokenwire.engine.concepts import ConceptSet
 from tokenwire.engine.draft import DraftSpeculator
 from tokenwire.engine.errors import (
     CapacityError,
     EngineClosedError,
-    PositionError,
-    SessionBusyError,
-    SessionNotFoundError,
 )
-from tokenwire.engine.kv_cache import KVCache, resolve_kv_dtype
+from tokenwire.engine.model_setup import Loaded, load_model_and_cache
 from tokenwire.engine.postprocess import Finish, Outcome, StepContext, postprocess
 from tokenwire.engine.request import EngineHandle, FinishEvent, GenerateOptions, Request
 from tokenwire.engine.scheduler import Scheduler
-from tokenwire.engine.session import Session, Ttl
+from tokenwire.engine.session import Session
+from tokenwire.engine.session_calls import SessionCalls
 from tokenwire.engine.speculation import SPECULATE, SpecStats, Speculator, StepCost
 from tokenwire.engine.step import StepItem, run_step
 from tokenwire.engine.step_team import StepTeam
@@ -43,15 +40,12 @@ from tokenwire.engine.vision import (
     EmbeddingCache,
     ImageBlock,
     ImageInput,
-    SessionImage,
-    check_cut,
     decode_images,
     place_images,
     vision_tokens,
 )
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.layers.decoder import DecoderModel
-from tokenwire.model.quant import has_quantized_weights
 from tokenwire.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # only a type here: the loader is the factory's
@@ -62,17 +56,7 @@ T = TypeVar("T")
 REAP_INTERVAL_S = 1.0  # how often idle sessions are checked against their TTL
 
 
-@dataclass
-class _Loaded:
-    """What the model thread builds before the engine can run."""
-
-    model: torch.nn.Module
-    kv: KVCache
-    max_model_len: int
-    kv_cache_mb: float  # what the blocks take (the budget rounded down to whole blocks)
-
-
-class Engine(EngineAPI):
+class Engine(SessionCalls, EngineAPI):
     # Sessions die with this process; a ReplicaEngine on detached replicas says True (scale/)
     sessions_outlive_server = False
 
@@ -138,7 +122,7 @@ class Engine(EngineAPI):
         self.computed_tokens = 0
         # called (model thread, lock held) with each request as it finishes: metrics, access log
         self.on_finish: Callable[[Request, FinishEvent], None] | None = None
-        loaded: Future[_Loaded] = Future()
+        loaded: Future[Loaded] = Future()
         assigned = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
@@ -160,7 +144,7 @@ class Engine(EngineAPI):
         finally:
             assigned.set()  # the loop reads the fields _assign sets
 
-    def _assign(self, built: _Loaded, max_batch_tokens: int, max_running: int) -> None:
+    def _assign(self, built: Loaded, max_batch_tokens: int, max_running: int) -> None:
         self.model = built.model
         self.config: ModelConfig = built.model.config
         self.kv = built.kv
@@ -187,132 +171,18 @@ class Engine(EngineAPI):
             self.kv, self.tokenizer, self.vocab_size, self.max_model_len, self.eos_ids, self.concepts
         )
 
-    @staticmethod
-    def _load(
-        model: DecoderModel | torch.nn.Module | Callable[[], torch.nn.Module],
-        kv_cache_mb: float,
-        block_size: int,
-        max_model_len: int | None,
-        kv_dtype: str,
-        max_batch_tokens: int,
-        max_running: int,
-    ) -> _Loaded:
-        """Runs on the model thread. Every large torch operation (loading, the KV allocation,
-        each step) happens on this one thread: with a second thread also running OpenMP
-        regions, libgomp sees more threads than cores, stops spinning between kernels and a
-        decode step gets ~45% slower on a 2-core machine (measured)."""
-        module = model if isinstance(model, torch.nn.Module) else model()
-        config: ModelConfig = module.config
-        stored = resolve_kv_dtype(kv_dtype, module.dtype, has_quantized_weights(module))
-        budget = kv_cache_mb * 2**20
-        windows = _kept_windows(module)
-        n_windowed = sum(w is not None for w in windows)
-        if n_windowed == config.num_layers:  # every layer windowed: one pool (KVCache)
-            n_windowed = 0
-        full = KVCache.bytes_per_block(config, block_size, stored, config.num_layers - n_windowed)
-        local = KVCache.bytes_per_block(config, block_size, stored, n_windowed)
-        window_blocks = 0
-        if n_windowed:
-            # windowed layers in a pool of their own: between steps a sequence holds at most the
-            # blocks its window spans there, and a step adds its positions. The pool gets what
-            # every running sequence could hold at once (or, if smaller, the share a pool for all
-            # layers would give them) and the full-context layers the rest of the budget.
-            widest = max(w for w in windows if w is not None)
-            spans = -(-(widest - 1) // block_size) + 2
-            most = max_running * spans + -(-max_batch_tokens // block_size)
-            window_blocks = max(2, min(int(budget // (full + local)), most))
-        num_blocks = max(2, int((budget - window_blocks * local) // full))
-        kv = KVCache(config, num_blocks, block_size, stored, module.device, windows, window_blocks)
-        context = min(max_model_len or module.max_positions, module.max_positions)
-        return _Loaded(module, kv, context, (num_blocks * full + window_blocks * local) / 2**20)
-
-    def _run(self, setup: tuple[Any, ...], loaded: Future[_Loaded], assigned: threading.Event) -> None:
+    def _run(self, setup: tuple[Any, ...], loaded: Future[Loaded], assigned: threading.Event) -> None:
         torch.set_grad_enabled(False)
         # Denormal floats make CPU kernels orders of magnitude slower (seen with long runs of
         # near-zero activations); flushing them changes nothing measurable in the logits.
         torch.set_flush_denormal(True)
         try:
-            loaded.set_result(self._load(*setup))
+            loaded.set_result(load_model_and_cache(*setup))
         except BaseException as exc:
             loaded.set_exception(exc)
             return
         assigned.wait()
         self._loop()
-
-    # ------------------------------------------------------------------ sessions
-    def create_session(self, tokens: Sequence[int] = (), ttl_s: float | Ttl | None = Ttl.DEFAULT) -> str:
-        """A new session holding `tokens`; it expires after `ttl_s` idle seconds (None: never)."""
-        check_tokens(tokens, self.vocab_size, "tokens")
-        with self._lock:
-            self._check_open()
-            self._check_session_room()
-            sid = uuid.uuid4().hex
-            ttl = self.session_ttl_s if ttl_s is Ttl.DEFAULT else ttl_s
-            self._sessions[sid] = Session(sid, tokens=list(tokens), ttl_s=ttl)
-            return sid
-
-    def _check_session_room(self) -> None:
-        if self.max_sessions is not None and len(self._sessions) >= self.max_sessions:
-            raise CapacityError(
-                f"too many open sessions: {len(self._sessions)} (--max-sessions {self.max_sessions}); "
-                "close some or retry later"
-            )
-
-    def close_session(self, session_id: str) -> bool:
-        """Close a session, cancelling its request. Returns False if it did not exist."""
-        with self._lock:
-            session = self._sessions.pop(session_id, None)
-            if session is None:
-                return False
-            request = self._running.get(session_id)
-            if request is not None:
-                self._finish(request, Finish("cancelled"))
-            self._release(session)
-            return True
-
-    def _release(self, session: Session) -> None:
-        """Must hold the lock. Free a closed session's KV blocks, after the step if it is in it."""
-        if session.id in self._stepping:
-            self._release_after_step.append(session)
-        else:
-            session.release(self.kv)
-
-    def _step_over(self) -> None:
-        """Must hold the lock: the step ended; free what was closed during it."""
-        self._stepping = set()
-        released, self._release_after_step = self._release_after_step, []
-        for session in released:
-            session.release(self.kv)
-
-    def fork_session(self, session_id: str, at: int | None = None) -> str:
-        with self._lock:
-            src = self._session(session_id)
-            self._check_session_room()
-            at = len(src.tokens) if at is None else at
-            if not 0 <= at <= len(src.tokens):
-                raise PositionError(f"cannot fork at position {at}: session has {len(src.tokens)} tokens")
-            check_cut(src.images, at, "fork")
-            child = src.fork(uuid.uuid4().hex, at, self.kv)
-            self._sessions[child.id] = child
-            return child.id
-
-    def truncate_session(self, session_id: str, length: int) -> None:
-        with self._lock:
-            session = self._session(session_id)
-            self._check_idle(session_id)
-            if not 0 <= length <= len(session.tokens):
-                raise PositionError(f"cannot truncate to {length}: session has {len(session.tokens)} tokens")
-            check_cut(session.images, length, "truncate")
-            session.truncate(length, self.kv)
-
-    def session_tokens(self, session_id: str) -> list[int]:
-        with self._lock:
-            return list(self._session(session_id).tokens)
-
-    def session_images(self, session_id: str) -> list[SessionImage]:
-        """The image blocks a session holds (vision models), by position."""
-        with self._lock:
-            return list(self._session(session_id).images)
 
     def image_tokens(self, data: bytes, mime: str | None = None) -> int:
         """How many <|image_pad|> tokens this image takes in this model (its pad run's length);
@@ -323,19 +193,6 @@ class Engine(EngineAPI):
     def image_block(self) -> ImageBlock | None:
         ids = vision_tokens(self.config)
         return None if ids is None else ImageBlock(*ids, count=self.image_tokens)
-
-    def session_busy(self, session_id: str) -> bool:
-        with self._lock:
-            self._session(session_id)
-            return session_id in self._running
-
-    def touch_session(self, session_id: str) -> None:
-        with self._lock:
-            self._session(session_id).touch()
-
-    def has_session(self, session_id: str) -> bool:
-        with self._lock:
-            return session_id in self._sessions
 
     # ------------------------------------------------------------------ generation
     def check(
@@ -552,33 +409,10 @@ class Engine(EngineAPI):
             self._sessions.pop(session.id, None)
             self._release(session)
 
-    def _idle_sessions(self) -> list[Session]:
-        """Sessions holding KV with no request running, least recently used first."""
-        idle = [s for s in self._sessions.values() if s.id not in self._running and s.block_table]
-        return sorted(idle, key=lambda s: s.last_used)
-
-    def _reap_idle(self) -> None:
-        now = time.monotonic()
-        for session in list(self._sessions.values()):
-            idle = session.id not in self._running
-            if session.ttl_s is not None and idle and now - session.last_used > session.ttl_s:
-                log.info("session %s expired after %.0fs idle", session.id, session.ttl_s)
-                self.close_session(session.id)
-
     # ------------------------------------------------------------------ helpers
-    def _session(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise SessionNotFoundError(f"session {session_id!r} not found (closed, expired or never opened)")
-        return session
-
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("engine is shut down")
-
-    def _check_idle(self, session_id: str) -> None:
-        if session_id in self._running:
-            raise SessionBusyError(f"session {session_id} has a request running")
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -639,13 +473,3 @@ class Engine(EngineAPI):
             )
             return False
         return True
-
-
-def _kept_windows(module: torch.nn.Module) -> list[int | None]:
-    """Each layer's sliding window where the cache may keep those layers apart (eager decode:
-    the fused kernel reads one pool), else none."""
-    layers = getattr(module, "layers", None)
-    if layers is None or getattr(module, "can_fuse_decode", False):
-        return []
-    specs = [getattr(getattr(layer, "attention", None), "spec", None) for layer in layers]
-    return [None if spec is None else spec.window for spec in specs]

@@ -1,0 +1,150 @@
+"""The engine's session calls (engine.py's Engine inherits them): open, fork, truncate and
+close sessions, and free their KV blocks, never under the feet of the step that runs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+
+from tokenwire.engine.admission import check_tokens
+from tokenwire.engine.errors import CapacityError, PositionError, SessionBusyError, SessionNotFoundError
+from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.postprocess import Finish
+from tokenwire.engine.request import Request
+from tokenwire.engine.session import Session, Ttl
+from tokenwire.engine.vision import SessionImage, check_cut
+
+log = logging.getLogger("tokenwire.engine")
+
+
+class SessionCalls:
+    """What these calls read of the engine: its lock, sessions, requests and cache."""
+
+    _lock: threading.RLock
+    _sessions: dict[str, Session]
+    _running: dict[str, Request]  # session id -> its unfinished request
+    _stepping: set[str]
+    _release_after_step: list[Session]
+    kv: KVCache
+    vocab_size: int
+    max_sessions: int | None
+    session_ttl_s: float | None
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    def _finish(self, request: Request, finish: Finish) -> None:
+        raise NotImplementedError
+
+    def create_session(self, tokens: Sequence[int] = (), ttl_s: float | Ttl | None = Ttl.DEFAULT) -> str:
+        """A new session holding `tokens`; it expires after `ttl_s` idle seconds (None: never)."""
+        check_tokens(tokens, self.vocab_size, "tokens")
+        with self._lock:
+            self._check_open()
+            self._check_session_room()
+            sid = uuid.uuid4().hex
+            ttl = self.session_ttl_s if ttl_s is Ttl.DEFAULT else ttl_s
+            self._sessions[sid] = Session(sid, tokens=list(tokens), ttl_s=ttl)
+            return sid
+
+    def _check_session_room(self) -> None:
+        if self.max_sessions is not None and len(self._sessions) >= self.max_sessions:
+            raise CapacityError(
+                f"too many open sessions: {len(self._sessions)} (--max-sessions {self.max_sessions}); "
+                "close some or retry later"
+            )
+
+    def close_session(self, session_id: str) -> bool:
+        """Close a session, cancelling its request. Returns False if it did not exist."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                return False
+            request = self._running.get(session_id)
+            if request is not None:
+                self._finish(request, Finish("cancelled"))
+            self._release(session)
+            return True
+
+    def _release(self, session: Session) -> None:
+        """Must hold the lock. Free a closed session's KV blocks, after the step if it is in it."""
+        if session.id in self._stepping:
+            self._release_after_step.append(session)
+        else:
+            session.release(self.kv)
+
+    def _step_over(self) -> None:
+        """Must hold the lock: the step ended; free what was closed during it."""
+        self._stepping = set()
+        released, self._release_after_step = self._release_after_step, []
+        for session in released:
+            session.release(self.kv)
+
+    def fork_session(self, session_id: str, at: int | None = None) -> str:
+        with self._lock:
+            src = self._session(session_id)
+            self._check_session_room()
+            at = len(src.tokens) if at is None else at
+            if not 0 <= at <= len(src.tokens):
+                raise PositionError(f"cannot fork at position {at}: session has {len(src.tokens)} tokens")
+            check_cut(src.images, at, "fork")
+            child = src.fork(uuid.uuid4().hex, at, self.kv)
+            self._sessions[child.id] = child
+            return child.id
+
+    def truncate_session(self, session_id: str, length: int) -> None:
+        with self._lock:
+            session = self._session(session_id)
+            self._check_idle(session_id)
+            if not 0 <= length <= len(session.tokens):
+                raise PositionError(f"cannot truncate to {length}: session has {len(session.tokens)} tokens")
+            check_cut(session.images, length, "truncate")
+            session.truncate(length, self.kv)
+
+    def session_tokens(self, session_id: str) -> list[int]:
+        with self._lock:
+            return list(self._session(session_id).tokens)
+
+    def session_images(self, session_id: str) -> list[SessionImage]:
+        """The image blocks a session holds (vision models), by position."""
+        with self._lock:
+            return list(self._session(session_id).images)
+
+    def session_busy(self, session_id: str) -> bool:
+        with self._lock:
+            self._session(session_id)
+            return session_id in self._running
+
+    def touch_session(self, session_id: str) -> None:
+        with self._lock:
+            self._session(session_id).touch()
+
+    def has_session(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions
+
+    def _idle_sessions(self) -> list[Session]:
+        """Sessions holding KV with no request running, least recently used first."""
+        idle = [s for s in self._sessions.values() if s.id not in self._running and s.block_table]
+        return sorted(idle, key=lambda s: s.last_used)
+
+    def _reap_idle(self) -> None:
+        now = time.monotonic()
+        for session in list(self._sessions.values()):
+            idle = session.id not in self._running
+            if session.ttl_s is not None and idle and now - session.last_used > session.ttl_s:
+                log.info("session %s expired after %.0fs idle", session.id, session.ttl_s)
+                self.close_session(session.id)
+
+    def _session(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFoundError(f"session {session_id!r} not found (closed, expired or never opened)")
+        return session
+
+    def _check_idle(self, session_id: str) -> None:
+        if session_id in self._running:
+            raise SessionBusyError(f"session {session_id} has a request running")
