@@ -410,10 +410,6 @@ class Engine(SessionCalls, EngineAPI):
             self._release(session)
 
     # ------------------------------------------------------------------ helpers
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosedError("engine is shut down")
-
     def stats(self) -> dict[str, Any]:
         with self._lock:
             alloc = self.kv.allocator

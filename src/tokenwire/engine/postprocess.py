@@ -145,8 +145,7 @@ def _verify(ctx: StepContext, item: StepItem, output: StepOutput, out: Outcome, 
             _readouts_done(ctx, request, output, row + 1, out)
         if out.finish is not None or kept == 0 or kept < len(added):
             break  # finished, backtracked, or a token that is not the guess
-        if request.positions.finish_after_readouts is not None:
-            _finish_after_readouts(request, out)
+        if _finish_after_readouts(request, out):
             break  # the last token kept ends the request (its readout, if owed, went out)
     assert request.speculator is not None  # the scheduler guesses only for requests that have one
     request.speculator.verified(item.guessed, min(used, item.guessed))

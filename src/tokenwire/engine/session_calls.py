@@ -7,10 +7,16 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tokenwire.engine.admission import check_tokens
-from tokenwire.engine.errors import CapacityError, PositionError, SessionBusyError, SessionNotFoundError
+from tokenwire.engine.errors import (
+    CapacityError,
+    EngineClosedError,
+    PositionError,
+    SessionBusyError,
+    SessionNotFoundError,
+)
 from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.postprocess import Finish
 from tokenwire.engine.request import Request
@@ -28,16 +34,16 @@ class SessionCalls:
     _running: dict[str, Request]  # session id -> its unfinished request
     _stepping: set[str]
     _release_after_step: list[Session]
+    _closed: bool
     kv: KVCache
     vocab_size: int
     max_sessions: int | None
     session_ttl_s: float | None
+    _finish: Callable[[Request, Finish], None]  # the engine's: a request ends (close cancels it)
 
     def _check_open(self) -> None:
-        raise NotImplementedError
-
-    def _finish(self, request: Request, finish: Finish) -> None:
-        raise NotImplementedError
+        if self._closed:
+            raise EngineClosedError("engine is shut down")
 
     def create_session(self, tokens: Sequence[int] = (), ttl_s: float | Ttl | None = Ttl.DEFAULT) -> str:
         """A new session holding `tokens`; it expires after `ttl_s` idle seconds (None: never)."""
