@@ -9,9 +9,12 @@ family (read from its conversion/ sources; gguf-py's own tensor-name map, not ou
   ones; layers windowed in llama.cpp's fixed pattern (every sixth global), which the file does
   not record;
 - Phi-3: fused qkv and gate_up kept, LongRoPE as `rope_factors_long/short` tensors plus the
-  attention factor and original context length in the metadata, `sliding_window` 0 for none.
+  attention factor and original context length in the metadata (no scaling type), `sliding_window`
+  0 for none.
 
-Matrices go to `quant` (F32 or a gguf-py block type), 1-D tensors stay F32, as the converter keeps them.
+Matrices go to `quant` (F32 or a gguf-py block type), 1-D tensors and MoE routers stay F32, as the
+converter keeps them. test_family_gguf holds the metadata and tensor table written here to those
+the real converter wrote for the same models (tests/data/make_converter_tables.py).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def write_like_llama_cpp(
         add_uint32 = w.add_uint32
         w.add_uint32 = lambda key, value: None if key == f"{name}.{drop}" else add_uint32(key, value)  # type: ignore[method-assign]
     assert copy_shipped_tokenizer(w, chat_template) == c.vocab_size
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    stated_head_dim = c.to_dict().get("head_dim")  # the converter writes key/value lengths only then
+    head_dim = stated_head_dim or c.hidden_size // c.num_attention_heads
     for key, value in {
         "block_count": c.num_hidden_layers,
         "context_length": c.max_position_embeddings,
@@ -84,11 +88,14 @@ def write_like_llama_cpp(
         "feed_forward_length": c.intermediate_size,
         "attention.head_count": c.num_attention_heads,
         "attention.head_count_kv": c.num_key_value_heads,
-        "attention.key_length": head_dim,
-        "attention.value_length": head_dim,
-        "rope.dimension_count": head_dim,
+        "attention.key_length": stated_head_dim,
+        "attention.value_length": stated_head_dim,
+        # written by the Llama-derived classes (Mixtral and SmolLM3 among them) and Phi-3's
+        "rope.dimension_count": head_dim if permuted or family == "phi3" else None,
+        "vocab_size": c.vocab_size if permuted else None,
     }.items():
-        w.add_uint32(f"{name}.{key}", value)
+        if value is not None:
+            w.add_uint32(f"{name}.{key}", value)
     w.add_float32(f"{name}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     rope = _rope(c, family)
     full = rope["full_attention"]
@@ -112,7 +119,6 @@ def write_like_llama_cpp(
         w.add_uint32(f"{name}.attention.sliding_window", c.sliding_window or 0)
         scale = c.max_position_embeddings / original
         w.add_float32(f"{name}.rope.scaling.attn_factor", math.sqrt(1 + math.log(scale) / math.log(original)))
-        w.add_string(f"{name}.rope.scaling.type", "longrope")
         for kind in ("long", "short"):
             w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(full[f"{kind}_factor"], dtype=np.float32))
 
@@ -128,7 +134,8 @@ def write_like_llama_cpp(
             tensor = tensor + 1
         stem, kind = hf_name.rsplit(".", 1)
         target, data = f"{to_gguf.get_name(stem)}.{kind}", tensor.detach().numpy().astype(np.float32)
-        if data.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32:
+        router = target.endswith("ffn_gate_inp.weight")  # kept F32 by the converter and llama-quantize
+        if data.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and not router:
             w.add_tensor(target, gguf_quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(target, data)

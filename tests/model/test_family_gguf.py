@@ -1,12 +1,16 @@
 """Each family's tiny model written to GGUF as llama.cpp's converter writes it
 (tests/model/converter_gguf.py) loads into the model its Hugging Face directory gives: F32 to
 1e-4 of transformers with the same greedy tokens through the engine; Q8_0, run as its blocks,
-gives the greedy tokens transformers gives with the file's weights dequantised."""
+gives the greedy tokens transformers gives with the file's weights dequantised. The writer's metadata
+and tensor table are those llama.cpp's real converter wrote for the same models
+(tests/data/llama_cpp_converter_tables.json)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
@@ -20,6 +24,27 @@ from tokenwire.engine.request import GenerateOptions, SamplingParams
 from tokenwire.model.loader import resolve_model
 
 FAMILIES = ["smollm3", "qwen3_gguf", "gemma3_gguf", "phi3", "mixtral", "qwen3_moe_gguf", "olmoe"]
+QUANTS = ["F32", "Q8_0"]
+CONVERTER_TABLES = Path(__file__).parents[1] / "data" / "llama_cpp_converter_tables.json"
+
+
+def gguf_table(path: Path) -> dict[str, dict]:
+    """A file's model metadata (all but general.* and the tokenizer's: the file's name and the
+    shipped vocabulary) and its tensors' shapes and types."""
+    reader = gguf.GGUFReader(path)
+    skip = ("GGUF.", "general.", "tokenizer.")
+    return {
+        "metadata": {k: f.contents() for k, f in reader.fields.items() if not k.startswith(skip)},
+        "tensors": {t.name: [[int(n) for n in t.shape], t.tensor_type.name] for t in reader.tensors},
+    }
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_our_writer_writes_what_llama_cpps_converter_wrote(tmp_path: Path, arch: str, quant: str) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_like_llama_cpp(hf_model(arch), path, quant)
+    assert gguf_table(path) == json.loads(CONVERTER_TABLES.read_text())[f"{arch}/{quant}"]
 
 
 def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
@@ -38,13 +63,19 @@ def engine_greedy(model: torch.nn.Module, tokenizer, prompt: list[int], n: int) 
         engine.shutdown()
 
 
-@pytest.mark.parametrize("quant", ["F32", "Q8_0"])
+@pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_gguf_as_llama_cpp_writes_it_loads_as_its_hf_directory(tmp_path: Path, arch: str, quant: str) -> None:
     hf = hf_model(arch)
     path = tmp_path / f"tiny-{arch}-{quant}.gguf"
     write_like_llama_cpp(hf, path, quant)
-    source = resolve_model(path, cache_dir=tmp_path / "cache")
+    assert_loads_as(hf, path, quant, tmp_path / "cache")
+
+
+def assert_loads_as(hf: torch.nn.Module, path: Path, quant: str, cache_dir: Path) -> None:
+    """The file at `path`, written from `hf` as `quant`, gives its logits and greedy tokens
+    (make_converter_tables.py runs this on the real converter's files too)."""
+    source = resolve_model(path, cache_dir=cache_dir)
     assert source.config.architecture == type(hf).__name__
     ids = torch.randint(3, 49152, (1, 40), generator=torch.Generator().manual_seed(6))
     prompt = ids[0, :24].tolist()
