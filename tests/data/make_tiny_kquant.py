@@ -24,8 +24,6 @@ OUT = Path(__file__).with_name("tiny-llama-Q4_K_M.gguf")
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, HEAD_DIM = 256, 4, 4, 2, 512, 64
 
 
-
-
 def write_f16(path: Path) -> None:
     rng = np.random.default_rng(24)
     tokens = [*byte_alphabet(), "hi", "<s>", "</s>"]

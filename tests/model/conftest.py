@@ -11,6 +11,7 @@ import pytest
 
 TinyGGUF = Callable[..., tuple[Path, dict[str, np.ndarray]]]
 
+
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf q/k row permutation (HF rotate-half -> interleaved pairs)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

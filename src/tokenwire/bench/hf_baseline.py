@@ -54,6 +54,7 @@ def _fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             parts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = tensor
     for prefix, kinds in parts.items():
+
         def stack(kind: str, kinds: dict = kinds) -> torch.Tensor:
             return torch.stack([kinds[kind][e] for e in sorted(kinds[kind])])
 

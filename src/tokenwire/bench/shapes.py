@@ -86,8 +86,16 @@ SHAPES = {
     "llama-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, tied=False),
     # OLMoE-1B-7B (issue 25's mixture of experts): 64 experts of width 1024, 8 used a token
     "olmoe-1b-7b": Shape(
-        hidden=2048, layers=16, heads=16, kv_heads=16, ffn=1024, context=4096, rope_theta=10000.0, tied=False,
-        experts=64, experts_used=8,
+        hidden=2048,
+        layers=16,
+        heads=16,
+        kv_heads=16,
+        ffn=1024,
+        context=4096,
+        rope_theta=10000.0,
+        tied=False,
+        experts=64,
+        experts_used=8,
     ),
 }
 # what gguf-py's Python quantiser writes

@@ -118,6 +118,7 @@ def run_step(
         tables = torch.tensor(rows_tables, dtype=torch.long)
         attention = PagedDecode(kv.k, kv.v, position_tensor, tables, kv.k_scale, kv.v_scale)
     else:
+
         def groups_of(pool: int) -> list[AttentionGroup]:
             groups = [build_group([r], [start], [t[pool]], bs, rep, device, dtype) for r, start, *t in chunks]
             if decode_rows:

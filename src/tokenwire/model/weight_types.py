@@ -245,7 +245,7 @@ Q2_K = WeightType("Q2_K", 10, 256, (("block", 84),), "i16_even_odd16", _q2_k)
 
 WEIGHT_TYPES: tuple[WeightType, ...] = (
     Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, IQ4_XS, F16, BF16, Q4_K, Q6_K, Q5_K, Q3_K, Q2_K
-)
+)  # fmt: skip
 BY_ID: dict[int, WeightType] = {t.gguf_id: t for t in WEIGHT_TYPES}
 BY_NAME: dict[str, WeightType] = {t.name: t for t in WEIGHT_TYPES}
 
