@@ -25,9 +25,10 @@ OPTS = GenerateOptions(max_tokens=12, ignore_eos=True, sampling=GREEDY, logprobs
 
 def _tiny_quantised(arch: str = "smollm2") -> torch.nn.Module:
     hf = hf_model(arch)
-    state = experts.prepare(None, dict(hf.state_dict()), torch.float32, torch.device("cpu"))  # type: ignore[arg-type]
+    config = read_config(hf.config.to_dict())
+    state = dict(experts.renamed(dict(hf.state_dict()), experts.count(config)))
     tensors, qtypes = quantize_state(state, Q4_1)
-    return build_model(read_config(hf.config.to_dict()), tensors, qtypes)
+    return build_model(config, tensors, qtypes)
 
 
 def _smollm2() -> torch.nn.Module:

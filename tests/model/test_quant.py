@@ -4,7 +4,6 @@ the dequantised weight, and a quantised model (fused decode or not) matches its 
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -171,8 +170,7 @@ def _twins(qtype: int, arch: str = "smollm2") -> tuple[torch.nn.Module, torch.nn
     hf = hf_model(arch)
     config = read_config(hf.config.to_dict())
     # experts one tensor each (transformers >= 5 stacks them), so each is quantised like the rest
-    holder = SimpleNamespace(config=config)  # prepare reads the expert count from the model's config
-    state = dict(experts.prepare(holder, dict(hf.state_dict()), torch.float32, torch.device("cpu")))  # type: ignore[arg-type]
+    state = dict(experts.renamed(dict(hf.state_dict()), experts.count(config)))
     tensors, qtypes = quantize_state(state, qtype)
     quantised = build_model(config, tensors, qtypes)
     dense_state = {

@@ -70,8 +70,13 @@ class _ExpertsRenamed(Mapping[str, torch.Tensor]):
         return len(self.where)
 
 
+def renamed(state: Tensors, experts: int) -> Tensors:
+    """`state` with its `experts` experts under the per-expert names (read when asked for)."""
+    return _ExpertsRenamed(state, experts)
+
+
 def prepare(model: DecoderModel, state: Tensors, dtype: torch.dtype, device: torch.device) -> Tensors:
-    return _ExpertsRenamed(state, count(model.config))
+    return renamed(state, count(model.config))
 
 
 def expert_names(config: ModelConfig, names: WeightNames, layer: int) -> WeightNames:
