@@ -39,8 +39,14 @@ def _smollm2() -> torch.nn.Module:
 
 
 # OLMoE's tiny twin: each token's experts in the fused stack (its 4 experts, 2 a token, in a
-# batch of 32 mixing every routing), summed the same whatever shares the step
-MODELS = {"smollm2": _smollm2, "tiny": _tiny_quantised, "tiny-olmoe": lambda: _tiny_quantised("olmoe")}
+# batch of 32 mixing every routing), summed the same whatever shares the step; Gemma 3's: its
+# local layers (window 8) read from the window pool, where a 45-token prompt passes the window
+MODELS = {
+    "smollm2": _smollm2,
+    "tiny": _tiny_quantised,
+    "tiny-olmoe": lambda: _tiny_quantised("olmoe"),
+    "tiny-gemma3": lambda: _tiny_quantised("gemma3"),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

@@ -113,3 +113,34 @@ def test_an_evicted_window_block_means_computing_again(tokenizer) -> None:
         assert (torch.tensor([e.logprob for e in events]) - expected).abs().max() <= 1e-4
     finally:
         engine.shutdown()
+
+
+def test_the_fused_stack_keeps_local_layers_in_the_window_pool(tokenizer) -> None:
+    """Quantised, Gemma 3 runs every step in the fused stack (kernels/decode_stack.h), which reads
+    and writes the local layers' keys and values in the window pool: a session far past the
+    window holds a window's worth of blocks there, and its tokens and logprobs are the eager
+    layers' on the same cache layout (to 1e-4: the same matmuls, another order of sums)."""
+    from tests.model.test_quant import _twins
+    from tokenwire.model.quant import Q8_0
+
+    model, _ = _twins(Q8_0, "gemma3")
+    assert model.fusion_blocker is None
+    tokens = rand_tokens(200, 16)
+    greedy = SamplingParams(temperature=0.0)
+    opts = GenerateOptions(max_tokens=40, sampling=greedy, ignore_eos=True, logprobs=True)
+    runs = []
+    for fuse in (True, False):
+        model.fuse_decode = fuse
+        engine = Engine(model, tokenizer, name="tiny-gemma3-q8", block_size=BLOCK, max_batch_tokens=32,
+                        kv_cache_mb=16, kv_dtype="fp32", speculate="off")  # fmt: skip
+        try:
+            assert engine.kv.window_pool is not None
+            events, _ = engine.generate(engine.create_session(), tokens, opts).result()
+            assert engine.stats()["kv_window_blocks_held"] <= SPANNED
+            runs.append([(e.token_id, e.logprob) for e in events])
+        finally:
+            engine.shutdown()
+    model.fuse_decode = True
+    fused, eager = runs
+    assert [t for t, _ in fused] == [t for t, _ in eager]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(fused, eager, strict=True)) <= 1e-4

@@ -258,6 +258,10 @@ def _max_logprob_diff(a: list[list[tuple[int, float]]], b: list[list[tuple[int, 
         ("mixtral", Q8_0, 2),
         ("qwen3_moe", Q4_1, 2),
         ("olmoe", Q8_0, 2),
+        # Gemma 3's sandwich norms, GELU and local layers (window 8) in the cache's window pool,
+        # past the window; its global layers in the full-context pool
+        ("gemma3", Q8_0, 2),
+        ("gemma3_gguf", Q4_1, 2),
     ],
 )
 def test_fused_decode_equals_eager_layers_in_the_engine(

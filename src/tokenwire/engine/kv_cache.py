@@ -223,6 +223,10 @@ class KVCache:
             self.window = max(int(windows[i]) for i in windowed)  # type: ignore[arg-type]
             self.window_pool = KVPool(len(windowed), window_blocks, block_size, config, kv_dtype, device)
             self._where |= {layer: (self.window_pool, i) for i, layer in enumerate(windowed)}
+        # each layer's place for the fused kernel: s >= 0 layer s of the full-context pool, s < 0
+        # layer -s - 1 of the window pool (kernels/decode_stack.h)
+        places = [self._where[layer] for layer in range(config.num_layers)]
+        self.layer_slots = torch.tensor([i if p is pool else -i - 1 for p, i in places], dtype=torch.long)
         self.bytes_per_token = kv_bytes_per_token(config, kv_dtype, len(full))
         self.window_bytes_per_token = kv_bytes_per_token(config, kv_dtype, len(windowed))
 

@@ -64,10 +64,10 @@ def load_model_and_cache(
 
 
 def kept_windows(module: torch.nn.Module) -> list[int | None]:
-    """Each layer's sliding window where the cache may keep those layers apart (eager decode:
-    the fused kernel reads one pool), else none."""
+    """Each layer's sliding window, for the cache to keep windowed layers apart (the fused
+    kernel and the eager layers both read the window pool)."""
     layers = getattr(module, "layers", None)
-    if layers is None or getattr(module, "can_fuse_decode", False):
+    if layers is None:
         return []
     specs = [getattr(getattr(layer, "attention", None), "spec", None) for layer in layers]
     return [None if spec is None else spec.window for spec in specs]

@@ -14,7 +14,7 @@ from tokenwire.engine.request import Request
 from tokenwire.engine.step_team import StepTeam
 from tokenwire.engine.vision import EmbeddingCache, step_inputs
 from tokenwire.model import kernels
-from tokenwire.model.layers.decoder import PagedDecode
+from tokenwire.model.layers.decoder import PagedDecode, WindowPool
 
 
 @dataclass
@@ -65,7 +65,7 @@ def run_step(
     decode_rows: list[list[int]] = []
     decode_starts: list[int] = []
     decode_tables: list[tuple[list[int], list[int]]] = []  # full-context and window blocks
-    item_tables: list[tuple[list[int], int]] = []  # each item's blocks and rows, for a fused step
+    item_tables: list[tuple[list[int], list[int], int]] = []  # each item's blocks (both pools), rows: fused
     chunks: list[tuple[list[int], int, list[int], list[int]]] = []  # prefill chunks: rows, start, tables
     logit_rows: list[int] = []
     logit_keys: list[tuple[int, int]] = []
@@ -88,7 +88,7 @@ def run_step(
         blocks = table[:n_blocks]
         # blocks the window has left read block 0: the window's mask hides their positions
         window_blocks = [max(b, 0) for b in window_table[:n_blocks]]
-        item_tables.append((blocks, item.count))
+        item_tables.append((blocks, window_blocks, item.count))
         if item.count == 1:
             decode_rows.append(rows)
             decode_starts.append(item.start)
@@ -108,15 +108,18 @@ def run_step(
             capture_keys.append((rid, p))
     attention: PagedAttention | PagedDecode
     position_tensor = torch.tensor(positions, device=device)
-    if model.can_fuse_decode and kv.window_pool is None:
+    if model.can_fuse_decode:
         # every step, decode rows and prefill chunks alike, runs the stack as one fused kernel
         # that reads the block tables itself (a row per token: its position, its sequence's
         # table). One kernel for every step is what keeps a token's arithmetic the same whether
         # it was decoded, prefilled in one chunk or several, alone or in a batch.
-        width = max(len(t) for t, _ in item_tables)
-        rows_tables = [row for t, n in item_tables for row in [t + [0] * (width - len(t))] * n]
-        tables = torch.tensor(rows_tables, dtype=torch.long)
-        attention = PagedDecode(kv.k, kv.v, position_tensor, tables, kv.k_scale, kv.v_scale)
+        tables = _row_tables([(t, n) for t, _, n in item_tables])
+        window = None
+        if kv.window_pool is not None:
+            pool = kv.window_pool
+            window_tables = _row_tables([(w, n) for _, w, n in item_tables])
+            window = WindowPool(pool.k, pool.v, pool.k_scale, pool.v_scale, window_tables, kv.layer_slots)
+        attention = PagedDecode(kv.k, kv.v, position_tensor, tables, kv.k_scale, kv.v_scale, window)
     else:
 
         def groups_of(pool: int) -> list[AttentionGroup]:
@@ -158,6 +161,13 @@ def run_step(
         stacked = torch.stack([captured[layer] for layer in capture_layers], dim=1).float().cpu()
         out_hidden = {key: stacked[i] for i, key in enumerate(capture_keys)}
     return StepOutput(out_logits, out_hidden, _row_stats(logits, logit_keys, stat_rows))
+
+
+def _row_tables(item_tables: list[tuple[list[int], int]]) -> torch.Tensor:
+    """A block table per row (each item's, repeated for its rows), padded to one width."""
+    width = max(len(t) for t, _ in item_tables)
+    rows = [row for t, n in item_tables for row in [t + [0] * (width - len(t))] * n]
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def _row_stats(

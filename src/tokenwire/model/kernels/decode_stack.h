@@ -24,11 +24,13 @@ namespace tw {
 
 // One layer as the model describes it (model/layers/fusion.py): weights by role, optional parts
 // absent from the dict. No rotary table: a layer without RoPE. window 0: attends every position.
+// attn_out_norm / mlp_out_norm: Gemma's sandwich norms, on each sublayer's output before the
+// residual sum.
 struct StackLayer {
   at::Tensor attn_norm, mlp_norm;
   Proj qkv, gate_up;   // gate_up and down: empty in a layer of experts
   at::Tensor o, down;  // one weight each (one tensor in every checkpoint)
-  std::optional<at::Tensor> qkv_bias, q_norm, k_norm, rope_cos, rope_sin;
+  std::optional<at::Tensor> qkv_bias, q_norm, k_norm, rope_cos, rope_sin, attn_out_norm, mlp_out_norm;
   int64_t o_type, down_type, window, activation;
   float eps, scale;
   bool qk_norm_whole = false;  // q and k normed over the whole projection (OLMoE), not per head
@@ -69,11 +71,13 @@ struct DecodeStack : torch::CustomClassHolder {
     StackLayer L{t.at("attn_norm"), t.at("mlp_norm"), Proj::from(t, n, "qkv", H),
                  moe ? Proj{} : Proj::from(t, n, "gate_up", H), t.at("o"), moe ? at::Tensor() : t.at("down"),
                  part(t, "qkv_bias"), part(t, "q_norm"), part(t, "k_norm"), part(t, "rope_cos"), part(t, "rope_sin"),
-                 n.at("o_type"), moe ? 0 : n.at("down_type"), n.at("window"),
+                 part(t, "attn_out_norm"), part(t, "mlp_out_norm"), n.at("o_type"), moe ? 0 : n.at("down_type"), n.at("window"),
                  n.at("activation"), static_cast<float>(f.at("eps")), static_cast<float>(f.at("scale"))};
     L.qk_norm_whole = n.contains("qk_norm_whole") && n.at("qk_norm_whole") != 0;
     check_floats(L.attn_norm, H, "attn_norm");
     check_floats(L.mlp_norm, H, "mlp_norm");
+    check_floats(L.attn_out_norm, H, "attn_out_norm");
+    check_floats(L.mlp_out_norm, H, "mlp_out_norm");
     check_weight(L.o, L.o_type, q_size);
     if (moe) {
       Experts E;
@@ -124,43 +128,97 @@ struct DecodeStack : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
+  // resid += a sublayer's output, through its norm where the layer has one (scratch: [M, H])
+  static void add_output(float* resid, const float* out, const std::optional<at::Tensor>& norm, float eps, int64_t M,
+                         int64_t H, float* scratch) {
+    if (norm.has_value()) {
+      rms_norm_rows(out, norm->data_ptr<float>(), eps, M, H, scratch);
+      out = scratch;
+    }
+    for (int64_t i = 0; i < M * H; ++i) resid[i] += out[i];
+  }
 
+
+
+  // Checks a block table [M, width] against the rows' positions and a pool of `blocks` blocks.
+  static void check_tables(const at::Tensor& tables, int64_t M, const int64_t* pos, int64_t bs, int64_t blocks,
+                           const char* what) {
+    TORCH_CHECK(tables.dtype() == at::kLong && tables.dim() == 2 && tables.size(0) == M && tables.is_contiguous(),
+                what, " must be contiguous int64 [M, max_blocks]");
+    const int64_t width = tables.size(1);
+    const int64_t* t = tables.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(pos[m] >= 0 && pos[m] / bs < width, "position ", pos[m], " is past its row of ", what);
+      for (int64_t b = 0; b <= pos[m] / bs; ++b)
+        TORCH_CHECK(t[m * width + b] >= 0 && t[m * width + b] < blocks, what, " entry ", t[m * width + b],
+                    " is not one of the ", blocks, " blocks");
+    }
+  }
+
+  static void check_caches(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale, int64_t kv_heads, int64_t D, const char* what) {
+    TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), what,
+                " K and V must be [layers, blocks, block_size, kv_heads, head_dim] of one type");
+    check_kv(k, k_scale, kv_heads, D, "a K cache");
+    check_kv(v, v_scale, kv_heads, D, "a V cache");
+  }
 
   // Layers [first, last) for one decode token per row of x [M, H] (updated in place), then the
   // final RMSNorm when `final_norm` is given. KV caches [layers, blocks, block_size, kv_heads, D];
   // each layer's rotary table is indexed by the rows' positions [M] (the row attends to
   // 0..position, or its window's end of it); block_tables [M, max_blocks].
+  // Where the cache keeps windowed layers in a pool of their own (engine/kv_cache.py),
+  // `layer_slots` [layers] places each layer: s >= 0 is layer s of k/v_cache, s < 0 layer -s - 1
+  // of window_k/v (a row's blocks there in window_tables, released ones given as any valid block:
+  // a window never reads them). Without it, layer l is layer l of k/v_cache.
   void run(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, const std::optional<at::Tensor>& k_scale,
            const std::optional<at::Tensor>& v_scale, const at::Tensor& positions, const at::Tensor& block_tables,
-           int64_t first, int64_t last, const std::optional<at::Tensor>& final_norm) {
+           int64_t first, int64_t last, const std::optional<at::Tensor>& final_norm,
+           const std::optional<at::Tensor>& layer_slots, const std::optional<at::Tensor>& window_k,
+           const std::optional<at::Tensor>& window_v, const std::optional<at::Tensor>& window_k_scale,
+           const std::optional<at::Tensor>& window_v_scale, const std::optional<at::Tensor>& window_tables) {
     TORCH_CHECK(0 <= first && first <= last && last <= num_layers(), "layer range out of bounds");
     const int64_t M = x.size(0), H = x.size(1), D = head_dim;
     TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous() && x.dim() == 2 && H == layers[0].attn_norm.numel(),
                 "x must be contiguous float32 [M, hidden]");
-    TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) >= last &&
-                    k_cache.scalar_type() == v_cache.scalar_type(),
-                "KV caches must be [layers, blocks, block_size, kv_heads, head_dim] of one type");
-    check_kv(k_cache, k_scale, num_kv_heads, D, "the K cache");
-    check_kv(v_cache, v_scale, num_kv_heads, D, "the V cache");
+    check_caches(k_cache, v_cache, k_scale, v_scale, num_kv_heads, D, "the cache's");
+    const bool pools = window_k.has_value();
+    TORCH_CHECK(pools == window_v.has_value() && pools == window_tables.has_value() &&
+                    (!pools || layer_slots.has_value()),
+                "a window pool comes with its K, V, tables and the layers' slots");
+    if (pools) check_caches(*window_k, *window_v, window_k_scale, window_v_scale, num_kv_heads, D, "the window pool's");
+    std::vector<int64_t> slot_of(num_layers());
+    for (int64_t l = 0; l < num_layers(); ++l) slot_of[l] = l;
+    if (layer_slots.has_value()) {
+      TORCH_CHECK(layer_slots->dtype() == at::kLong && layer_slots->is_contiguous() &&
+                      layer_slots->numel() == num_layers(),
+                  "layer_slots must be contiguous int64 [layers]");
+      std::memcpy(slot_of.data(), layer_slots->data_ptr<int64_t>(), num_layers() * sizeof(int64_t));
+    }
+    for (int64_t l = first; l < last; ++l) {
+      const int64_t s = slot_of[l];
+      TORCH_CHECK(s >= 0 ? s < k_cache.size(0) : pools && -s - 1 < window_k->size(0), "layer ", l, "'s slot ", s,
+                  " is not a layer of its pool");
+    }
     if (final_norm.has_value())
       TORCH_CHECK(final_norm->dtype() == at::kFloat && final_norm->is_contiguous() && final_norm->numel() == H,
                   "the final norm must be contiguous float32 [hidden]");
-    TORCH_CHECK(positions.dtype() == at::kLong && positions.numel() == M && positions.is_contiguous() &&
-                    block_tables.dtype() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == M &&
-                    block_tables.is_contiguous(),
-                "positions [M] and block_tables [M, max_blocks] must be contiguous int64");
-    const int64_t bs = k_cache.size(2), max_blocks = block_tables.size(1), blocks = k_cache.size(1);
+    TORCH_CHECK(positions.dtype() == at::kLong && positions.numel() == M && positions.is_contiguous(),
+                "positions must be contiguous int64 [M]");
+    const int64_t bs = k_cache.size(2), max_blocks = block_tables.size(1);
     const int64_t* pos = positions.data_ptr<int64_t>();
+    check_tables(block_tables, M, pos, bs, k_cache.size(1), "the block tables");
     const int64_t* tables = block_tables.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m) {
-      TORCH_CHECK(pos[m] >= 0 && pos[m] / bs < max_blocks, "position ", pos[m], " is past its block table");
+    if (pools) {
+      TORCH_CHECK(window_k->size(2) == bs, "the window pool's blocks must be the cache's size");
+      check_tables(*window_tables, M, pos, bs, window_k->size(1), "the window tables");
+    }
+    const int64_t window_width = pools ? window_tables->size(1) : 0;
+    const int64_t* wtables = pools ? window_tables->data_ptr<int64_t>() : nullptr;
+    for (int64_t m = 0; m < M; ++m)
       for (int64_t l = first; l < last; ++l)
         TORCH_CHECK(!layers[l].rope_cos.has_value() || pos[m] < layers[l].rope_cos->size(0), "position ", pos[m],
                     " is past layer ", l, "'s rotary table");
-      for (int64_t b = 0; b <= pos[m] / bs; ++b)
-        TORCH_CHECK(tables[m * max_blocks + b] >= 0 && tables[m * max_blocks + b] < blocks,
-                    "block table entry ", tables[m * max_blocks + b], " is not one of the ", blocks, " blocks");
-    }
     if (M == 0) return;
 
     const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
@@ -203,6 +261,8 @@ struct DecodeStack : torch::CustomClassHolder {
     float* xp = x.data_ptr<float>();
     const int wanted = at::get_num_threads(), threads = g_team.team(wanted);
     PagedAttention paged(num_heads, num_kv_heads, D, M, pos, tables, max_blocks, bs, threads);
+    std::optional<PagedAttention> windowed;
+    if (pools) windowed.emplace(num_heads, num_kv_heads, D, M, pos, wtables, window_width, bs, threads);
     SpinThenSleepBarrier barrier;
     const bool omp_barrier = g_spin_ns.load() < 0;  // A/B measurement only
     std::atomic<int64_t> waited{0};
@@ -219,7 +279,15 @@ struct DecodeStack : torch::CustomClassHolder {
       const auto [o0, o1] = share(H, tid, nt);                               // o and down rows
       for (int64_t l = first; l < last; ++l) {
         const StackLayer& L = layers[l];
-        const KvCacheView kc = kv_view(k_cache, k_scale, l), vc = kv_view(v_cache, v_scale, l);
+        const int64_t slot = slot_of[l], pool_layer = slot >= 0 ? slot : -slot - 1;
+        const bool in_window = slot < 0;
+        const KvCacheView kc = in_window ? kv_view(*window_k, window_k_scale, pool_layer)
+                                         : kv_view(k_cache, k_scale, pool_layer);
+        const KvCacheView vc = in_window ? kv_view(*window_v, window_v_scale, pool_layer)
+                                         : kv_view(v_cache, v_scale, pool_layer);
+        const int64_t* layer_tables = in_window ? wtables : tables;
+        const int64_t layer_width = in_window ? window_width : max_blocks;
+        PagedAttention& layer_paged = in_window ? *windowed : paged;
         rms_norm_rows(resid.data(), L.attn_norm.data_ptr<float>(), L.eps, M, H, h.data());
         proj_rows(h.data(), M, H, L.qkv, {{s0 * D, s1 * D}}, qkv.data(), int16, qa);
         if (L.qk_norm_whole) {  // each row's whole q and k: every thread's slices written, read
@@ -261,27 +329,27 @@ SYNC
               std::memcpy(v, rotated.data(), D * sizeof(float));
             }
             if (s >= num_heads) {
-              const int64_t p = pos[m], slot = tables[m * max_blocks + p / bs] * bs + p % bs;
-              (s < num_heads + num_kv_heads ? kc : vc).store_row(slot, (s - num_heads) % num_kv_heads, D, v);
+              const int64_t p = pos[m], row = layer_tables[m * layer_width + p / bs] * bs + p % bs;
+              (s < num_heads + num_kv_heads ? kc : vc).store_row(row, (s - num_heads) % num_kv_heads, D, v);
             }
           }
 SYNC
         const float scale = L.scale > 0 ? L.scale : default_scale;
-        paged.tasks(attn_thread, kc, vc, L.window, scale, qkv.data(), qkv_n, attn.data(), tid, nt);
-        if (paged.split) {
+        layer_paged.tasks(attn_thread, kc, vc, L.window, scale, qkv.data(), qkv_n, attn.data(), tid, nt);
+        if (layer_paged.split) {
 SYNC
-          paged.merge(attn_thread, attn.data(), tid, nt);
+          layer_paged.merge(attn_thread, attn.data(), tid, nt);
         }
 SYNC
         matvec_rows(attn.data(), quantized_for(attn.data(), M, q_size, L.o_type, int16, qa), M, q_size, L.o, L.o_type, o0,
                     o1, proj.data());
 SYNC
-        for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
+        add_output(resid.data(), proj.data(), L.attn_out_norm, L.eps, M, H, h.data());
         rms_norm_rows(resid.data(), L.mlp_norm.data_ptr<float>(), L.eps, M, H, h.data());
         if (L.experts.has_value()) {
           run_experts(*L.experts, h.data(), M, H, L.activation, router_logits.data(), expert_out.data(), proj.data(),
                       tid, nt, barrier, omp_barrier, my_wait, int16);
-          for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
+          add_output(resid.data(), proj.data(), L.mlp_out_norm, L.eps, M, H, h.data());
           continue;
         }
         const int64_t ab = swiglu_blocks[l - first];
@@ -298,7 +366,7 @@ SYNC
 SYNC
         matvec_rows(act.data(), down_q, M, inter, L.down, L.down_type, o0, o1, proj.data());
 SYNC
-        for (int64_t i = 0; i < M * H; ++i) resid[i] += proj[i];
+        add_output(resid.data(), proj.data(), L.mlp_out_norm, L.eps, M, H, h.data());
       }
       waited.fetch_add(my_wait, std::memory_order_relaxed);
       if (tid == 0) {

@@ -22,7 +22,9 @@ class PagedDecode:
     """A decode-only step over the paged KV cache, for the fused decode path: row m of the
     batch is one new token of its own sequence at positions[m]; block_tables[m] lists that
     sequence's KV blocks (padded). k/v are the whole caches [layers, blocks, block_size, kv_heads, D],
-    in the cache's storage type (fp32, fp16, bf16, or int8 with its scales: engine/kv_cache.py)."""
+    in the cache's storage type (fp32, fp16, bf16, or int8 with its scales: engine/kv_cache.py).
+    `window`: where the cache keeps windowed layers in a pool of their own (Gemma 3's local
+    layers), that pool and each row's tables there, with every layer's place (layer_slots)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -30,6 +32,20 @@ class PagedDecode:
     block_tables: torch.Tensor  # [M, max_blocks] int64
     k_scale: torch.Tensor | None = None  # a q8 cache's scales (engine/kv_cache.py)
     v_scale: torch.Tensor | None = None
+    window: WindowPool | None = None
+
+
+@dataclass
+class WindowPool:
+    """The window pool's caches, the rows' tables there, and layer_slots [layers] int64: s >= 0
+    is layer s of the full-context cache, s < 0 layer -s - 1 of this pool (kernels/decode_stack.h)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    block_tables: torch.Tensor  # [M, max_blocks] int64
+    layer_slots: torch.Tensor
 
 
 class DecoderModel(nn.Module):
@@ -139,6 +155,8 @@ class DecoderModel(nn.Module):
         capture(0)
         last = len(self.layers)
         start = 0
+        w = batch.window
+        pool = () if w is None else (w.layer_slots, w.k, w.v, w.k_scale, w.v_scale, w.block_tables)
         for end in sorted({i for i in capture_layers if 0 < i < last} | {last}):
             final = self.norm.scale() if end == last else None
             self._decode_stack.run(
@@ -152,6 +170,7 @@ class DecoderModel(nn.Module):
                 start,
                 end,
                 final,
+                *(pool or (None,) * 6),
             )
             capture(end)
             start = end

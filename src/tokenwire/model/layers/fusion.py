@@ -2,10 +2,12 @@
 
 Each layer is handed over as a description: its weights by role, its block types, window,
 activation, norm epsilon and attention scale, and its rotary table (none for a layer without
-RoPE). The kernel knows one layer shape: pre-norm attention with optional bias and q/k norm (per head,
-or over the whole projection), 1-D RoPE, an optional sliding window, a gated dense MLP or a
-mixture of gated experts under a float router, every projection quantised. A model with any
-other layer decodes eager, and `blocker` says why (the bench prints it).
+RoPE). The kernel knows one layer shape: pre-norm attention with
+optional bias and q/k norm (per head, or over the whole projection), 1-D RoPE, an optional sliding
+window (the layer's keys and values in the cache's window pool where it keeps one), optional norms
+on the attention's and the MLP's outputs (Gemma's sandwich), a gated dense MLP or a mixture of
+gated experts under a float router, every projection quantised. A model with any other layer
+decodes eager, and `blocker` says why (the bench prints it).
 """
 
 from __future__ import annotations
@@ -60,8 +62,6 @@ def _layer_blocker(layer: DecoderLayer) -> str | None:
     pairs = [(attention.qkv, attention.o_proj), *((mlp.gate_up, mlp.down) for mlp in _mlps(layer))]
     if not all(isinstance(one, QuantLinear) and isinstance(stacked, _STACKED) for stacked, one in pairs):
         return "float projections (the kernel multiplies quantised blocks)"
-    if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
-        return "norms after attention and MLP"
     if attention.spec.softcap is not None:
         return "attention soft-capping"
     if layer.rope.kind not in ("default", "linear", "llama3", "longrope", "none"):
@@ -89,6 +89,10 @@ def describe(
             suffix = f"@{i}" if i else ""
             tensors[name + suffix], ints[f"{name}_type{suffix}"] = part.packed, int(part.qtype)
     tensors["attn_norm"], tensors["mlp_norm"] = layer.attn_norm.scale(), layer.mlp_norm.scale()
+    if layer.attn_out_norm is not None:
+        tensors["attn_out_norm"] = layer.attn_out_norm.scale()
+    if layer.mlp_out_norm is not None:
+        tensors["mlp_out_norm"] = layer.mlp_out_norm.scale()
     if attention.qkv.bias is not None:
         tensors["qkv_bias"] = attention.qkv.bias
     if attention.q_norm is not None and attention.k_norm is not None:
