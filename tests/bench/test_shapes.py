@@ -214,3 +214,29 @@ def test_a_mixture_of_experts_shape_loads_as_olmoe_and_counts_its_active_experts
         assert len(tokens) == 4
     finally:
         engine.shutdown()
+
+
+def test_a_gemma3_shape_runs_fused_with_its_local_layers_in_the_window_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Gemma 3 shape: heads wider than hidden / heads, q/k and sandwich norms, five local
+    layers in six (a window of 16) whose keys and values the fused stack keeps in the window pool."""
+    widths = dict(hidden=128, layers=6, heads=4, kv_heads=1, ffn=256, context=512)
+    tiny = shapes.Shape(**widths, head_dim=64, window=16)
+    monkeypatch.setitem(shapes.SHAPES, "tiny-gemma3", tiny)
+    path = shapes.shape_file("tiny-gemma3", "Q8_0", tmp_path)
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == "gemma3"
+    kinds = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    assert kinds["blk.0.attn_q.weight"] == (128, 256) and kinds["blk.5.post_ffw_norm.weight"] == (128,)
+    engine = build_engine(EngineSettings(model=str(path), progress=False, kv_cache_mb=8, cache_dir=tmp_path))
+    try:
+        assert engine.model.config.architecture == "Gemma3ForCausalLM"
+        assert engine.model.fusion_blocker is None
+        assert engine.kv.window == 16 and engine.kv.window_pool is not None
+        assert engine.kv.window_pool.k.shape[0] == 5 and engine.kv.k.shape[0] == 1
+        options = GenerateOptions(max_tokens=40, sampling=SamplingParams(temperature=0.0), ignore_eos=True)
+        tokens = engine.generate(None, list(range(100, 160)), options).result()[0]
+        assert len(tokens) == 40
+    finally:
+        engine.shutdown()

@@ -4,6 +4,8 @@ prefix-cache hit, a fork, the fused decode — equal to a float64 reference of t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -108,10 +110,11 @@ def test_toy_family_runs_through_the_engine_exactly(smollm2_source, fused: bool,
 
 def test_a_layer_the_kernel_does_not_know_decodes_eager_and_says_why() -> None:
     model = toy_model()
-    model.layers[2].mlp_out_norm = model.layers[2].mlp_norm  # Gemma's norm after the MLP
+    attention = model.layers[2].attention
+    attention.spec = dataclasses.replace(attention.spec, softcap=50.0)  # Gemma 2's capped scores
     model.__dict__.pop("fusion_blocker", None)
-    assert model.fusion_blocker == "layer 2: norms after attention and MLP" and not model.can_fuse_decode
-    assert decode_path(model) == "eager: layer 2: norms after attention and MLP"
+    assert model.fusion_blocker == "layer 2: attention soft-capping" and not model.can_fuse_decode
+    assert decode_path(model) == "eager: layer 2: attention soft-capping"
 
 
 def test_an_intermediate_size_not_a_multiple_of_8_decodes_eager_and_says_why() -> None:

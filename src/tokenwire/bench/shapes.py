@@ -63,16 +63,23 @@ class Shape:
     tied: bool = True  # the head is the embedding (no output.weight)
     experts: int = 0  # a mixture of `experts` MLPs of width `ffn` in every layer (OLMoE's layout)
     experts_used: int = 0
+    head_dim: int = 0  # 0: hidden / heads
+    window: int = 0  # Gemma 3: local layers' sliding window (every sixth layer global), GELU, sandwich norms
 
     @property
     def architecture(self) -> str:
-        """llama.cpp's name for the file: a Llama, or OLMoE (q/k norms, experts in every layer)."""
-        return "olmoe" if self.experts else "llama"
+        """llama.cpp's name for the file: a Llama, OLMoE (q/k norms, experts in every layer) or
+        Gemma 3."""
+        return "gemma3" if self.window else "olmoe" if self.experts else "llama"
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
     def parameters(self, vocab: int) -> int:
-        kv = self.kv_heads * (self.hidden // self.heads)
+        q, kv = self.heads * self.head_size, self.kv_heads * self.head_size
         mlp = 3 * self.ffn * self.hidden * max(self.experts, 1) + self.experts * self.hidden
-        layer = 2 * self.hidden * self.hidden + 2 * kv * self.hidden + mlp
+        layer = 2 * q * self.hidden + 2 * kv * self.hidden + mlp
         return self.layers * layer + vocab * self.hidden * (1 if self.tied else 2)
 
 
@@ -96,6 +103,19 @@ SHAPES = {
         tied=False,
         experts=64,
         experts_used=8,
+    ),
+    # Gemma-3-1B: heads of 256 (q 1024 wide of a 1152 hidden), local layers with a window of 512
+    # beside every sixth global one, the local ones in the KV cache's window pool
+    "gemma3-1b": Shape(
+        hidden=1152,
+        layers=26,
+        heads=4,
+        kv_heads=1,
+        ffn=6912,
+        context=32768,
+        rope_theta=1000000.0,
+        head_dim=256,
+        window=512,
     ),
 }
 # what gguf-py's Python quantiser writes
@@ -224,8 +244,7 @@ def tensors(s: Shape, vocab: int, quant: str) -> Iterator[tuple[str, tuple[int, 
     kind = Q[quant]
     # the embedding (and an untied head) at >= 8 bits, as llama.cpp's own recipes keep the head
     wide = kind if quant in _FLOATS or quant == "Q8_0" else Q.Q8_0
-    head_dim = s.hidden // s.heads
-    kv = s.kv_heads * head_dim
+    q, kv = s.heads * s.head_size, s.kv_heads * s.head_size
     yield "token_embd.weight", (vocab, s.hidden), wide
     yield "output_norm.weight", (s.hidden,), Q.F32
     if not s.tied:
@@ -234,10 +253,15 @@ def tensors(s: Shape, vocab: int, quant: str) -> Iterator[tuple[str, tuple[int, 
         p = f"blk.{i}."
         yield p + "attn_norm.weight", (s.hidden,), Q.F32
         yield p + "ffn_norm.weight", (s.hidden,), Q.F32
-        yield p + "attn_q.weight", (s.hidden, s.hidden), kind
+        yield p + "attn_q.weight", (q, s.hidden), kind
         yield p + "attn_k.weight", (kv, s.hidden), kind
         yield p + "attn_v.weight", (kv, s.hidden), kind
-        yield p + "attn_output.weight", (s.hidden, s.hidden), kind
+        yield p + "attn_output.weight", (s.hidden, q), kind
+        if s.window:  # Gemma 3: q/k RMSNorms per head and the sandwich norms
+            yield p + "attn_q_norm.weight", (s.head_size,), Q.F32
+            yield p + "attn_k_norm.weight", (s.head_size,), Q.F32
+            yield p + "post_attention_norm.weight", (s.hidden,), Q.F32
+            yield p + "post_ffw_norm.weight", (s.hidden,), Q.F32
         if not s.experts:
             yield p + "ffn_gate.weight", (s.ffn, s.hidden), kind
             yield p + "ffn_up.weight", (s.ffn, s.hidden), kind
@@ -270,7 +294,7 @@ def write(path: Path, s: Shape, quant: str) -> None:
     w = gguf.GGUFWriter(str(path), s.architecture)
     w.add_name("random weights, bench shape")
     vocab = copy_shipped_tokenizer(w)
-    head_dim = s.hidden // s.heads
+    head_dim = s.head_size
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
@@ -284,6 +308,11 @@ def write(path: Path, s: Shape, quant: str) -> None:
     if s.experts:
         w.add_expert_count(s.experts)
         w.add_expert_used_count(s.experts_used)
+    if s.window:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(s.window)
+        w.add_float32(f"{s.architecture}.rope.freq_base_swa", 10000.0)
     w.add_file_type(int(gguf.LlamaFileType["ALL_F32" if quant == "F32" else f"MOSTLY_{quant}"]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     plan = list(tensors(s, vocab, quant))
