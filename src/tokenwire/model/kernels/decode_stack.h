@@ -23,17 +23,19 @@ namespace tw {
 // 4.74 ms, min 5.80 -> 3.81 ms (the same matvec kernels in both).
 
 // One layer as the model describes it (model/layers/fusion.py): weights by role, optional parts
-// absent from the dict. No rotary table: a layer without RoPE. window 0: attends every position.
+// absent from the dict. rope: which of a step's cos/sin tables the layer rotates by (-1: a layer
+// without RoPE). window 0: attends every position.
 // attn_out_norm / mlp_out_norm: Gemma's sandwich norms, on each sublayer's output before the
 // residual sum.
 struct StackLayer {
   at::Tensor attn_norm, mlp_norm;
   Proj qkv, gate_up;   // gate_up and down: empty in a layer of experts
   at::Tensor o, down;  // one weight each (one tensor in every checkpoint)
-  std::optional<at::Tensor> qkv_bias, q_norm, k_norm, rope_cos, rope_sin, attn_out_norm, mlp_out_norm;
+  std::optional<at::Tensor> qkv_bias, q_norm, k_norm, attn_out_norm, mlp_out_norm;
   int64_t o_type, down_type, window, activation;
   float eps, scale;
   bool qk_norm_whole = false;  // q and k normed over the whole projection (OLMoE), not per head
+  int64_t rope = -1;           // set after the aggregate's fields above, from the description
   std::optional<Experts> experts;
 };
 
@@ -70,10 +72,11 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t H = t.at("attn_norm").numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     StackLayer L{t.at("attn_norm"), t.at("mlp_norm"), Proj::from(t, n, "qkv", H),
                  moe ? Proj{} : Proj::from(t, n, "gate_up", H), t.at("o"), moe ? at::Tensor() : t.at("down"),
-                 part(t, "qkv_bias"), part(t, "q_norm"), part(t, "k_norm"), part(t, "rope_cos"), part(t, "rope_sin"),
+                 part(t, "qkv_bias"), part(t, "q_norm"), part(t, "k_norm"),
                  part(t, "attn_out_norm"), part(t, "mlp_out_norm"), n.at("o_type"), moe ? 0 : n.at("down_type"), n.at("window"),
                  n.at("activation"), static_cast<float>(f.at("eps")), static_cast<float>(f.at("scale"))};
     L.qk_norm_whole = n.contains("qk_norm_whole") && n.at("qk_norm_whole") != 0;
+    L.rope = n.contains("rope") ? n.at("rope") : -1;
     check_floats(L.attn_norm, H, "attn_norm");
     check_floats(L.mlp_norm, H, "mlp_norm");
     check_floats(L.attn_out_norm, H, "attn_out_norm");
@@ -114,12 +117,6 @@ struct DecodeStack : torch::CustomClassHolder {
     check_floats(L.q_norm, L.qk_norm_whole ? q_size : head_dim, "q_norm");
     check_floats(L.k_norm, L.qk_norm_whole ? kv_size : head_dim, "k_norm");
     TORCH_CHECK(L.q_norm.has_value() == L.k_norm.has_value(), "q_norm and k_norm come together");
-    TORCH_CHECK(L.rope_cos.has_value() == L.rope_sin.has_value(), "rope_cos and rope_sin come together");
-    if (L.rope_cos.has_value())
-      TORCH_CHECK(L.rope_cos->dtype() == at::kFloat && L.rope_sin->dtype() == at::kFloat && L.rope_cos->is_contiguous() &&
-                      L.rope_sin->is_contiguous() && L.rope_cos->dim() == 2 && L.rope_cos->size(1) == head_dim &&
-                      L.rope_sin->sizes() == L.rope_cos->sizes(),
-                  "rotary tables must be contiguous float32 [max_positions, head_dim]");
     TORCH_CHECK(L.window >= 0 && (L.activation == 0 || L.activation == 1), "window must be >= 0, activation 0 or 1");
     if (!layers.empty())
       TORCH_CHECK(layers[0].attn_norm.numel() == H, "every layer must have the first one's hidden size");
@@ -165,8 +162,9 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // Layers [first, last) for one decode token per row of x [M, H] (updated in place), then the
   // final RMSNorm when `final_norm` is given. KV caches [layers, blocks, block_size, kv_heads, D];
-  // each layer's rotary table is indexed by the rows' positions [M] (the row attends to
-  // 0..position, or its window's end of it); block_tables [M, max_blocks].
+  // the rows' positions [M] (the row attends to 0..position, or its window's end of it);
+  // block_tables [M, max_blocks]; rope_cos / rope_sin: each rotary's cos and sin of the rows'
+  // D/2 angles, [M, D/2] (a layer's `rope` picks one).
   // Where the cache keeps windowed layers in a pool of their own (engine/kv_cache.py),
   // `layer_slots` [layers] places each layer: s >= 0 is layer s of k/v_cache, s < 0 layer -s - 1
   // of window_k/v (a row's blocks there in window_tables, released ones given as any valid block:
@@ -174,6 +172,7 @@ struct DecodeStack : torch::CustomClassHolder {
   void run(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, const std::optional<at::Tensor>& k_scale,
            const std::optional<at::Tensor>& v_scale, const at::Tensor& positions, const at::Tensor& block_tables,
            int64_t first, int64_t last, const std::optional<at::Tensor>& final_norm,
+           const std::vector<at::Tensor>& rope_cos, const std::vector<at::Tensor>& rope_sin,
            const std::optional<at::Tensor>& layer_slots, const std::optional<at::Tensor>& window_k,
            const std::optional<at::Tensor>& window_v, const std::optional<at::Tensor>& window_k_scale,
            const std::optional<at::Tensor>& window_v_scale, const std::optional<at::Tensor>& window_tables) {
@@ -215,10 +214,15 @@ struct DecodeStack : torch::CustomClassHolder {
     }
     const int64_t window_width = pools ? window_tables->size(1) : 0;
     const int64_t* wtables = pools ? window_tables->data_ptr<int64_t>() : nullptr;
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t l = first; l < last; ++l)
-        TORCH_CHECK(!layers[l].rope_cos.has_value() || pos[m] < layers[l].rope_cos->size(0), "position ", pos[m],
-                    " is past layer ", l, "'s rotary table");
+    TORCH_CHECK(rope_cos.size() == rope_sin.size(), "rope_cos and rope_sin come together");
+    for (size_t r = 0; r < rope_cos.size(); ++r)
+      for (const at::Tensor* t : {&rope_cos[r], &rope_sin[r]})
+        TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == M &&
+                        t->size(1) == D / 2,
+                    "rotary cos/sin must be contiguous float32 [M, head_dim / 2]");
+    for (int64_t l = first; l < last; ++l)
+      TORCH_CHECK(layers[l].rope < static_cast<int64_t>(rope_cos.size()), "layer ", l, " rotates by table ",
+                  layers[l].rope, " of ", rope_cos.size());
     if (M == 0) return;
 
     const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
@@ -305,8 +309,8 @@ SYNC
         // this thread's head slices: bias, the q/k norm of each head, RoPE on q and k
         // (x*cos + roll(x, D/2)*signed_sin), new keys and values into the cache
         const float* bias = L.qkv_bias.has_value() ? L.qkv_bias->data_ptr<float>() : nullptr;
-        const float* cp = L.rope_cos.has_value() ? L.rope_cos->data_ptr<float>() : nullptr;
-        const float* sp = L.rope_sin.has_value() ? L.rope_sin->data_ptr<float>() : nullptr;
+        const float* cp = L.rope >= 0 ? rope_cos[L.rope].data_ptr<float>() : nullptr;
+        const float* sp = L.rope >= 0 ? rope_sin[L.rope].data_ptr<float>() : nullptr;
         for (int64_t m = 0; m < M; ++m)
           for (int64_t s = s0; s < s1; ++s) {
             float* v = qkv.data() + m * qkv_n + s * D;
@@ -322,10 +326,13 @@ SYNC
               rms_norm_rows(v, w.data_ptr<float>(), L.eps, 1, D, rotated.data());
               std::memcpy(v, rotated.data(), D * sizeof(float));
             }
-            if (cp != nullptr && s < num_heads + num_kv_heads) {
-              const float* c = cp + pos[m] * D;
-              const float* sn = sp + pos[m] * D;
-              for (int64_t i = 0; i < D; ++i) rotated[i] = v[i] * c[i] + v[(i + half) % D] * sn[i];
+            if (cp != nullptr && s < num_heads + num_kv_heads) {  // row m's D/2 angles
+              const float* c = cp + m * half;
+              const float* sn = sp + m * half;
+              for (int64_t i = 0; i < half; ++i) {
+                rotated[i] = v[i] * c[i] + v[i + half] * -sn[i];
+                rotated[i + half] = v[i + half] * c[i] + v[i] * sn[i];
+              }
               std::memcpy(v, rotated.data(), D * sizeof(float));
             }
             if (s >= num_heads) {

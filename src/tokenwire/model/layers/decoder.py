@@ -157,6 +157,10 @@ class DecoderModel(nn.Module):
         start = 0
         w = batch.window
         pool = () if w is None else (w.layer_slots, w.k, w.v, w.k_scale, w.v_scale, w.block_tables)
+        ropes = [
+            self.rotaries[spec].half_tables(batch.positions) for spec in fusion.rope_order(self.rotaries)
+        ]
+        cos, sin = [c for c, _ in ropes], [s for _, s in ropes]
         for end in sorted({i for i in capture_layers if 0 < i < last} | {last}):
             final = self.norm.scale() if end == last else None
             self._decode_stack.run(
@@ -170,6 +174,8 @@ class DecoderModel(nn.Module):
                 start,
                 end,
                 final,
+                cos,
+                sin,
                 *(pool or (None,) * 6),
             )
             capture(end)

@@ -69,9 +69,15 @@ def _layer_blocker(layer: DecoderLayer) -> str | None:
     return None
 
 
+def rope_order(rotaries: dict[RopeSpec, nn.Module | None]) -> list[RopeSpec]:
+    """The specs whose cos/sin a fused step hands the kernel, in the order it takes them."""
+    return [spec for spec, rotary in rotaries.items() if isinstance(rotary, Rotary)]
+
+
 def describe(
-    layer: DecoderLayer, rotary: nn.Module | None
+    layer: DecoderLayer, rope: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, float]]:
+    """`rope`: the index of the layer's cos/sin among a step's (rope_order), -1 for none."""
     attention, mlp, spec = layer.attention, layer.mlp, layer.attention.spec
     projections: dict[str, nn.Module] = {"qkv": attention.qkv, "o": attention.o_proj}
     tensors: dict[str, torch.Tensor] = {}
@@ -98,8 +104,7 @@ def describe(
     if attention.q_norm is not None and attention.k_norm is not None:
         tensors["q_norm"], tensors["k_norm"] = attention.q_norm.scale(), attention.k_norm.scale()
         ints["qk_norm_whole"] = int(not spec.qk_norm_per_head)
-    if isinstance(rotary, Rotary):
-        tensors["rope_cos"], tensors["rope_sin"] = rotary.cos, rotary.sin
+    ints["rope"] = rope
     ints["window"] = spec.window or 0
     ints["activation"] = ACTIVATION_CODES[_mlps(layer)[0].activation]
     # scale 0: the kernel's own 1/sqrt(D) in float, as before descriptions existed (bit for bit)
@@ -110,10 +115,12 @@ def describe(
 def build_stack(
     layers: Sequence[DecoderLayer], rotaries: dict[RopeSpec, nn.Module | None], final_eps: float
 ) -> Any:
-    """The kernel's handle on the layers' weights; `rotaries`: the stack's table of each RopeSpec."""
+    """The kernel's handle on the layers' weights; `rotaries`: each RopeSpec's rotary (its cos/sin
+    come with each step, in rope_order)."""
     kernels.ops()  # loads the kernels, which define the class
     spec = layers[0].attention.spec
     stack = torch.classes.tokenwire.DecodeStack(spec.num_heads, spec.num_kv_heads, spec.head_dim, final_eps)
     for layer in layers:
-        stack.add_layer(*describe(layer, rotaries[layer.rope]))
+        order = rope_order(rotaries)
+        stack.add_layer(*describe(layer, order.index(layer.rope) if layer.rope in order else -1))
     return stack

@@ -85,18 +85,28 @@ def _signed(freqs: torch.Tensor, factor: float) -> RopeTables:
 
 
 class Rotary(nn.Module):
-    """A precomputed table [max_positions, D] (the fused decode kernel reads it as it is)."""
+    """cos and sin of the step's positions' angles, computed per step as llama.cpp does: a table
+    for every position held [max_positions, D] twice (Gemma 3 1B's two, at 32k positions and heads
+    of 256: 128 MiB, a start's peak past file + KV + 300 MB). The values are the table's: an
+    angle is the same fp32 product, and torch's cos/sin give an element the same bits whatever
+    the tensor's shape."""
 
     def __init__(self, spec: RopeSpec, max_positions: int) -> None:
         super().__init__()
         self.spec = spec
-        freq, factor = inv_freq(spec, max_positions)
-        cos, sin = _signed(torch.outer(torch.arange(max_positions, dtype=torch.float32), freq), factor)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        freq, self.factor = inv_freq(spec, max_positions)
+        self.register_buffer("freq", freq, persistent=False)
+
+    def half_tables(self, positions: torch.Tensor) -> RopeTables:
+        """cos and sin [N, D/2] of the D/2 angles at `positions` (the fused kernel's form: the
+        rotate-half layout repeats them in both halves)."""
+        angles = positions.to(torch.float32)[:, None] * self.freq
+        return angles.cos() * self.factor, angles.sin() * self.factor
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype, mrope: torch.Tensor | None) -> RopeTables:
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        cos, sin = self.half_tables(positions)
+        whole = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # _signed's values
+        return whole[0].to(dtype)[:, None, :], whole[1].to(dtype)[:, None, :]
 
 
 class MRotary(nn.Module):
