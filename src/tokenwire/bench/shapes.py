@@ -83,6 +83,7 @@ class Shape:
         return self.layers * layer + vocab * self.hidden * (1 if self.tied else 2)
 
 
+# fmt: off
 SHAPES = {
     # SmolLM2-135M (the shipped model's widths, from its GGUF's metadata)
     "smollm2-135m": Shape(hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536, rope_theta=100000.0),
@@ -93,31 +94,17 @@ SHAPES = {
     "llama-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, tied=False),
     # OLMoE-1B-7B (issue 25's mixture of experts): 64 experts of width 1024, 8 used a token
     "olmoe-1b-7b": Shape(
-        hidden=2048,
-        layers=16,
-        heads=16,
-        kv_heads=16,
-        ffn=1024,
-        context=4096,
-        rope_theta=10000.0,
-        tied=False,
-        experts=64,
-        experts_used=8,
+        hidden=2048, layers=16, heads=16, kv_heads=16, ffn=1024, context=4096, rope_theta=10000.0, tied=False,
+        experts=64, experts_used=8,
     ),
     # Gemma-3-1B: heads of 256 (q 1024 wide of a 1152 hidden), local layers with a window of 512
     # beside every sixth global one, the local ones in the KV cache's window pool
     "gemma3-1b": Shape(
-        hidden=1152,
-        layers=26,
-        heads=4,
-        kv_heads=1,
-        ffn=6912,
-        context=32768,
-        rope_theta=1000000.0,
-        head_dim=256,
-        window=512,
+        hidden=1152, layers=26, heads=4, kv_heads=1, ffn=6912, context=32768, rope_theta=1000000.0,
+        head_dim=256, window=512,
     ),
 }
+# fmt: on
 # what gguf-py's Python quantiser writes
 WRITTEN = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # llama.cpp's mixes, quantised by llama.cpp itself (its LLAMA_FTYPE_MOSTLY_<name>)

@@ -60,8 +60,10 @@ class _ExpertsRenamed(Mapping[str, torch.Tensor]):
         if expert is None:
             return tensor
         tensor = tensor[expert]
+        if part == "whole":
+            return tensor
         half = tensor.shape[0] // 2
-        return {"whole": tensor, "gate": tensor[:half], "up": tensor[half:]}[part]
+        return tensor[:half] if part == "gate" else tensor[half:]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.where)

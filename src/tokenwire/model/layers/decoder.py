@@ -14,7 +14,7 @@ from tokenwire.model.layers import fusion
 from tokenwire.model.layers.attention import AttentionBackend
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.norm import RMSNorm
-from tokenwire.model.layers.rotary import RopeSpec, make_rotary
+from tokenwire.model.layers.rotary import RopeSpec, Rotary, make_rotary
 
 
 @dataclass
@@ -156,10 +156,8 @@ class DecoderModel(nn.Module):
         last = len(self.layers)
         start = 0
         w = batch.window
-        pool = () if w is None else (w.layer_slots, w.k, w.v, w.k_scale, w.v_scale, w.block_tables)
-        ropes = [
-            self.rotaries[spec].half_tables(batch.positions) for spec in fusion.rope_order(self.rotaries)
-        ]
+        pool = (None,) * 6 if w is None else (w.layer_slots, w.k, w.v, w.k_scale, w.v_scale, w.block_tables)
+        ropes = [rotary.half_tables(batch.positions) for rotary in self._fused_rotaries]
         cos, sin = [c for c, _ in ropes], [s for _, s in ropes]
         for end in sorted({i for i in capture_layers if 0 < i < last} | {last}):
             final = self.norm.scale() if end == last else None
@@ -176,7 +174,7 @@ class DecoderModel(nn.Module):
                 final,
                 cos,
                 sin,
-                *(pool or (None,) * 6),
+                *pool,
             )
             capture(end)
             start = end
@@ -194,6 +192,11 @@ class DecoderModel(nn.Module):
         """Why decode steps run eager (None: they fuse). The layers do not change after loading:
         checked once, not on every step."""
         return fusion.blocker(list(self.layers), self.device, self.dtype)
+
+    @functools.cached_property
+    def _fused_rotaries(self) -> list[Rotary]:
+        """The rotaries whose cos/sin each fused step hands the kernel, in its order (rope_order)."""
+        return [self.rotaries[spec] for spec in fusion.rope_order(self.rotaries)]  # type: ignore[misc]
 
     @functools.cached_property
     def _decode_stack(self) -> Any:

@@ -120,7 +120,7 @@ def build_stack(
     kernels.ops()  # loads the kernels, which define the class
     spec = layers[0].attention.spec
     stack = torch.classes.tokenwire.DecodeStack(spec.num_heads, spec.num_kv_heads, spec.head_dim, final_eps)
+    order = rope_order(rotaries)
     for layer in layers:
-        order = rope_order(rotaries)
         stack.add_layer(*describe(layer, order.index(layer.rope) if layer.rope in order else -1))
     return stack

@@ -97,16 +97,18 @@ class Rotary(nn.Module):
         freq, self.factor = inv_freq(spec, max_positions)
         self.register_buffer("freq", freq, persistent=False)
 
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions.to(torch.float32)[:, None] * self.freq
+
     def half_tables(self, positions: torch.Tensor) -> RopeTables:
         """cos and sin [N, D/2] of the D/2 angles at `positions` (the fused kernel's form: the
         rotate-half layout repeats them in both halves)."""
-        angles = positions.to(torch.float32)[:, None] * self.freq
+        angles = self._angles(positions)
         return angles.cos() * self.factor, angles.sin() * self.factor
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype, mrope: torch.Tensor | None) -> RopeTables:
-        cos, sin = self.half_tables(positions)
-        whole = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # _signed's values
-        return whole[0].to(dtype)[:, None, :], whole[1].to(dtype)[:, None, :]
+        cos, sin = _signed(self._angles(positions), self.factor)
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 class MRotary(nn.Module):
