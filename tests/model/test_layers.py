@@ -98,3 +98,17 @@ def test_gelu_tanh_mlp() -> None:
     gate, up = (x @ mlp.gate_up.weight.T).chunk(2, -1)
     expected = (torch.nn.functional.gelu(gate, approximate="tanh") * up) @ mlp.down.weight.T
     assert torch.allclose(mlp(x), expected, atol=1e-6)
+
+
+def test_a_rotary_holds_no_table_per_position() -> None:
+    """cos/sin come per step (as llama.cpp computes them): a rotary's memory does not grow with the
+    context. Tables for every position held Gemma 3 1B's two rotaries at 128 MiB (32k positions,
+    heads of 256), past the start-up memory target; the values are the same either way."""
+    spec = RopeSpec.make("linear", 1000000.0, 256, {"factor": 8.0})
+    short, long = Rotary(spec, 16), Rotary(spec, 32768)
+    assert sum(b.numel() for b in long.buffers()) == sum(b.numel() for b in short.buffers()) == 128
+    positions = torch.tensor([0, 5, 32767])
+    cos, sin = long.tables(positions, torch.float32, None)
+    angles = torch.outer(torch.arange(32768, dtype=torch.float32), long.freq)[positions]
+    assert torch.equal(cos[:, 0], torch.cat([angles.cos(), angles.cos()], -1))
+    assert torch.equal(sin[:, 0], torch.cat([-angles.sin(), angles.sin()], -1))
