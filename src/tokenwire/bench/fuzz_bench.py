@@ -2,7 +2,8 @@
 (fuzz_targets.py: LMTP frames, GraphPipe flatbuffers, AICI shared-memory messages, Salience and
 Evergreen protobufs, OpenAI JSON bodies) and small inputs that imply large work
 (fuzz_structures.py: shared Evergreen DAGs over several messages, nested grammars, oversized
-token arrays, each with a time budget), round-robin, on the engine with the no-model backend.
+token arrays, each with a time budget), grammars deep in rules, references and nesting
+(fuzz_grammar_depth.py), round-robin, on the engine with the no-model backend.
 
 Reports cases run per target, how many got a valid answer or the protocol's error, the
 distinct failures (an exception type at a place in tokenwire's code; the first input of each
@@ -26,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenwire.bench.fuzz_grammar_depth import grammar_depth_target
 from tokenwire.bench.fuzz_structures import structure_targets
 from tokenwire.bench.fuzz_targets import all_targets
 from tokenwire.bench.random_tokens import RandomTokenModel
@@ -108,7 +110,7 @@ def time_budget(seconds: float | None) -> Iterator[None]:
 
 
 def run_fuzz(engine: Any, cases: int, seed: int = 0, only: list[str] | None = None) -> FuzzReport:
-    every = all_targets(engine) + structure_targets(engine)
+    every = all_targets(engine) + structure_targets(engine) + [grammar_depth_target(engine)]
     targets = [t for t in every if not only or t.name in only]
     if not targets:
         raise ValueError(f"no fuzz target named {only}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
@@ -28,9 +28,11 @@ import llguidance.numpy
 import numpy as np
 import torch
 
+from tokenwire.engine import grammar_guard
 from tokenwire.engine.constraints import Constraint, ConstraintError, ConstraintStep
+from tokenwire.engine.grammar_guard import GrammarTooLarge
 
-__all__ = ["ConstraintError", "GrammarConstraint", "lltokenizer_for"]
+__all__ = ["ConstraintError", "GrammarConstraint", "GrammarTooLarge", "lltokenizer_for"]
 
 _CACHE_LOCK = threading.Lock()
 # key: (id(hf_tokenizer), eos override) -> (hf_tokenizer kept alive so its id is not reused, compiled)
@@ -92,6 +94,10 @@ class GrammarConstraint(Constraint):
     Build with :meth:`regex`, :meth:`json_schema` or :meth:`lark`; or pass an llguidance grammar
     string (``llguidance.grammar_from(...)``) to the constructor directly.
 
+    Every grammar is measured against engine/grammar_guard's limits before it is compiled
+    (GrammarTooLarge, a ValueError naming the limit's flag) and compiled on a thread whose stack
+    a deep chain of rules cannot overflow.
+
     Raises ``ValueError`` (llguidance's message) for an invalid grammar, and
     :class:`ConstraintError` when a token the grammar does not allow is appended, when a
     backtrack goes past the generated tokens, or when the matcher fails mid-generation.
@@ -105,13 +111,16 @@ class GrammarConstraint(Constraint):
         *,
         eos_token_ids: int | Sequence[int] | None = None,
         limits: llguidance.LLParserLimits | None = None,
+        measured: bool = False,
     ) -> None:
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        if not measured:  # the factories measure the user's own text, with its kind's name
+            grammar_guard.check("grammar", grammar_guard.measure_llguidance(grammar))
         self._llt = lltokenizer_for(tokenizer, eos_token_ids)
         if limits is None:
             limits = parser_limits()
-        matcher = llguidance.LLMatcher(self._llt, grammar, log_level=0, limits=limits)
+        matcher = _on_deep_stack(lambda: llguidance.LLMatcher(self._llt, grammar, log_level=0, limits=limits))
         if matcher.is_error():
             raise ValueError(f"invalid grammar: {_clean(matcher.get_error())}")
         self._matcher = matcher
@@ -133,7 +142,10 @@ class GrammarConstraint(Constraint):
     @classmethod
     def regex(cls, tokenizer: TokenizerLike, vocab_size: int, pattern: str, **kw: Any) -> GrammarConstraint:
         """Output must fully match ``pattern`` (Rust ``regex`` crate syntax, anchored both ends)."""
-        return cls(tokenizer, vocab_size, llguidance.LLMatcher.grammar_from_regex(pattern), **kw)
+        grammar_guard.check("regex", grammar_guard.measure_regex(pattern))
+        return cls._compiled(
+            tokenizer, vocab_size, lambda: llguidance.LLMatcher.grammar_from_regex(pattern), kw
+        )
 
     @classmethod
     def json_schema(
@@ -151,21 +163,40 @@ class GrammarConstraint(Constraint):
         ``{"whitespace_flexible": False}`` for compact output (llguidance's default is flexible
         whitespace) or ``{"item_separator": ", ", "key_separator": ": "}``.
         """
+        text_bytes = None
         if isinstance(schema, str):  # llguidance splices strings in verbatim; errors would be confusing
+            grammar_guard.check(
+                "JSON schema", grammar_guard.Measure(bytes=len(schema.encode("utf-8", "replace")))
+            )
+            text_bytes = len(schema.encode("utf-8", "replace"))
             try:
                 schema = json.loads(schema)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
                 raise ValueError(f"invalid JSON schema: not valid JSON: {e}") from e
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"invalid JSON schema: {e}") from e
-        return cls(tokenizer, vocab_size, grammar, **kw)
+        grammar_guard.check("JSON schema", grammar_guard.measure_json_schema(schema, text_bytes))
+
+        def convert() -> str:
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"invalid JSON schema: {e}") from e
+
+        return cls._compiled(tokenizer, vocab_size, convert, kw)
 
     @classmethod
     def lark(cls, tokenizer: TokenizerLike, vocab_size: int, grammar: str, **kw: Any) -> GrammarConstraint:
         """Output must match the Lark grammar (llguidance's Lark dialect; start rule ``start``)."""
-        return cls(tokenizer, vocab_size, llguidance.LLMatcher.grammar_from_lark(grammar), **kw)
+        grammar_guard.check("Lark grammar", grammar_guard.measure_lark(grammar))
+        return cls._compiled(
+            tokenizer, vocab_size, lambda: llguidance.LLMatcher.grammar_from_lark(grammar), kw
+        )
+
+    @classmethod
+    def _compiled(
+        cls, tokenizer: TokenizerLike, vocab_size: int, convert: Callable[[], str], kw: dict[str, Any]
+    ) -> GrammarConstraint:
+        """The user's grammar (already measured) converted and compiled in one deep-stack call."""
+        return _on_deep_stack(lambda: cls(tokenizer, vocab_size, convert(), measured=True, **kw))
 
     # ---- Constraint ------------------------------------------------------------------------------
 
@@ -272,6 +303,21 @@ class GrammarConstraint(Constraint):
             raise ConstraintError(f"{what}: {_clean(self._matcher.get_error())}")
 
 
+_DEEP = threading.local()
+
+
+def _on_deep_stack(fn: Callable[[], Any]) -> Any:
+    """fn() on a grammar-compile thread (grammar_guard.compile_deep), or here when already on one."""
+    if getattr(_DEEP, "inside", False):
+        return fn()
+
+    def marked() -> Any:
+        _DEEP.inside = True
+        return fn()
+
+    return grammar_guard.compile_deep(marked)
+
+
 def _clean(msg: str) -> str:
     return msg.replace("<non-verbose/>", "").strip()
 
@@ -286,16 +332,22 @@ def check_grammar(kind: str, source: str) -> None:
     flag = _FLAGS[kind]
     try:
         if kind == "regex":
+            grammar_guard.check(flag, grammar_guard.measure_regex(source))
             grammar = llguidance.LLMatcher.grammar_from_regex(source)
         elif kind == "json_schema":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(source))
+            schema = json.loads(source)
+            grammar_guard.check(flag, grammar_guard.measure_json_schema(schema, len(source.encode())))
+            grammar = _on_deep_stack(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema))
         else:
+            grammar_guard.check(flag, grammar_guard.measure_lark(source))
             grammar = llguidance.LLMatcher.grammar_from_lark(source)
-    except json.JSONDecodeError as e:
+    except GrammarTooLarge:
+        raise
+    except (json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"{flag}: not valid JSON: {e}") from None
     except (ValueError, TypeError) as e:
         raise ValueError(f"{flag}: {e}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    error = _on_deep_stack(lambda: llguidance.LLMatcher.validate_grammar(grammar, None))
     if error:
         raise ValueError(f"invalid {flag} {source!r}: {_user_part(_clean(error))}")
 

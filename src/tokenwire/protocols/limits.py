@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from tokenwire.engine import grammar_guard
 from tokenwire.protocols import connection_guard
 
 DEFAULT_MAX_SESSIONS = 4096
@@ -56,6 +57,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=connection_guard.DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
         help="open connections from one client address on each HTTP/WebSocket port; more get 429",
     )
+    defaults = grammar_guard.GrammarLimits()
+    for name, flag in grammar_guard.FLAGS.items():
+        g.add_argument(
+            flag,
+            type=int,
+            default=getattr(defaults, name),
+            help=f"every grammar (JSON schema, regex, Lark; every protocol) is refused beyond this many "
+            f"{grammar_guard.describe(name)} before it is compiled",
+        )
 
 
 async def bind(args: argparse.Namespace) -> None:
@@ -66,6 +76,7 @@ async def bind(args: argparse.Namespace) -> None:
         "header_timeout",
         "body_timeout",
         "max_connections_per_client",
+        *(f"grammar_{name}" for name in grammar_guard.FLAGS),
     ):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
@@ -76,6 +87,8 @@ async def bind(args: argparse.Namespace) -> None:
             max_connections_per_client=args.max_connections_per_client,
         )
     )
+    chosen = {name: getattr(args, f"grammar_{name}") for name in grammar_guard.FLAGS}
+    grammar_guard.configure(grammar_guard.GrammarLimits(**chosen))
     return None
 
 
