@@ -14,6 +14,10 @@ from urllib.parse import urlsplit
 
 from tokenwire.model_spec import check_model_spec
 
+# model/weight_types.py's WEIGHT_TYPES by name, written out: importing it imports torch, which
+# would slow `tokenwire --help` (tests/architecture/test_readme_matches_code.py holds them equal)
+GGUF_WEIGHT_TYPES = "Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL/IQ4_XS/F16/BF16/Q4_K/Q6_K/Q5_K/Q3_K/Q2_K"
+
 if TYPE_CHECKING:
     from tokenwire.engine.factory import EngineSettings
 
@@ -37,8 +41,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "gguf", "fp32", "bf16", "int8", "int4"],
         help="weight format: auto = a GGUF's own quantisation on the CPU (else --dtype); gguf = the "
-        "file's Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL/IQ4_XS blocks and F16/BF16 matrices as they are; "
-        "int8/int4 = quantise at load (Q8_0/Q4_1)",
+        f"file's blocks as they are ({GGUF_WEIGHT_TYPES}); int8/int4 = quantise at load (Q8_0/Q4_1)",
     )
     g.add_argument(
         "--no-compile",

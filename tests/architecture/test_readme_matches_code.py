@@ -159,6 +159,14 @@ def test_the_weight_types_table_is_the_weight_type_table() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_the_weights_flag_help_names_every_weight_type() -> None:
+    """`--weights gguf`'s help lists the types by name (cli_args.py cannot import torch)."""
+    from tokenwire.cli_args import GGUF_WEIGHT_TYPES
+    from tokenwire.model.weight_types import WEIGHT_TYPES
+
+    assert GGUF_WEIGHT_TYPES.split("/") == [t.name for t in WEIGHT_TYPES]
+
+
 # ---------------------------------------------------------------------------- HTTP endpoints
 class _StubEngine:
     """What the apps' constructors read of an engine; no handler runs here."""
