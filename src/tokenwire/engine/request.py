@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 from abc import ABC, abstractmethod
@@ -30,12 +31,85 @@ Ranges = Sequence[tuple[int, int]]  # half-open [start, end) absolute positions
 FinishReason = Literal["eos", "length", "stop", "cancelled", "error"]
 
 
+# ------------------------------------------------------------------ the numeric rules
+# Every protocol's numbers meet these, through SamplingParams/GenerateOptions.validate or the
+# require_* helpers below; a protocol only turns the InvalidValueError into its own error form.
+SEED_LIMIT = 2**64  # seeds are 0 <= seed < 2**64: a torch generator's whole range
+
+
+class InvalidValueError(InvalidRequestError):
+    """A request value of the wrong type (a bool for an integer, NaN or infinity for a number)
+    or out of range; `field` names it (in the protocol's words where it passed its names)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def shown(value: object) -> str:
+    """A value short enough for an error message: a 5,000-digit integer is not echoed back (nor
+    can it be: Python refuses str() of an int over 4,300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"{'-' if value < 0 else ''}an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def require_int(
+    value: object, field: str, lo: int | None = None, hi: int | None = None, *, what: str | None = None
+) -> int:
+    """`value` as an integer in [lo, hi] (either bound optional); never a bool (JSON's `true` is
+    no token id or length 1). `what` names a part of `field` (an item, a key) in the message."""
+    what = what or field
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidValueError(field, f"{what} must be an integer, got {shown(value)}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in {lo}..{hi}"
+        raise InvalidValueError(field, f"{what} must be {bounds}, got {shown(value)}")
+    return value
+
+
+def require_number(
+    value: object, field: str, lo: float | None = None, hi: float | None = None, *, what: str | None = None
+) -> float:
+    """`value` as a finite number in [lo, hi] (either bound optional): never a bool, NaN or an
+    infinity (each passes or breaks a comparison in ways no range check expects)."""
+    what = what or field
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise InvalidValueError(field, f"{what} must be a number, got {shown(value)}")
+    try:
+        number = float(value)  # an integer past 1.8e308 overflows: no finite number either
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidValueError(field, f"{what} must be a finite number, got {shown(value)}")
+    if (lo is not None and number < lo) or (hi is not None and number > hi):
+        bounds = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
+        raise InvalidValueError(field, f"{what} must be {bounds}, got {shown(value)}")
+    return number
+
+
+def require_seed(value: object, field: str = "seed") -> int:
+    """A sampling seed: an integer, 0 <= seed < 2**64."""
+    seed = require_int(value, field)
+    if not 0 <= seed < SEED_LIMIT:
+        raise InvalidValueError(field, f"{field} must be in 0..2**64-1, got {shown(seed)}")
+    return seed
+
+
+def choice_seed(seed: int | None, choice: int, field: str = "seed") -> int | None:
+    """The seed of choice `choice` (0, 1, ...) of a request for several from one seed: seed +
+    choice modulo 2**64 (seed 2**64-1, n=2: the second choice samples with seed 0), so any valid
+    seed serves any n, reproducibly. The seed is checked first: 2**64 must not wrap to 0."""
+    return None if seed is None else (require_seed(seed, field) + choice) % SEED_LIMIT
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = disabled
     top_p: float = 1.0
-    seed: int | None = None  # same seed, same prompt -> same output
+    seed: int | None = None  # same seed, same prompt -> same output; 0 <= seed < 2**64
     logit_bias: dict[int, float] = field(default_factory=dict)
 
     @cached_property
@@ -45,13 +119,26 @@ class SamplingParams:
         ids = torch.tensor(list(self.logit_bias.keys()), dtype=torch.long)
         return ids, torch.tensor(list(self.logit_bias.values()), dtype=torch.float32)
 
-    def validate(self) -> None:
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+    def validate(self, names: Mapping[str, str] | None = None) -> None:
+        """Raise InvalidValueError naming the first value of the wrong type or out of range
+        (`names`: a protocol's own field names, as for GenerateOptions.validate)."""
+        given = names or {}
+
+        def name(field: str) -> str:
+            return given.get(field, field)
+
+        require_number(self.temperature, name("temperature"), lo=0)
+        require_int(self.top_k, name("top_k"), lo=0)
+        top_p = require_number(self.top_p, name("top_p"))
+        if not 0 < top_p <= 1:
+            raise InvalidValueError(name("top_p"), f"{name('top_p')} must be in (0, 1], got {top_p}")
+        if self.seed is not None:
+            require_seed(self.seed, name("seed"))
+        bias = name("logit_bias")
+        for token, value in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool):
+                raise InvalidValueError(bias, f"{bias}: key {shown(token)} is not a token id")
+            require_number(value, bias, what=f"{bias}[{token}]")
 
 
 @dataclass
@@ -80,28 +167,30 @@ class GenerateOptions:
     speculate: bool = True
 
     def validate(self, names: Mapping[str, str] | None = None) -> None:
-        """Raise InvalidRequestError for a value out of range. `names` renames fields in the
-        messages (a protocol's own field names, e.g. {"logprob_ranges": "logprobs_ranges"})."""
+        """Raise InvalidValueError for a value of the wrong type or out of range. `names` renames
+        fields in the messages (a protocol's own field names, e.g. {"logprob_ranges":
+        "logprobs_ranges"})."""
         names = names or {}
-        if self.max_tokens < 0:
-            raise InvalidRequestError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if not 0 <= self.priority <= 10:
-            raise InvalidRequestError(f"priority must be in 0..10, got {self.priority}")
-        if self.top_logprobs < 0:
-            raise InvalidRequestError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        require_int(self.max_tokens, names.get("max_tokens", "max_tokens"), lo=0)
+        require_int(self.priority, names.get("priority", "priority"), 0, 10)
+        require_int(self.top_logprobs, names.get("top_logprobs", "top_logprobs"), lo=0)
         if self.logprob_mode not in ("raw", "processed"):
-            raise InvalidRequestError(f"logprob_mode must be 'raw' or 'processed', got {self.logprob_mode!r}")
+            raise InvalidValueError(
+                "logprob_mode", f"logprob_mode must be 'raw' or 'processed', got {self.logprob_mode!r}"
+            )
         for field_name, ranges in (
             ("logprob_ranges", self.logprob_ranges or ()),
             ("readout_ranges", self.readout_ranges),
         ):
             name = names.get(field_name, field_name)
             for i, (start, end) in enumerate(ranges):
+                require_int(start, name, what=f"{name}[{i}] start")
+                require_int(end, name, what=f"{name}[{i}] end")
                 if start < 0:
-                    raise InvalidRequestError(f"{name}[{i}]: negative start {start}")
+                    raise InvalidValueError(name, f"{name}[{i}]: negative start {start}")
                 if end < start:
-                    raise InvalidRequestError(f"{name}[{i}]: start {start} > end {end}")
-        self.sampling.validate()
+                    raise InvalidValueError(name, f"{name}[{i}]: start {start} > end {end}")
+        self.sampling.validate(names)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,9 @@ def token_matches(expected: str, presented: str | bytes | None) -> bool:
 
 
 def bearer(header: str | bytes | None) -> str | bytes | None:
-    """The token of an `Authorization: Bearer TOKEN` value (scheme case-insensitive), else None."""
+    """The token of an `Authorization: Bearer TOKEN` value, else None: the one rule of every
+    protocol (HTTP, gRPC metadata, LMTP's handshake). The scheme is case-insensitive (RFC 9110
+    section 11.1: `bearer`, `BEARER` are `Bearer`); the token is compared as sent."""
     if not header:
         return None
     sep = b" " if isinstance(header, bytes) else " "

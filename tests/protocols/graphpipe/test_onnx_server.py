@@ -159,3 +159,18 @@ def test_serve_args_build_the_server(onnx_dir) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["--graphpipe-model", "no-equals-sign"])
     assert onnx_models.NUMERIC  # the helper module is importable for the other tests
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_the_bearer_scheme_is_case_insensitive(onnx_dir, scheme: str) -> None:
+    """RFC 9110 (11.1): any case of the scheme, as on every protocol (protocols/security.py)."""
+    server = ServerThread(lambda ex: [OnnxModel("mlp", onnx_dir / "mlp.onnx", ex)], auth_token="s3cret")
+    try:
+        stats = server.url("control/stats")
+        assert (
+            requests.get(stats, headers={"Authorization": f"{scheme} s3cret"}, timeout=30).status_code == 200
+        )
+        for header in ("Basic s3cret", f"{scheme} wrong", "s3cret"):
+            assert requests.get(stats, headers={"Authorization": header}, timeout=30).status_code == 401
+    finally:
+        server.stop()

@@ -206,3 +206,21 @@ def test_token_arrays_are_counted_before_they_are_read(monkeypatch):
     message = refused(grpc.StatusCode.INVALID_ARGUMENT, offset=3, max_tokens=1, stop_token_ids=[1] * 101)
     assert "stop_token_ids has 101 ids" in message and "vocabulary (100)" in message, message
     assert not checked
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("-inf")}, "temperature"),
+        ({"temperature": float("nan"), "top_k": 1}, "temperature"),  # not passed off as greedy
+        ({"temperature": float("inf"), "top_k": 1}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_p": float("-inf")}, "top_p"),
+    ],
+)
+def test_nan_and_infinity_are_invalid_arguments_naming_the_field(fields, name):
+    """The engine's numeric rules (engine/request.py), checked as sent, before top_k 1 makes
+    the draw an argmax."""
+    message = refused(grpc.StatusCode.INVALID_ARGUMENT, offset=3, max_tokens=1, **fields)
+    assert name in message and "finite" in message, message

@@ -132,3 +132,41 @@ def test_tls(smollm2_engine, seed_proto, tmp_path):
             assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     finally:
         server.stop()
+
+
+def test_nan_and_infinity_are_refused_and_the_session_is_unchanged(stub, pb, smollm2_engine, open_session):
+    sid = open_session()
+    generate(stub, pb, session_id=sid, append_tokens=[1, 2, 3], offset=0, max_tokens=0)
+    for fields in (
+        {"temperature": float("inf")},
+        {"temperature": float("nan"), "top_k": 1},
+        {"top_p": float("-inf")},
+    ):
+        code, details = _code(
+            generate, stub, pb, session_id=sid, append_tokens=[4], offset=3, max_tokens=1, **fields
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and next(iter(fields)) in details, details
+        assert smollm2_engine.session_tokens(sid) == [1, 2, 3]
+    _, done = generate(stub, pb, session_id=sid, append_tokens=[4], offset=3, max_tokens=1, top_k=1)
+    assert done.completion_tokens == 1 and smollm2_engine.session_tokens(sid)[:4] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+def test_the_bearer_scheme_is_case_insensitive(smollm2_engine, seed_proto, scheme):
+    """RFC 9110 (11.1): the auth scheme is case-insensitive, on Salience as on every protocol
+    (protocols/security.py's one rule)."""
+    pb, pb_grpc = seed_proto
+    server = ServerThread(smollm2_engine, auth_token="s3cret")
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.SalienceStub(channel)
+            good = [("authorization", f"{scheme} s3cret")]
+            sid = stub.OpenSession(pb.OpenSessionRequest(), metadata=good).session_id
+            assert stub.DumpSession(pb.DumpSessionRequest(session_id=sid), metadata=good).tokens == []
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=good)
+            code, _ = _code(
+                stub.OpenSession, pb.OpenSessionRequest(), metadata=[("authorization", "Basic s3cret")]
+            )
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tokenwire.engine.request import InvalidValueError, require_number
 from tokenwire.protocols.evergreen.actions import CONTROL_ACTIONS, ActionSpec, validate
 from tokenwire.protocols.evergreen.errors import SessionAbort, exhausted, invalid
 from tokenwire.protocols.evergreen.flatten import Flattened, flatten
@@ -112,6 +113,10 @@ class SessionCore:
         elif spec.name == "SET_TTL":
             ttl = spec.config(twpb.TtlConfig)
             assert isinstance(ttl, twpb.TtlConfig)
+            try:  # the engine's rule: a finite number (NaN and infinity are neither > 0 nor a TTL)
+                require_number(ttl.ttl_seconds, "ttl_seconds")
+            except InvalidValueError as exc:
+                raise invalid(f"action {spec.label}: {exc}") from None
             if not ttl.ttl_seconds > 0:
                 raise invalid(f"action {spec.label}: ttl_seconds must be > 0, got {ttl.ttl_seconds}")
             for nid in spec.inputs.values():

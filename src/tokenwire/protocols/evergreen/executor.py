@@ -29,9 +29,11 @@ from tokenwire.engine.request import (
     BacktrackEvent,
     FinishEvent,
     GenerateOptions,
+    InvalidValueError,
     Origin,
     SamplingParams,
     TokenEvent,
+    require_int,
     stream_events,
 )
 from tokenwire.logs import access_log
@@ -302,8 +304,13 @@ async def _token_tool(host: ActionHost, action: ActionState) -> None:
             reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             raise invalid(f"action {spec.label}: input is not a JSON array of token ids: {reason}") from None
         vocab = host.engine.vocab_size
-        if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+        if not isinstance(ids, list):
             raise invalid(f"action {spec.label}: input must be a JSON array of token ids in [0, {vocab})")
+        try:  # the engine's rule: a token id is an integer (true/false are not) in the vocabulary
+            for i, token in enumerate(ids):
+                require_int(token, "input", 0, vocab - 1, what=f"token id [{i}]")
+        except InvalidValueError as exc:
+            raise invalid(f"action {spec.label}: input must be a JSON array of token ids: {exc}") from None
         host.send(_one(host, action, "text", tokenizer.decode(ids).encode(), "text/plain", ids))
     else:  # pragma: no cover - validate() admits no other names
         raise invalid(f"action {spec.label}: not runnable")

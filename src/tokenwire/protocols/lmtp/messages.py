@@ -7,11 +7,18 @@ negotiated that extension (see HELLO in docs/lmtp.md); stock clients get the see
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from tokenwire.engine.request import GenerateOptions, SamplingParams
+from tokenwire.engine.request import (
+    GenerateOptions,
+    InvalidValueError,
+    SamplingParams,
+    require_int,
+    require_number,
+    require_seed,
+)
 from tokenwire.protocols.lmtp.codec import EXTENSIONS, StreamId
 
 __all__ = ["EXTENSIONS", "StreamId"]
@@ -23,6 +30,7 @@ _SCORE = {"stream_id", "model", "prompt", "scored", *_SAMPLING, "priority"}
 _EXT_FIELDS = {"buffer": "buffers", "save_as": "buffers", "resume_from": "retry"}
 MAX_TOP_LOGPROBS = 1000
 MAX_BIAS = 1e4  # larger biases only overflow the softmax (LMQL's masks use +-100)
+T = TypeVar("T")
 
 
 class RequestError(Exception):
@@ -188,26 +196,26 @@ class _Fields:
             raise self.error(f"{self.kind}: {name} must be a non-empty string")
         return value
 
+    def checked(self, check: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """One of the engine's numeric rules (engine/request.py), its refusal as this message's."""
+        try:
+            return check(*args, **kwargs)
+        except InvalidValueError as exc:
+            raise self.error(f"{self.kind}: {exc}") from None
+
     def integer(self, name: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
         value = self.p.get(name)
         if value is None:
             return default
         if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise self.error(f"{self.kind}: {name} must be an integer, got {value!r}")
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            bounds = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-            raise self.error(f"{self.kind}: {name} must be {bounds}, got {value}")
-        return value
+            value = int(value)  # JavaScript clients send 3.0 for 3
+        return self.checked(require_int, value, name, lo, hi)
 
     def number(self, name: str, default: float) -> float:
         value = self.p.get(name)
         if value is None:
             return default
-        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-            raise self.error(f"{self.kind}: {name} must be a finite number, got {value!r}")
-        return float(value)
+        return self.checked(require_number, value, name)
 
     def boolean(self, name: str) -> bool:
         value = self.p.get(name, False)
@@ -266,9 +274,8 @@ class _Fields:
                 token = int(key)
             except (TypeError, ValueError):
                 raise self.error(f"{self.kind}: logit_bias key {key!r} is not a token id") from None
-            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-                raise self.error(f"{self.kind}: logit_bias[{key!r}] must be a finite number, got {v!r}")
-            bias[token] = min(max(float(v), -MAX_BIAS), MAX_BIAS)
+            number = self.checked(require_number, v, "logit_bias", what=f"logit_bias[{key!r}]")
+            bias[token] = min(max(number, -MAX_BIAS), MAX_BIAS)
         return bias
 
 
@@ -281,19 +288,16 @@ def parse_generate(payload: Any, enabled: set[str]) -> Generate:
     msg.prompt, msg.prompt_is_text = f.prompt("prompt", enabled, required=msg.buffer is None)
     msg.max_tokens = f.integer("max_tokens", 32, 1)
     msg.temperature = f.number("temperature", 0.0)
-    if msg.temperature < 0:
-        raise f.error(f"GENERATE: temperature must be >= 0, got {msg.temperature}")
     msg.logit_bias = f.logit_bias()
     msg.top_logprobs = f.integer("top_logprobs", 1, 0, MAX_TOP_LOGPROBS)
     msg.top_p = f.number("top_p", 1.0)
-    if not 0 < msg.top_p <= 1:
-        raise f.error(f"GENERATE: top_p must be in (0, 1], got {msg.top_p}")
     msg.top_k = f.integer("top_k", 0, 0)
-    msg.seed = f.integer("seed", 0, 0, 2**63 - 1) if f.has("seed") else None
+    msg.seed = f.checked(require_seed, f.integer("seed", 0)) if f.has("seed") else None
     msg.priority = f.integer("priority", 5, 0, 10)
     msg.stop_token_ids = f.token_list("stop_token_ids", f.p.get("stop_token_ids") or [])
     msg.ignore_eos = f.boolean("ignore_eos")
     msg.resume_from = f.integer("resume_from", 0, 0)
+    f.checked(msg.options().validate)  # the ranges: temperature >= 0, top_p in (0, 1], ...
     return msg
 
 
@@ -315,8 +319,8 @@ def parse_score(payload: Any, enabled: set[str]) -> Score:
         if not scored:
             raise f.error("SCORE: scored must contain at least one token")
     for name in _SAMPLING:  # accepted for LMQL compatibility, checked for type, not used
-        if f.has(name) and name not in ("logit_bias",) and not isinstance(f.p[name], int | float):
-            raise f.error(f"SCORE: {name} must be a number")
+        if f.has(name) and name != "logit_bias":
+            f.number(name, 0.0)
     return Score(
         sid,
         model,

@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenwire.engine.admission import Limits, check_request
 from tokenwire.engine.errors import EngineError, InvalidRequestError
-from tokenwire.engine.request import GenerateOptions
+from tokenwire.engine.request import GenerateOptions, InvalidValueError
 from tokenwire.engine.vision import ImageInput
 from tokenwire.model.tokenizer import Tokenizer
 from tokenwire.protocols.openai import chat
@@ -112,16 +112,31 @@ def _max_tokens(requested: int | None, prompt_len: int, limits: ModelLimits) -> 
 
 
 def _admit(
-    limits: ModelLimits, prompt_len: int, append: list[int], options: GenerateOptions, param: str
+    limits: ModelLimits,
+    prompt_len: int,
+    append: list[int],
+    options: GenerateOptions,
+    param: str,
+    names: dict[str, str] | None = None,
+    *,
+    first: bool = True,
 ) -> None:
-    """The engine's own admission check (context, vocabulary, KV budget, readouts) before anything
-    is started, its message passed on; the field is read off the engine's name for it."""
+    """The engine's own admission check (its numeric rules, context, vocabulary, KV budget,
+    readouts) before anything is started, its message passed on; the field is the one the
+    engine names (`names`: the engine's field names -> this request's), else read off its
+    message. The choices after the first differ only in their options: those are checked."""
+    names = {"append": param, **(names or {})}
     try:
-        check_request(limits.engine, prompt_len, append, options, names={"append": param}, needs_room=True)
+        if first:
+            check_request(limits.engine, prompt_len, append, options, names=names, needs_room=True)
+        else:
+            options.validate(names)
     except EngineError as exc:
         message = str(exc)
         field = (
-            "logit_bias"
+            exc.field
+            if isinstance(exc, InvalidValueError)
+            else "logit_bias"
             if message.startswith("logit_bias")
             else "readouts"
             if "readout" in message
@@ -178,6 +193,7 @@ def plan_chat(req: ChatCompletionRequest, limits: ModelLimits, session_tokens: S
         limits=limits,
         images=placed,
     )
+    names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
     for i in range(req.n):
         options = options_for(
             req,
@@ -190,8 +206,7 @@ def plan_chat(req: ChatCompletionRequest, limits: ModelLimits, session_tokens: S
             logprob_ranges=None,
             readout_ranges=[(prompt_len, EVERY)] if req.readouts else [],
         )
-        if i == 0:
-            _admit(limits, prompt_len, append, options, "messages")
+        _admit(limits, prompt_len, append, options, "messages", names, first=i == 0)
         plan.choices.append((0, options))
         plan.outputs.append(
             ChoiceOutput(
@@ -304,8 +319,7 @@ def plan_completion(
                 logprob_ranges=[(start, EVERY)] if legacy else None,
                 readout_ranges=[(start, EVERY)] if req.readouts else [],
             )
-            if i == 0:
-                _admit(limits, prompt_len, append, options, "prompt")
+            _admit(limits, prompt_len, append, options, "prompt", {"top_logprobs": "logprobs"}, first=i == 0)
             plan.choices.append((p, options))
             plan.outputs.append(
                 ChoiceOutput(

@@ -55,11 +55,15 @@ class Execution:
         self.aborted = False  # the server is stopping: cancelled choices end in an error
 
     def submit(self) -> None:
-        """Start every choice, or none (the ones started are cancelled and the error raised)."""
+        """Start every choice, or none: the session is checked (exists, idle, room) before a fork
+        is made or anything appended; a failure after that cancels what started and closes the
+        forks whatever it was, then is raised (an engine error as OpenAI's)."""
         plan, engine = self.plan, self.engine
         try:
             targets: list[str | None]
             if plan.session is not None:
+                prompt, options = plan.choices[0]
+                engine.check(plan.session, plan.prompts[prompt], options, needs_room=True)
                 # forks first: they share the session's blocks as they are before the append
                 self.forks = [engine.fork_session(plan.session) for _ in plan.choices[1:]]
                 targets = [plan.session, *self.forks]
@@ -72,6 +76,9 @@ class Execution:
         except EngineError as exc:
             self.close()
             raise from_engine(exc, "messages" if plan.kind == "chat" else "prompt") from exc
+        except BaseException:
+            self.close()
+            raise
 
     async def batches(self) -> AsyncIterator[list[tuple[int, Event]]]:
         async for batch in self.mux.batches():

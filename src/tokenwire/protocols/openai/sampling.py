@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from tokenwire.engine.constraints import Constraint, ConstraintStep
-from tokenwire.engine.grammar import GrammarConstraint
-from tokenwire.engine.request import GenerateOptions, SamplingParams
+from tokenwire.engine.grammar import GrammarConstraint, GrammarTooLarge
+from tokenwire.engine.request import GenerateOptions, InvalidValueError, SamplingParams, choice_seed
 from tokenwire.protocols.openai.errors import bad_request
 from tokenwire.protocols.openai.schemas import Sampling
 
@@ -74,6 +74,8 @@ def compile_structure(structure: Structure | None, tokenizer: Any, width: int) -
         if structure.kind == "regex":
             return GrammarConstraint.regex(tokenizer, width, structure.spec)
         return GrammarConstraint.lark(tokenizer, width, structure.spec)
+    except GrammarTooLarge as exc:  # engine/grammar_guard: over a --grammar-max-* limit
+        raise bad_request(str(exc), structure.param, code="grammar_too_large") from exc
     except ValueError as exc:  # UnicodeEncodeError too: a lone surrogate in the grammar
         raise bad_request(str(exc), structure.param) from exc
 
@@ -94,10 +96,16 @@ def options_for(
     logprob_ranges: list[tuple[int, int]] | None,
     readout_ranges: list[tuple[int, int]],
 ) -> GenerateOptions:
-    """One choice's options. Choice i of a seeded request samples with seed + i: the choices
-    differ from each other and the whole response is reproducible."""
+    """One choice's options. Choice i of a seeded request samples with (seed + i) mod 2**64
+    (engine/request.py's choice_seed): the choices differ from each other and the whole response
+    is reproducible. The seed's range and the other numbers are checked by the engine's rules
+    when the plan is admitted (core._admit)."""
     if req.presence_penalty or req.frequency_penalty:
         constraint = PenaltyConstraint(width, req.presence_penalty, req.frequency_penalty, constraint)
+    try:
+        seed = choice_seed(req.seed, choice)
+    except InvalidValueError as exc:
+        raise bad_request(str(exc), exc.field, "invalid_value") from None
     temperature = 1.0 if req.temperature is None else req.temperature
     if req.top_k == 1:
         temperature = 0.0  # only the best token survives: a plain argmax, no draw
@@ -107,7 +115,7 @@ def options_for(
             temperature=temperature,
             top_k=req.top_k or 0,
             top_p=1.0 if req.top_p is None else req.top_p,
-            seed=None if req.seed is None else req.seed + choice,
+            seed=seed,
             logit_bias=logit_bias(req),
         ),
         stop=req.stops,

@@ -9,9 +9,19 @@ would cost more than the rest of the per-token work together.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from tokenwire.engine.request import require_int, require_number
 
 # OpenAI fields a stock client may send that only matter to OpenAI's own service.
 # The stop matcher keeps a window of the longest stop string and scans it on every token
@@ -19,6 +29,38 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # made each token cost a scan of 60 MB. OpenAI documents up to 4 stops and no length.
 MAX_STOP_CHARS = 1024
 IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key")
+
+
+def _integer(value: Any, info: ValidationInfo) -> Any:
+    """JSON's true/false are not integers, though pydantic (Python) reads them as 1/0: refused
+    by the engine's rule (engine/request.py), naming the field."""
+    if isinstance(value, bool):
+        require_int(value, info.field_name or "value")
+    return value
+
+
+def _number(value: Any, info: ValidationInfo) -> Any:
+    """A number is finite and not a bool (Python's json reads NaN, Infinity and 1e999): the
+    engine's rule (engine/request.py), naming the field."""
+    if isinstance(value, int | float):
+        return require_number(value, info.field_name or "value")
+    return value
+
+
+def _token_ids(value: Any, info: ValidationInfo) -> Any:
+    """A prompt of token ids (a list, or a list of lists) holds no true/false: named here, where
+    the union of prompt forms would only say that no form matched."""
+    for item in value if isinstance(value, list) else ():
+        for token in item if isinstance(item, list) else (item,):
+            if isinstance(token, bool):
+                field = info.field_name or "prompt"
+                require_int(token, field, what=f"{field}: a token id")
+    return value
+
+
+# the request's integers and numbers: pydantic checks the type and range, these refuse the rest
+Int = Annotated[int, BeforeValidator(_integer)]
+Number = Annotated[float, BeforeValidator(_number)]
 
 
 class _Strict(BaseModel):
@@ -104,17 +146,19 @@ class Sampling(_Strict):
     clients through `extra_body`, as vLLM's are)."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=16)
+    max_tokens: Int | None = Field(default=None, ge=0)
+    temperature: Number | None = Field(default=None, ge=0, le=2)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
+    n: Int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = Field(
+        default=None, description="0 <= seed < 2**64; choice i of n samples with (seed + i) mod 2**64"
+    )
     logit_bias: dict[str, float] | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: Number = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)
     # OpenAI fields that change nothing here (see IGNORED_FIELDS)
     user: str | None = None
     store: bool | None = None
@@ -124,8 +168,8 @@ class Sampling(_Strict):
     prompt_cache_key: str | None = None
     # tokenwire extensions
     session: str | None = Field(default=None, description="append to this engine session (POST /v1/sessions)")
-    top_k: int | None = Field(default=None, ge=0)
-    priority: int | None = Field(default=None, ge=0, le=10, description="0 interactive ... 10 batch")
+    top_k: Int | None = Field(default=None, ge=0)
+    priority: Int | None = Field(default=None, ge=0, le=10, description="0 interactive ... 10 batch")
     regex: str | None = Field(default=None, description="constrain the output to this regular expression")
     grammar: str | None = Field(default=None, description="constrain the output to this Lark grammar")
     readouts: bool = Field(default=False, description="concept projections per token (needs --concepts)")
@@ -146,6 +190,15 @@ class Sampling(_Strict):
             raise ValueError(f"stop sequences are at most {MAX_STOP_CHARS} characters")
         return stop
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_numbers(cls, bias: Any) -> Any:
+        """Each value a finite number, not a bool (the engine's rule), named as logit_bias."""
+        for key, value in bias.items() if isinstance(bias, dict) else ():
+            if isinstance(value, int | float):
+                require_number(value, "logit_bias", what=f"logit_bias[{key!r}]")
+        return bias
+
     @field_validator("logit_bias")
     @classmethod
     def _check_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -163,36 +216,38 @@ class Sampling(_Strict):
 
 class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: Int | None = Field(default=None, ge=0)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+PromptInput = str | list[str] | list[Int] | list[list[Int]]
 
 
 class CompletionRequest(Sampling):
-    prompt: PromptInput
+    prompt: Annotated[PromptInput, BeforeValidator(_token_ids)]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: Int | None = Field(default=None, ge=1)
 
 
 class SessionCreate(_Strict):
-    ttl: float | None = Field(
+    ttl: Number | None = Field(
         default=None, gt=0, description="idle lifetime in seconds (default --session-ttl)"
     )
-    prompt: str | list[int] | None = Field(default=None, description="initial text or token ids")
+    prompt: Annotated[str | list[Int] | None, BeforeValidator(_token_ids)] = Field(
+        default=None, description="initial text or token ids"
+    )
     model: str | None = None
 
 
 class SessionFork(_Strict):
-    at: int | None = Field(default=None, ge=0, description="keep tokens [0, at) (default: all)")
+    at: Int | None = Field(default=None, ge=0, description="keep tokens [0, at) (default: all)")
 
 
 class SessionTruncate(_Strict):
-    length: int = Field(ge=0)
+    length: Int = Field(ge=0)

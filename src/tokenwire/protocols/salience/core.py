@@ -8,7 +8,6 @@ before the session is changed (truncated or appended to), so a refused call leav
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,7 +29,11 @@ from tokenwire.protocols.salience.status import SalienceStatus, status_for
 SERVICE_NAME = "salience.v1.Salience"
 READOUT_DTYPE = "float32"  # readouts travel as proto floats
 # engine field -> GenerateRequest field, so refusals name what the client sent
-PROTO_NAMES = {"append": "append_tokens", "logprob_ranges": "logprobs_ranges"}
+PROTO_NAMES = {
+    "append": "append_tokens",
+    "logprob_ranges": "logprobs_ranges",
+    "top_logprobs": "logprob_top_k",
+}
 
 
 @dataclass(frozen=True)
@@ -78,16 +81,21 @@ def check_fork(at: int, length: int, images: Sequence[ImageBlock]) -> list[Image
 
 
 def sampling_from(req: pb.GenerateRequest) -> SamplingParams:
-    """The proto's zero defaults: temperature 0 and top_p 0 mean 1.0, top_k 0 means disabled."""
-    temperature = req.temperature if req.temperature != 0 else 1.0
-    top_p = req.top_p if req.top_p != 0 else 1.0
-    if math.isnan(temperature) or temperature < 0:
-        raise _status(grpc.StatusCode.INVALID_ARGUMENT, f"temperature must be >= 0, got {req.temperature}")
-    if math.isnan(top_p) or not 0 < top_p <= 1:
-        raise _status(grpc.StatusCode.INVALID_ARGUMENT, f"top_p must be in (0, 1], got {req.top_p}")
+    """The proto's zero defaults: temperature 0 and top_p 0 mean 1.0, top_k 0 means disabled.
+    The values are checked by the engine's rules (finite, in range) as sent, before top_k 1
+    turns the draw into an argmax (a NaN temperature must not pass as greedy)."""
+    sampling = SamplingParams(
+        temperature=req.temperature if req.temperature != 0 else 1.0,
+        top_k=int(req.top_k),
+        top_p=req.top_p if req.top_p != 0 else 1.0,
+    )
+    try:
+        sampling.validate(PROTO_NAMES)
+    except EngineError as exc:
+        raise status_for(exc) from None
     if req.top_k == 1:
-        temperature = 0.0  # only the best token survives: plain argmax, no draw
-    return SamplingParams(temperature=float(temperature), top_k=int(req.top_k), top_p=float(top_p))
+        sampling.temperature = 0.0  # only the best token survives: plain argmax, no draw
+    return sampling
 
 
 def _check_sizes(req: pb.GenerateRequest, offset: int, engine: Limits) -> None:

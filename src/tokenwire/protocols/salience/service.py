@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +29,7 @@ from tokenwire.protocols.salience.gen import salience_pb2 as pb
 from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc
 from tokenwire.protocols.salience.images import ImageBlock, VisionTokens
 from tokenwire.protocols.salience.status import SalienceStatus, status_for
+from tokenwire.protocols.security import bearer, token_matches
 
 log = logging.getLogger("tokenwire.salience")
 
@@ -113,7 +113,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self.engine = engine
         self.session_ttl_s = session_ttl_s
         self.limits = model_limits(engine)
-        self._expected_auth = f"Bearer {auth_token}".encode() if auth_token else None
+        self._auth_token = auth_token or None
         self._images: dict[str, list[ImageBlock]] = {}  # only sessions that hold images
         self._streaming: set[str] = set()  # sessions with a Generate stream open here
         self._handles: dict[str, RequestHandle] = {}  # their engine requests
@@ -122,13 +122,13 @@ class SalienceServicer(pb_grpc.SalienceServicer):
 
     # ------------------------------------------------------------------ helpers
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self._expected_auth is None:
+        """The server's interceptor checks every call first (grpc_server.py); this servicer checks
+        again by the same rule (security.py: the scheme is case-insensitive, RFC 9110) for a
+        server built without it."""
+        if self._auth_token is None:
             return
-        got = b""
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else bytes(value)
-        if not hmac.compare_digest(got, self._expected_auth):
+        given = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        if not token_matches(self._auth_token, bearer(given)):
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "missing or wrong bearer token: send metadata `authorization: Bearer <token>`",
