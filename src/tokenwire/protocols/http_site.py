@@ -44,16 +44,21 @@ async def start_site(
     sock: socket.socket | None = None,
     flag: str = "port",
     ssl_context: ssl.SSLContext | None = None,
+    cancel_on_disconnect: bool = False,
 ) -> tuple[web.AppRunner, int]:
     """Serve `app` on `sock` (bound by `tokenwire serve` before the model loaded), or else on
     host:port (0 = a free port), over TLS with `ssl_context` (--tls-cert); returns its runner
     and the bound port.
 
     Signals stay with `tokenwire serve` (handle_signals=False); the protocols write their own
-    access log lines."""
+    access log lines. `cancel_on_disconnect`: a handler whose client's connection closes is
+    cancelled at once (aiohttp's handler_cancellation, off by default), for handlers that send
+    nothing while they work (a GraphPipe call) and so would never notice the client leave."""
     if sock is None:
         sock = bind_tcp(host, port, flag)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = web.AppRunner(
+        app, handle_signals=False, access_log=None, handler_cancellation=cancel_on_disconnect
+    )
     await runner.setup()
     bound = sock.getsockname()
     site = GuardedSockSite(runner, sock, ListenerGuard(f"{flag} {bound[0]}:{bound[1]}"), ssl_context)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +17,7 @@ from tests.protocols.graphpipe.conftest import ServerThread
 from tests.tiny_models import hf_model, ours_from_hf
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.request import GenerateOptions, SamplingParams
-from tokenwire.protocols.graphpipe.client import Client, GraphPipeClientError
+from tokenwire.protocols.graphpipe.client import Client, GraphPipeClientError, build_request
 from tokenwire.protocols.graphpipe.errors import ErrorCode
 from tokenwire.protocols.graphpipe.models.lm_model import LanguageModel
 
@@ -166,3 +171,86 @@ def test_real_smollm2_next_token_logprobs(smollm2_engine) -> None:
         assert meta.Outputs(0).ShapeAsNumpy().tolist() == [-1, -1, engine.logits_size]
     finally:
         server.stop()
+
+
+# ---- issue 41, finding 10: a call shares the engine, and stops when its client leaves ----------
+
+
+class HeldSlices:
+    """dense_forward (looked up by name at every model call) wrapped: each slice's start and
+    end recorded, and the first slice held until the test lets it run."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from tokenwire.protocols.graphpipe.models import lm_model
+
+        self.lm_model = lm_model
+        self.events: list[str] = []
+        self.first_started = threading.Event()
+        self.release = threading.Event()
+        real = lm_model.dense_forward
+
+        def slice_(engine: Engine, ids: np.ndarray, outputs: list[str], layer: int, call_id: int = 0) -> Any:
+            self.events.append(f"start {len(ids)}")
+            if not self.first_started.is_set():
+                self.first_started.set()
+                assert self.release.wait(120), "the test never released the first slice"
+            try:
+                out = real(engine, ids, outputs, layer, call_id)
+            except lm_model.CallAbandoned:
+                self.events.append("abandoned")
+                raise
+            self.events.append("done")
+            return out
+
+        monkeypatch.setattr(lm_model, "dense_forward", slice_)
+
+
+def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout  # a hang guard, not a speed claim
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.01)
+
+
+def test_a_long_call_runs_in_slices_with_engine_steps_between(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[8, 512] is 8 slices of one row (SLICE_TOKENS = 512): a 4-token request submitted while
+    the first slice runs is finished before the call's last slice (it waited 270 s behind one
+    whole-batch call before)."""
+    engine, _, server = tiny
+    held = HeldSlices(monkeypatch)
+    ids = _ids(8, 512, 3)
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(remote.execute_multi, server.url("tiny"), [ids], ["input_ids"], ["embedding"])
+        assert held.first_started.wait(120)
+        opts = GenerateOptions(max_tokens=4, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+        chat = engine.generate(None, [1, 2, 3, 4], opts)
+        held.release.set()
+        events, _ = chat.result()
+        slices_done_then = held.events.count("done")
+        (embedding,) = call.result(timeout=300)
+    assert len(events) == 4
+    assert slices_done_then < 8, held.events
+    assert held.events.count("start 1") == 8 and held.events.count("done") == 8
+    monkeypatch.undo()  # the sliced call's rows equal the same rows in a call of their own
+    (again,) = remote.execute_multi(server.url("tiny"), [ids[:2]], ["input_ids"], ["embedding"])
+    np.testing.assert_allclose(embedding[:2], again, atol=1e-5, rtol=1e-4)
+
+
+def test_a_call_whose_client_left_stops_before_its_next_layer(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client sends a [8, 512] call and hangs up while the first slice runs: that slice
+    stops at its next layer (CallAbandoned), no other slice starts, and the engine serves on."""
+    engine, _, server = tiny
+    held = HeldSlices(monkeypatch)
+    body = bytes(build_request([_ids(8, 512, 4)], ["input_ids"], ["logits"], None))
+    head = f"POST /tiny HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", server.server.port), timeout=60) as sock:
+        sock.sendall(head + body)
+        assert held.first_started.wait(120)
+    _wait_for(lambda: bool(held.lm_model._cancelled), "the server noticing its client left")
+    held.release.set()
+    _wait_for(lambda: "abandoned" in held.events, "the running slice stopping")
+    opts = GenerateOptions(max_tokens=2, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+    events, _ = engine.generate(None, [5, 6, 7], opts).result()
+    assert len(events) == 2
+    assert held.events == ["start 1", "abandoned"], held.events
+    _wait_for(lambda: not held.lm_model._cancelled, "the cancelled call's id being forgotten")

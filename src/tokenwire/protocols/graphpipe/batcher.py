@@ -122,7 +122,11 @@ class Batcher:
             raise
         # the call's end (not this request's, which may be cancelled) frees the model
         future.add_done_callback(lambda _: self._call_done(time.perf_counter() - began))
-        return await asyncio.shield(future)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.cancel()  # its only caller went away: the model stops what it can
+            raise
 
     def _note_lone_call(self, seconds: float) -> None:
         last = self._lone_call_s
@@ -187,7 +191,9 @@ class Batcher:
         merged = {name: np.concatenate([c.inputs[name] for c in live]) for name in live[0].inputs}
         self._count_call(sum(c.rows for c in live))
         try:
-            results = await self.model.run(merged, live[0].outputs, live[0].config)
+            results = await self._call_for(live, merged)
+            if results is None:
+                return
             total = sum(c.rows for c in live)
             if any(r.ndim == 0 or r.shape[0] != total for r in results):
                 raise ValueError("an output has no batch dimension")
@@ -207,13 +213,37 @@ class Batcher:
         assert call.future is not None
         self._count_call(call.rows)
         try:
-            result = await self.model.run(call.inputs, call.outputs, call.config)
+            result = await self._call_for([call], call.inputs)
+            if result is None:
+                return
         except Exception as exc:
             if not call.future.done():
                 call.future.set_exception(exc)
             return
         if not call.future.done():
             call.future.set_result(result)
+
+    async def _call_for(self, calls: list[Call], inputs: dict[str, np.ndarray]) -> list[np.ndarray] | None:
+        """The model's outputs for `calls` (stacked in `inputs`), or None when every caller went
+        away first: the model call is then cancelled (the engine's LM stops before its next
+        layer) rather than left to hold the model for a result nobody reads."""
+        started = self.model.start(inputs, calls[0].outputs, calls[0].config)
+
+        def abandon(_: Any) -> None:
+            if all(c.future is not None and c.future.cancelled() for c in calls):
+                started.cancel()
+
+        for call in calls:
+            assert call.future is not None
+            call.future.add_done_callback(abandon)
+        try:
+            return await asyncio.shield(started)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if started.cancelled() and (task is None or not task.cancelling()):
+                return None  # abandoned by its callers; this worker goes on
+            started.cancel()
+            raise
 
     async def close(self) -> None:
         if self._worker is not None:

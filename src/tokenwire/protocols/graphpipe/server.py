@@ -103,8 +103,16 @@ class GraphPipeServer:
         app.router.add_get("/control/stats", self._stats)
         app.router.add_route("*", "/", self._model_route)
         app.router.add_route("*", "/{name}", self._model_route)
+        # a call sends nothing until it is done: without cancellation a client that left was
+        # noticed only then (a [16, 2048] call ran on for 289 CPU-seconds)
         self._runner, self.port = await start_site(
-            app, self.host, self.port, self.sock, "--graphpipe-port", self.ssl_context
+            app,
+            self.host,
+            self.port,
+            self.sock,
+            "--graphpipe-port",
+            self.ssl_context,
+            cancel_on_disconnect=True,
         )
         self.ready = True
         log.info("GraphPipe listening on %s (models %s)", self.url, ", ".join(self.paths()))

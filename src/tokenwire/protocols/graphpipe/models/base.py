@@ -38,7 +38,8 @@ class TensorModel(ABC):
         self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any
     ) -> asyncio.Future[list[np.ndarray]]:
         """Begin one model call over (possibly stacked) inputs; the future gives the outputs in
-        order. The call runs to its end even if nobody awaits the future any more."""
+        order. Cancelling the future stops what the model can stop (the engine's LM: before its
+        next layer); an ONNX call runs to its end."""
 
     async def run(self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any) -> list[np.ndarray]:
         return await self.start(inputs, outputs, config)

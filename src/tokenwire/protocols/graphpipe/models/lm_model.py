@@ -6,19 +6,25 @@ input `input_ids` int64 [B, T] (whole sequences, no KV cache) ->
   JSON {"layer": L} (0 = embeddings, num_layers = final normed states, negative counts from the
   end; default -1), `embedding` float32 [B, H] (final normed hidden state mean-pooled over T).
 
-The forward is one dense causal pass over the [B, T] batch on the engine's model thread, so it
-never runs beside the engine's own steps (two OpenMP teams on the same cores slow both).
+The forward is a dense causal pass on the engine's model thread, so it never runs beside the
+engine's own steps (two OpenMP teams on the same cores slow both). It runs in slices of rows of
+about one engine step's tokens (SLICE_TOKENS), one model call each, so the engine's steps run
+between slices: a [16, 2048] request held the engine for 289 CPU-seconds in one call while a
+2-token chat waited 270 s. A call whose callers went away (the client hung up) is cancelled:
+no further slice starts, and the slice running stops before its next layer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from tokenwire.engine.request import InvalidValueError, require_int
 from tokenwire.model.layers.attention import DenseCausalAttention
 from tokenwire.protocols.graphpipe.codec import IOMetadata
 from tokenwire.protocols.graphpipe.errors import ErrorCode, GraphPipeError
@@ -32,6 +38,18 @@ if TYPE_CHECKING:
 INPUT = "input_ids"
 # a request that would make more than this many output bytes is refused before it runs
 MAX_OUTPUT_BYTES = 1 << 30
+# tokens a slice of rows holds (a row is never split: one row of T tokens is one slice when
+# T is larger): the engine's default --max-batch-tokens, so a slice costs about one step
+SLICE_TOKENS = 512
+
+# model calls whose callers went away: dense_forward stops before its next layer. Only calls on
+# this process's engine see it; under --replicas a cancelled request stops between slices.
+_call_ids = itertools.count(1)
+_cancelled: set[int] = set()
+
+
+class CallAbandoned(Exception):
+    """Raised in a cancelled call's forward; nobody awaits its result any more."""
 
 
 class LanguageModel(TensorModel):
@@ -73,10 +91,12 @@ class LanguageModel(TensorModel):
             raise GraphPipeError(ErrorCode.BAD_REQUEST, 'config must be a JSON object like {"layer": 3}')
         layer = parsed.get("layer", -1)
         n = self.num_layers
-        if not isinstance(layer, int) or isinstance(layer, bool) or not -(n + 1) <= layer <= n:
+        try:  # the engine's rule: an integer (true/false are not), here in -(n+1)..n
+            layer = require_int(layer, "config layer", -(n + 1), n)
+        except InvalidValueError as exc:
             raise GraphPipeError(
-                ErrorCode.BAD_REQUEST, f"config layer {layer!r} is outside 0..{n} (or -{n + 1}..-1)"
-            )
+                ErrorCode.BAD_REQUEST, f"{exc} (0..{n}, or -{n + 1}..-1 from the end)"
+            ) from None
         return layer % (n + 1)
 
     def check_values(self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any) -> None:
@@ -114,25 +134,50 @@ class LanguageModel(TensorModel):
         self, inputs: dict[str, np.ndarray], outputs: list[str], config: Any
     ) -> asyncio.Future[list[np.ndarray]]:
         ids = np.array(inputs[INPUT], dtype=np.int64)  # token ids are small: a writable copy for torch
-        # by name: under --replicas it runs in a replica's process (EngineAPI.model_call)
-        future = self.engine.model_call(f"{__name__}:dense_forward", ids, outputs, config)
-        return asyncio.wrap_future(future)
+        return asyncio.ensure_future(self._sliced(ids, outputs, config))
+
+    async def _sliced(self, ids: np.ndarray, outputs: list[str], config: Any) -> list[np.ndarray]:
+        b, t = ids.shape
+        rows = max(1, SLICE_TOKENS // max(t, 1))
+        call_id = next(_call_ids)
+        parts: list[list[np.ndarray]] = []
+        for lo in range(0, b, rows):
+            # by name: under --replicas it runs in a replica's process (EngineAPI.model_call)
+            future = self.engine.model_call(
+                f"{__name__}:dense_forward", ids[lo : lo + rows], outputs, config, call_id
+            )
+            try:
+                parts.append(await asyncio.wrap_future(future))
+            except asyncio.CancelledError:
+                _cancelled.add(call_id)  # the slice running now stops before its next layer
+                future.add_done_callback(lambda _: _cancelled.discard(call_id))
+                raise
+        return [np.concatenate(part) for part in zip(*parts, strict=True)]
 
 
 @torch.inference_mode()
-def dense_forward(engine: Engine, ids: np.ndarray, outputs: list[str], layer: int) -> list[np.ndarray]:
+def dense_forward(
+    engine: Engine, ids: np.ndarray, outputs: list[str], layer: int, call_id: int = 0
+) -> list[np.ndarray]:
     """Runs on the model thread: one dense causal pass over the [B, T] batch."""
+
+    def before_layer() -> None:
+        engine.check_stopping()
+        if call_id in _cancelled:
+            raise CallAbandoned(f"GraphPipe call {call_id}: its client went away")
+
     model = engine.model
     b, t = ids.shape
     device = model.device
     tokens = torch.from_numpy(ids).to(device).reshape(-1)
     positions = torch.arange(t, device=device).repeat(b)
     capture = (layer,) if "hidden_states" in outputs else ()
-    # a batch can take seconds on a CPU: the forward stops within a layer of shutdown
+    # a batch can take seconds on a CPU: the forward stops within a layer of shutdown or of its
+    # client leaving
     hidden, captured = model(
         tokens,
         positions,
-        DenseCausalAttention(b, t, before_layer=engine.check_stopping, round_kv=engine.kv.as_stored),
+        DenseCausalAttention(b, t, before_layer=before_layer, round_kv=engine.kv.as_stored),
         capture_layers=capture,
     )
     hidden = hidden.view(b, t, -1)
