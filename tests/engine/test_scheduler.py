@@ -102,3 +102,46 @@ def test_preempted_request_finishes_after_the_urgent_one_with_the_same_tokens(to
         assert [first.token_id, *rest] == alone
     finally:
         engine.shutdown()
+
+
+def _fairness_setup(share: str) -> tuple[Scheduler, KVCache, Request, Request, Request]:
+    kv = KVCache(TINY, 4, 256, "fp32", "cpu")  # 1,024 positions
+    scheduler = Scheduler(kv, max_batch_tokens=64, max_running=8, idle_sessions=list, prefill_share=share)
+    decoding = _request(1, 4, priority=2)
+    scheduler.add(decoding)
+    scheduler.schedule(lambda r, e: None)
+    decoding.session.computed(4, kv)
+    decoding.session.tokens.append(7)  # sampled: decoding from now on
+    long = _request(2, 500, priority=2)  # a long prompt, then a short one after it
+    short = _request(3, 5, priority=2)
+    scheduler.add(long)
+    scheduler.add(short)
+    return scheduler, kv, decoding, long, short
+
+
+def test_prompts_share_the_step_so_a_short_one_is_read_beside_a_long_one() -> None:
+    """Issue 41: the decode row runs, the short prompt (after the long one) is read whole in
+    the same step, and the long one takes the rest of the budget."""
+    scheduler, _, decoding, long, short = _fairness_setup("fair")
+    items = {i.request.id: i.count for i in scheduler.schedule(lambda r, e: None)}
+    assert items == {decoding.id: 1, long.id: 64 - 1 - 5, short.id: 5}
+
+
+def test_arrival_order_lets_the_long_prompt_take_the_whole_step() -> None:
+    """The old policy (the fairness bench's baseline): the short prompt waits behind every chunk."""
+    scheduler, _, decoding, long, _ = _fairness_setup("arrival")
+    items = {i.request.id: i.count for i in scheduler.schedule(lambda r, e: None)}
+    assert items == {decoding.id: 1, long.id: 63}
+
+
+def test_long_prompts_split_the_step_evenly() -> None:
+    from tokenwire.engine.scheduler import _fair_share
+
+    kv = KVCache(TINY, 4, 256, "fp32", "cpu")
+    scheduler = Scheduler(kv, max_batch_tokens=90, max_running=8, idle_sessions=list)
+    requests = [_request(i, n, priority=0) for i, n in ((1, 400), (2, 300), (3, 10))]
+    for r in requests:
+        scheduler.add(r)
+    items = {i.request.id: i.count for i in scheduler.schedule(lambda r, e: None)}
+    assert items == {1: 40, 2: 40, 3: 10}  # 10 for the short one, (90 - 10) / 2 each for the rest
+    assert _fair_share(requests, requests[0], 2) == 1  # fewer tokens than prompts: one each

@@ -408,6 +408,9 @@ async def _settled(engine: Any, before: dict[str, Any], timeout: float = 10.0) -
 
 def run_soak(args: argparse.Namespace) -> int:
     logging.getLogger("tokenwire").setLevel(logging.ERROR)
+    fair = _long_prompt(args) if args.long_prompt else None
+    if args.minutes <= 0:
+        return 0 if fair is not None else 1
     source = resolve_model(args.model)
     engine = Engine(
         lambda: RandomTokenModel(source.config),
@@ -440,6 +443,23 @@ def run_soak(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _long_prompt(args: argparse.Namespace) -> dict[str, Any]:
+    """bench/fairness.py on the real model: a short prompt's TTFT beside a long one."""
+    from tokenwire.bench import fairness
+    from tokenwire.engine.factory import EngineSettings, build_engine
+
+    engine = build_engine(EngineSettings(model=args.model, progress=False, kv_cache_mb=512))
+    try:
+        report = fairness.measure(engine, args.long_prompt, args.rounds)
+    finally:
+        engine.shutdown()
+    if args.json:
+        print(json.dumps({"long_prompt": report}, indent=1))
+    else:
+        fairness.print_table(report)
+    return report
+
+
 def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = bench_sub.add_parser("soak", help="every protocol at once for minutes: errors, wrong outputs, leaks")
     p.add_argument("--minutes", type=float, default=2.0)
@@ -452,5 +472,11 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )  # fmt: skip
     p.add_argument("--kv-cache-mb", type=float, default=64.0)
     p.add_argument("--model", help="whose tokenizer and vocabulary (default: the default model)")
+    p.add_argument(
+        "--long-prompt", type=int, default=0, metavar="N",
+        help="first, on the real model: a short prompt's time to first token beside an N-token "
+        "prompt, fair prefill share vs arrival order (bench/fairness.py); --minutes 0 for only this",
+    )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3, help="--long-prompt's interleaved rounds")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=run_soak)
