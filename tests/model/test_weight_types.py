@@ -82,3 +82,24 @@ def test_unknown_types_are_named() -> None:
     with pytest.raises(ValueError, match="unsupported quantisation type 16"):
         weight_type(16)  # IQ2_XXS: converted to Q8_0, never run as itself
     assert weight_type(8) is weight_types.Q8_0
+
+
+def test_the_isa_can_be_narrowed_to_build_the_avx2_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOKENWIRE_KERNELS_ISA=avx2 builds what an AVX2-only CPU builds (CI may land on one), as a
+    build of its own in the kernel cache; =portable drops the vector paths; a typo is refused."""
+    from tokenwire.model import kernels
+
+    native = compiler_flags()
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    avx2 = compiler_flags()
+    assert not any(f.startswith("-mavx512") for f in avx2)
+    assert ("-mavx2" in avx2) == ("-mavx2" in native)
+    avx2_dir = kernels.kernel_dir()
+    monkeypatch.delenv(kernels.ISA_ENV)
+    assert (avx2_dir == kernels.kernel_dir()) == (avx2 == native)  # the build's key has the flags
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    monkeypatch.setenv(kernels.ISA_ENV, "portable")
+    assert not any(f.startswith("-mavx") or f in ("-mfma", "-mf16c") for f in compiler_flags())
+    monkeypatch.setenv(kernels.ISA_ENV, "avx3")
+    with pytest.raises(ValueError, match="TOKENWIRE_KERNELS_ISA"):
+        compiler_flags()
