@@ -44,9 +44,10 @@ def idle_baseline(engine: Any) -> dict[str, Any]:
     return stats
 
 
-def wait_idle(engine: Any, baseline: dict[str, Any], timeout: float = 1.0) -> dict[str, Any]:
+def wait_idle(engine: Any, baseline: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
     """The engine's stats once nothing runs or waits, its sessions are back to `baseline`'s and
-    so are its available KV blocks (AssertionError with the last stats after `timeout` s)."""
+    so are its available KV blocks (AssertionError with the last stats after `timeout` s: a hang
+    guard, not a speed claim; a test that means "ended early" counts the tokens computed)."""
     import time
 
     deadline = time.monotonic() + timeout

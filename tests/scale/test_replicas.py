@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -270,9 +269,7 @@ def test_cancel_through_the_front_end_frees_the_request_on_the_replica(servers) 
         stats = replica_call(where, "stats")
         return stats["running"] == 0 and stats["streams"] == 0
 
-    started = time.monotonic()
-    wait_for(idle, timeout=5)
-    assert time.monotonic() - started < 5
+    wait_for(idle, timeout=60)  # hang guard: that it stopped early, the tokens below say
     import ray
 
     tokens = ray.get(replica(where).call.remote("session_tokens", sid), timeout=30)
@@ -379,12 +376,21 @@ def test_structured_output_grammar_is_rebuilt_on_the_replica(servers) -> None:
     assert value["color"] in ("red", "green", "blue") and value["n"] in (1, 2, 3)
 
 
+def replicated_metrics(replicated: ServeProcess) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{replicated.metrics}/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
 def test_metrics_and_ray_status_list_each_replica(servers, ray_address) -> None:
     replicated, _ = servers
-    time.sleep(0.6)  # a stats poll
-    url = f"http://127.0.0.1:{replicated.metrics}/metrics"
-    with urllib.request.urlopen(url, timeout=30) as r:
-        text = r.read().decode()
+    # after a stats poll (every few hundred ms) every replica is up; 30 s is a hang guard
+    up = [f'tokenwire_replica_up{{replica="{i}"}} 1.0' for i in range(2)]
+
+    def polled() -> str:
+        text = replicated_metrics(replicated)
+        return text if all(u in text for u in up) else ""
+
+    text = wait_for(polled, timeout=30)
     for i in range(2):
         assert f'tokenwire_replica_up{{replica="{i}"}} 1.0' in text
         assert f'tokenwire_kv_blocks{{replica="{i}",state="free"}}' in text
@@ -468,7 +474,9 @@ def test_aici_runs_whole_on_a_replica_and_uploads_reach_every_replica(servers) -
     assert forks[0]["finish_reason"] == "fail" and "no-such-tag" in forks[0]["error"], forks
 
     # a client that goes away mid-run cancels it on its replica: the engine there goes idle
+    # before the run's 470 tokens were computed (the waits are hang guards)
     sessions = [replica_call(i, "stats")["sessions"] for i in range(2)]
+    computed = sum(replica_call(i, "stats")["computed_tokens"] for i in range(2))
     body = {"controller": "regex", "controller_arg": "[a-z ]*", "max_tokens": 470}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("POST", "/v1/run", json.dumps(body), {"Content-Type": "application/json"})
@@ -477,8 +485,10 @@ def test_aici_runs_whole_on_a_replica_and_uploads_reach_every_replica(servers) -
     wait_for(lambda: sum(replica_call(i, "stats")["running"] for i in range(2)) == 1, timeout=30)
     conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
     conn.close()
-    wait_for(lambda: sum(replica_call(i, "stats")["running"] for i in range(2)) == 0, timeout=5)
-    wait_for(lambda: [replica_call(i, "stats")["sessions"] for i in range(2)] == sessions, timeout=5)
+    wait_for(lambda: sum(replica_call(i, "stats")["running"] for i in range(2)) == 0, timeout=60)
+    wait_for(lambda: [replica_call(i, "stats")["sessions"] for i in range(2)] == sessions, timeout=60)
+    ran = sum(replica_call(i, "stats")["computed_tokens"] for i in range(2)) - computed
+    assert 0 < ran < 470, ran
 
 
 # ---------------------------------------------------------------------------------- failure
@@ -586,9 +596,11 @@ def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -
     replicated, _ = servers
     victim_pid = replica_call(0, "stats")["pid"]
 
-    async def timed(coro: Any) -> tuple[Any, float]:
+    async def timed(coro: Any) -> tuple[Any, bool]:
+        """The stream's outcome, and whether the ingress had logged the replica's restart by
+        then (its log is read as it comes: a line late to be read only makes this False)."""
         outcome = await coro
-        return outcome, time.monotonic()
+        return outcome, "engine replica 0 restarted" in replicated.log
 
     starts = {
         "salience": lambda: timed(salience_stream(replicated.grpc)),
@@ -598,18 +610,18 @@ def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -
         "http_sse": lambda: timed(asyncio.to_thread(http_stream, replicated.http)),
     }
 
-    async def go() -> tuple[dict[str, list[tuple[Any, float, int]]], float]:
+    async def go() -> dict[str, list[tuple[Any, bool, int]]]:
         placed = {name: await start_on_each_replica(start) for name, start in starts.items()}
+        assert "engine replica 0 restarted" not in replicated.log
         os.kill(victim_pid, signal.SIGKILL)
-        killed = time.monotonic()
         done = {}
         for name, tasks in placed.items():
             done[name] = [(*(await task), where) for task, where in tasks]
-        return done, killed
+        return done
 
-    results, killed = run(go(), timeout=180)
+    results = run(go(), timeout=180)  # hang guard
     for name, outcomes in results.items():
-        for outcome, at, where in outcomes:
+        for outcome, after_restart, where in outcomes:
             if where == 1:  # the survivor's streams finished in full
                 if name == "http":
                     assert outcome["usage"]["completion_tokens"] == LONG, outcome
@@ -620,8 +632,10 @@ def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -
                 else:
                     assert outcome == LONG, (name, outcome)
                 continue
-            # the killed replica's: the protocol's own error naming the loss, within a few seconds
-            assert at - killed < 5.0, (name, at - killed)
+            # the killed replica's: the protocol's own error naming the loss, as soon as the
+            # loss is seen, not waited out until Ray has the replica back (a restart is a new
+            # process and a model load; the loss ends the replica's event stream at once)
+            assert not after_restart, (name, "the error came only after the replica restarted", outcome)
             if name == "salience":
                 assert isinstance(outcome, SalienceError) and outcome.code.name == "UNAVAILABLE", outcome
                 assert "replica 0" in str(outcome) and "lost" in str(outcome)

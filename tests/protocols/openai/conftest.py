@@ -72,6 +72,19 @@ def http(method: str, url: str, body: Any = None, key: str | None = API_KEY) -> 
         return exc.code, dict(exc.headers), json.loads(exc.read() or b"null")
 
 
+def metric(root: str, name: str, **labels: str) -> float:
+    """One sample of the server's /metrics (open, like /health; 0 while the series does not exist)."""
+    import re
+
+    with urllib.request.urlopen(f"{root}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        found = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
+        if found and dict(re.findall(r'(\w+)="([^"]*)"', found[1])) == labels:
+            return float(found[2])
+    return 0.0
+
+
 @pytest.fixture(scope="session")
 def root(openai_server: str) -> str:
     return openai_server.removesuffix("/v1")

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from tests.protocols.openai.conftest import MODEL, InProcess, http
+from tests.protocols.openai.conftest import MODEL, InProcess, http, metric
 
 pytestmark = pytest.mark.slow
 ASK = [{"role": "user", "content": "When was the Eiffel Tower built?"}]
@@ -64,7 +64,11 @@ def test_penalties_reduce_repeated_tokens(client: Any) -> None:
 
 
 def test_a_non_streaming_client_that_leaves_cancels_its_request(openai_server: str, root: str) -> None:
+    """The request ends as cancelled, not after its 4000 tokens (counted on /metrics); the
+    waits are hang guards."""
     port = int(openai_server.split(":")[2].split("/")[0])
+    cancelled = metric(root, "tokenwire_requests_total", outcome="cancelled", protocol="openai")
+    generated = metric(root, "tokenwire_generated_tokens_total", protocol="openai")
     body = (
         f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Hi"}}], '
         '"max_tokens": 4000, "ignore_eos": true}'
@@ -78,10 +82,12 @@ def test_a_non_streaming_client_that_leaves_cancels_its_request(openai_server: s
         while http("GET", f"{root}/health", key=None)[2]["running"] != 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 120
     while http("GET", f"{root}/health", key=None)[2]["running"] != 0:
         assert time.monotonic() < deadline, "the abandoned request kept running"
         time.sleep(0.05)
+    assert metric(root, "tokenwire_requests_total", outcome="cancelled", protocol="openai") == cancelled + 1
+    assert metric(root, "tokenwire_generated_tokens_total", protocol="openai") - generated < 4000
 
 
 @pytest.fixture
