@@ -38,7 +38,9 @@ def test_the_probe_sees_a_spinning_waiter(kernels) -> None:
     stats = kernels.barrier_probe(2, 2, SLEEP_MS)
     cpu, wall, seen = stats[1].tolist()
     assert seen == 2
-    assert cpu > 0.25 * wall  # a spinner on a loaded 2-core machine still gets >= ~half its wall time
+    # the threshold the sleeping waiters are held under: a spinner crosses it even when the
+    # machine's load gives it a fifth of a core (0.25 failed at load 7 on 2 cores: ~0.28 left)
+    assert cpu > 0.1 * wall
 
 
 def test_barrier_without_waiting_and_alone(kernels) -> None:
