@@ -35,11 +35,13 @@ import aiohttp
 import grpc
 import numpy as np
 
+from tokenwire.bench import fairness
 from tokenwire.bench.hostile import HostileConfig, run_hostile
 from tokenwire.bench.inprocess import InProcessServers
 from tokenwire.bench.neighbours import busy_neighbours, describe
 from tokenwire.bench.random_tokens import RandomTokenModel
 from tokenwire.engine.engine import Engine
+from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.lmtp import Client, LmtpError
 from tokenwire.model.loader import resolve_model
 from tokenwire.protocols.evergreen.client import Chat, EvergreenSession, GenerateConfig
@@ -445,9 +447,6 @@ def run_soak(args: argparse.Namespace) -> int:
 
 def _long_prompt(args: argparse.Namespace) -> dict[str, Any]:
     """bench/fairness.py on the real model: a short prompt's TTFT beside a long one."""
-    from tokenwire.bench import fairness
-    from tokenwire.engine.factory import EngineSettings, build_engine
-
     engine = build_engine(EngineSettings(model=args.model, progress=False, kv_cache_mb=512))
     try:
         report = fairness.measure(engine, args.long_prompt, args.rounds)
