@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import ctypes
 import logging
 import os
 import queue
@@ -25,12 +26,13 @@ from collections.abc import Callable
 import numpy as np
 
 from tokenwire.heap import freeze_startup_heap
-from tokenwire.protocols.aici.codec import ProtocolError, decode_message, encode_message, error_reply
+from tokenwire.protocols.aici.codec import FRAME_HEADER, ProtocolError, decode_message, error_reply, fit_reply
 from tokenwire.protocols.aici.controller import ControllerLimits
 from tokenwire.protocols.aici.registry import ModuleRegistry
 from tokenwire.protocols.aici.runtime import AiciRuntime, StopRuntime
 from tokenwire.protocols.aici.runtime_args import add_runtime_args
 from tokenwire.protocols.aici.shm import MessageChannel, SharedRegion, channel_names, remove_channels
+from tokenwire.protocols.aici.watchdog import install as install_watchdog
 
 log = logging.getLogger("tokenwire.aicirt")
 
@@ -56,6 +58,12 @@ def limits_from(args: argparse.Namespace) -> ControllerLimits:
         post_s=args.max_post_ms / 1000,
         init_s=args.max_init_ms / 1000,
         memory_bytes=int(args.max_memory_mb * 2**20),
+        max_forks=args.max_forks,
+        max_ff_tokens=args.max_ff_tokens,
+        max_log_bytes=int(args.max_log_kb * 2**10),
+        max_var_bytes=int(args.max_var_kb * 2**10),
+        max_host_input=int(args.max_host_input_kb * 2**10),
+        max_table_elements=args.max_wasm_table,
     )
 
 
@@ -79,7 +87,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         env = env_for(load_tokenizer(args.tokenizer))
         runtime = AiciRuntime(
-            env, ModuleRegistry(args.store_dir), limits_from(args), tolerance_s=args.time_tolerance_ms / 1000
+            env,
+            ModuleRegistry(args.store_dir),
+            limits_from(args),
+            tolerance_s=args.time_tolerance_ms / 1000,
+            max_rss_bytes=int(args.max_runtime_mb * 2**20) if args.max_runtime_mb > 0 else None,
+            watchdog=install_watchdog(),  # on this (the main) thread: every controller call runs here
         )
         names = channel_names(args.name)
         cmd = MessageChannel(names["cmd"], create=False)
@@ -141,6 +154,9 @@ def serve_main(
                 break
         payload = cmd.recv(timeout=0.005, spin_s=spin_until - time.monotonic())
         if payload is None:
+            if runtime.freed_since_trim:  # idle: hand freed controllers' memory back
+                runtime.freed_since_trim = 0
+                _trim_heap()
             continue
         try:
             reply = runtime.handle_main(decode_message(payload), bias)
@@ -152,7 +168,7 @@ def serve_main(
         except Exception as e:  # never die on one request
             log.exception("main channel request failed")
             reply = error_reply(f"internal error: {type(e).__name__}: {e}")
-        resp.send(encode_message(reply))
+        resp.send(fit_reply(reply, resp.region.size - FRAME_HEADER))
         spin_until = time.monotonic() + busy_wait_s
 
 
@@ -181,12 +197,21 @@ def _serve_side(
             log.exception("side channel request failed")
             reply = error_reply(f"internal error: {type(e).__name__}: {e}", _rid_of(payload))
         with send_lock:
-            resp.send(encode_message(reply))
+            resp.send(fit_reply(reply, resp.region.size - FRAME_HEADER))
 
     while True:
         payload = cmd.recv()
         if payload is not None:
             pool.submit(answer, payload)
+
+
+def _trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc keeps them: freed QuickJS contexts
+    and Wasm buffers stayed resident). Costs ~1 ms; only when idle and something was freed."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _rid_of(payload: bytes) -> str | None:

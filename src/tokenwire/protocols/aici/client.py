@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,11 @@ class AiciClient:
         self._pending_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._closed = False
+        # for the supervisor's hang check (stalled_s): when the oldest unanswered command was
+        # sent, and when any reply last came
+        self._main_sent_at: float | None = None
+        self._side_sent_at: dict[str, float] = {}
+        self._last_reply_at = time.monotonic()
         self._reader = threading.Thread(target=self._read_side, name="aici-side-reader", daemon=True)
         self._reader.start()
         try:
@@ -94,6 +100,7 @@ class AiciClient:
             raise
         self.vocab_size: int = int(info["vocab_size"])
         self.eos_token_id: int | None = info.get("eos_token_id")
+        self.max_forks: int | None = info.get("max_forks")  # the runtime's --max-forks
         self._bias: np.ndarray = np.frombuffer(self.bin.map, dtype=np.float32, count=self.bin.size // 4)
 
     # ---- main channel ----------------------------------------------------------------------
@@ -113,6 +120,7 @@ class AiciClient:
             self._main_lock.release()
             raise
         self._main_op = msg.get("op")
+        self._main_sent_at = time.monotonic()
 
     def recv_main(self, timeout: float | None = 60.0) -> dict[str, Any]:
         """The second half of `main`: wait for the reply to the command `send_main` sent."""
@@ -120,6 +128,7 @@ class AiciClient:
             while True:
                 payload = self.resp.recv(timeout=min(timeout or 1.0, 1.0))
                 if payload is not None:
+                    self._last_reply_at = time.monotonic()
                     if self._unclaimed_replies:
                         self._unclaimed_replies -= 1
                         continue
@@ -132,6 +141,7 @@ class AiciClient:
                         self._unclaimed_replies += 1
                         raise AiciError(f"no reply to {self._main_op!r}")
         finally:
+            self._main_sent_at = None
             self._main_lock.release()
         reply = decode_message(payload)
         if reply.get("type") != "ok":
@@ -149,6 +159,7 @@ class AiciClient:
         fut: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         with self._pending_lock:
             self._pending[rid] = fut
+            self._side_sent_at[rid] = time.monotonic()
         msg = {"$rid": rid, "$auth": {"user": "localhost", "is_admin": True}, "op": op, **fields}
         with self._send_lock:
             self.side_cmd.send(encode_message(msg))
@@ -177,8 +188,10 @@ class AiciClient:
                 reply = decode_message(payload)
             except ValueError:
                 continue
+            self._last_reply_at = time.monotonic()
             with self._pending_lock:
                 fut = self._pending.pop(str(reply.get("$rid")), None)
+                self._side_sent_at.pop(str(reply.get("$rid")), None)
             # a caller that stopped waiting (side_async's timeout, a cancelled run) cancelled its
             # future: set_result would raise InvalidStateError and end this thread, and every
             # later side call (instantiate, uploads) would wait for replies nobody reads
@@ -191,9 +204,29 @@ class AiciClient:
         """The runtime died: side-channel calls waiting for a reply fail now with `message`."""
         with self._pending_lock:
             pending, self._pending = list(self._pending.values()), {}
+            self._side_sent_at.clear()
         for fut in pending:
             if not fut.done():
                 fut.set_exception(AiciError(message))
+
+    def stalled_s(self) -> float:
+        """Seconds the runtime has owed a reply without sending any (0 when nothing is owed or
+        replies keep coming): a runtime that is alive but stuck shows here, not in its exit."""
+        with self._pending_lock:
+            sent = [*self._side_sent_at.values()]
+        if self._main_sent_at is not None:
+            sent.append(self._main_sent_at)
+        if not sent:
+            return 0.0
+        since = max(min(sent), self._last_reply_at)
+        return max(0.0, time.monotonic() - since)
+
+    def kill(self) -> None:
+        """End a stuck runtime now (SIGKILL to its group); the supervisor then restarts it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            self.proc.kill()
 
     def close(self) -> None:
         if self._closed:

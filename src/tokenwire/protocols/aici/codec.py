@@ -23,6 +23,7 @@ __all__ = [
     "decode_message",
     "encode_message",
     "error_reply",
+    "fit_reply",
     "frame_length",
     "ok_reply",
     "seq_entry",
@@ -131,3 +132,38 @@ def obj_list(msg: dict[str, Any], name: str) -> list[dict[str, Any]]:
         if not isinstance(v, dict):
             raise ProtocolError(f"entries of {name!r} must be objects, got {v!r}")
     return value
+
+
+_DROPPED = "[logs and storage dropped: the reply did not fit the AICI channel]\n"
+
+
+def fit_reply(reply: dict[str, Any], capacity: int) -> bytes:
+    """`reply` encoded in at most `capacity` bytes. A reply over it (logs of many sequences at
+    their cap, a 32 MiB channel: the runtime died sending one) loses the logs and storage of
+    its largest sequence entries first, each such sequence failing with an error saying so; if
+    even that is not enough, the whole reply becomes an error reply. Never raises."""
+    payload = encode_message(reply)
+    if len(payload) <= capacity:
+        return payload
+    data = reply.get("data")
+    entries: list[dict[str, Any]] = []
+    if isinstance(data, dict):
+        for key in ("post_seqs", "pre_seqs", "seqs"):
+            group = data.get(key)
+            if isinstance(group, dict):
+                entries += [e for e in group.values() if isinstance(e, dict)]
+        if "logs" in data and "error" in data:  # instantiate: the data is one entry
+            entries.append(data)
+    entries.sort(key=lambda e: len(e.get("logs") or "") + len(str(e.get("storage") or "")), reverse=True)
+    for entry in entries:
+        entry["logs"], entry["storage"] = _DROPPED, []
+        entry["error"] = entry.get("error") or f"the reply did not fit the AICI channel ({capacity} bytes)"
+        if entry is data:
+            data["result"] = None
+        payload = encode_message(reply)
+        if len(payload) <= capacity:
+            return payload
+    small = error_reply(f"a reply of {len(payload)} bytes does not fit the AICI channel ({capacity} bytes)")
+    if "$rid" in reply:
+        small["$rid"] = reply["$rid"]
+    return encode_message(small)

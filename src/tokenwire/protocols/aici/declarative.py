@@ -284,7 +284,7 @@ class DeclarativeController(Controller):
         self.log(f"GEN-DONE {text.decode('utf-8', 'replace')!r}")
         name = spec.get("store_var")
         if isinstance(name, str):
-            self.storage.append(self.variables.set(name, text))
+            self.add_storage(self.variables.set(name, text))
         self.gen = None
         self.gen_tokens = []
         self.idx += 1

@@ -40,12 +40,18 @@ from tokenwire.protocols.aici.client import AiciClient
 if TYPE_CHECKING:
     from tokenwire.engine.api import EngineAPI
 
-__all__ = ["AiciConstraint", "Coordinator", "RoundStats", "SeqOutcome", "SeqState"]
+__all__ = ["MAX_FORKS", "AiciConstraint", "Coordinator", "RoundStats", "SeqOutcome", "SeqState"]
+
+# forks one pre_process may ask for when the runtime does not say (its --max-forks default). The
+# runtime checks it too; this side checks before making a SeqState per fork whatever the runtime
+# answers (num_forks 2**31 - 1 grew the server from 0.8 to 19 GB)
+MAX_FORKS = 64
 
 
 @dataclass
 class SeqOutcome:
-    kind: str  # "stop" | "error" | "fork" | "suspend" | "wait" (retry once the others caught up)
+    # "stop" | "error" | "fork" | "suspend" | "wait" (retry once the others caught up) | "length"
+    kind: str
     error: str = ""
     clone_ids: list[int] = field(default_factory=list)
     ff_tokens: list[int] = field(default_factory=list)  # pre ff to apply before forking
@@ -98,6 +104,7 @@ class Coordinator:
         self.vocab_size = vocab_size  # the engine's logits width used for sampling
         self.overlap = overlap
         self.step_count = step_count or (lambda: 0)  # the engine's step counter (for stats)
+        self.max_forks = int(getattr(client, "max_forks", None) or MAX_FORKS)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._ids = itertools.count(1)
@@ -212,6 +219,7 @@ class Coordinator:
     def _run_round(self, msg: dict[str, Any], early_step: int | None) -> None:
         t0 = time.perf_counter()
         involved = [op["id"] for op in msg["post_ops"] + msg["pre_ops"]]
+        mid_ops: list[dict[str, Any]] = []
         try:
             data = self.client.main(msg)
             with self._lock:
@@ -224,6 +232,9 @@ class Coordinator:
                     self._apply_mid(mid_ops, data, rows)
         except Exception as e:  # the runtime failed or died: fail this round's sequences
             with self._lock:
+                for op in mid_ops:  # clones of this round belong to no run yet: nobody frees them
+                    if "clone_id" in op:
+                        self.seqs.pop(op["id"], None)
                 for sid in involved:
                     s = self.seqs.get(sid)
                     if s is not None:
@@ -257,8 +268,15 @@ class Coordinator:
                 continue
             if s.pre.get("suspend") or s.pre.get("num_forks", 1) == 0:
                 continue
+            forks = s.pre.get("num_forks", 1)
+            if not isinstance(forks, int) or not 1 <= forks <= self.max_forks:
+                s.stopped = True  # before any SeqState is made for them
+                s.error = s.error or (
+                    f"the controller asked for {forks} forks, the limit is {self.max_forks} (--max-forks)"
+                )
+                continue
             mid_ops.append({"id": s.seq_id})
-            for _ in range(int(s.pre.get("num_forks", 1)) - 1):  # forks: clones in the same mid
+            for _ in range(forks - 1):  # forks: clones in the same mid
                 child = SeqState(next(self._ids), None, clone_of=s.seq_id, round_step=early_step)
                 self.seqs[child.seq_id] = child
                 s.pre.setdefault("clone_ids", []).append(child.seq_id)
@@ -303,10 +321,15 @@ class AiciConstraint(Constraint):
         self._reporting: bool = True  # on_token appends to post op (False while forcing pre ff)
         self.sampled = 0
         self.forced = 0
+        self.steps = 0  # tokens appended and backtracks, over the sequence's whole life
+        self.step_limit: int | None = None  # run.steps_limit: then the sequence ends ("length")
 
     def next_step(self) -> ConstraintStep:
         with self.coord._lock:
             s = self.state
+            if self.step_limit is not None and self.steps >= self.step_limit:
+                self.outcome = SeqOutcome("length")
+                return ConstraintStep(stop=True)
             if self._splice is not None:  # backtrack done: now append the spliced tokens
                 ff, self._splice = self._splice, None
                 s.post_backtrack = self._splice_backtrack
@@ -375,6 +398,7 @@ class AiciConstraint(Constraint):
 
     def on_token(self, token: int) -> None:
         with self.coord._lock:
+            self.steps += 1
             if self._reporting:
                 s = self.state
                 s.post_tokens.append(token)
@@ -409,4 +433,5 @@ class AiciConstraint(Constraint):
 
     def on_backtrack(self, n: int) -> None:
         with self.coord._lock:
+            self.steps += 1
             self._splice_backtrack = n  # the engine may have capped it at what it generated

@@ -172,13 +172,9 @@ class AiciServer:
             return _error(400, str(e))
         if self._shutting_down is not None:
             return _error(503, self._shutting_down)
-        if self.supervisor is not None and self.supervisor.restarting:
+        if self.supervisor is not None and not await self.supervisor.wait_ready():
             return _error(503, "the AICI runtime died and is restarting; retry shortly")
-        if self.remote is not None:
-            events = self.remote.run(req)
-        else:
-            assert self.client is not None and self.coord is not None
-            events = run_events(self.engine, self.client, self.coord, req, raise_refusal=True)
+        events = self._events(req)
         task = asyncio.current_task()
         assert task is not None
         self._runs.add(task)
@@ -213,6 +209,12 @@ class AiciServer:
             await events.aclose()  # a client that went away: cancel the forks, free everything
         assert resp is not None
         return resp
+
+    def _events(self, req: RunRequest) -> Any:
+        if self.remote is not None:
+            return self.remote.run(req)
+        assert self.client is not None and self.coord is not None
+        return run_events(self.engine, self.client, self.coord, req, raise_refusal=True)
 
     async def _side(self, op: str, **fields: Any) -> dict[str, Any]:
         if self.remote is not None:

@@ -30,6 +30,9 @@ from tokenwire.engine.request import (
     RequestHandle,
     SamplingParams,
     TokenEvent,
+    require_int,
+    require_number,
+    require_seed,
     stream_events,
 )
 from tokenwire.protocols.aici.client import AiciClient, AiciError
@@ -46,7 +49,15 @@ SUSPEND_WAIT_S = 0.002
 MAX_SUSPEND_WAIT_S = 0.05
 INSTANTIATE_TIMEOUT_S = 60.0
 
-__all__ = ["RunRequest", "failed_run", "run_events"]
+__all__ = ["RunRequest", "failed_run", "run_events", "steps_limit"]
+
+
+def steps_limit(max_tokens: int) -> int:
+    """Steps one fork may take in all (tokens sampled or forced, and backtracks) whatever it
+    backtracks: twice max_tokens. The engine counts max_tokens net of backtracking, so a
+    controller that backtracked every token it made ran for good (2**31 - 1 each step under
+    max_tokens 3: 2,636 events in 30 s); undoing its output buys a fork max_tokens more, no more."""
+    return 2 * max_tokens
 
 
 @dataclass
@@ -71,16 +82,15 @@ class RunRequest:
         prompt = body.get("prompt") or ""
         if not isinstance(prompt, (str, list)):
             raise ValueError("'prompt' must be text or a list of token ids")
-        max_tokens = body.get("max_tokens", 256)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError("'max_tokens' must be a positive integer")
-        temperature = body.get("temperature", 0.0)
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError("'temperature' must be a non-negative number")
+        # every field is checked here, before the run creates anything, in the engine's one
+        # place for numbers (InvalidValueError is a ValueError: HTTP 400 naming the field); a
+        # top_p that was not a number answered 500
+        max_tokens = require_int(body.get("max_tokens", 256), "max_tokens", 1)
+        temperature = require_number(body.get("temperature", 0.0), "temperature", 0.0)
+        top_p = require_number(body.get("top_p", 1.0), "top_p", 0.0, 1.0)
         seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise ValueError("'seed' must be an integer")
-        return cls(ctrl, arg, prompt, max_tokens, float(temperature), float(body.get("top_p", 1.0)), seed)
+        seed = None if seed is None else require_seed(seed)
+        return cls(ctrl, arg, prompt, max_tokens, temperature, top_p, seed)
 
 
 @dataclass
@@ -107,6 +117,7 @@ class _Run:
 
     def options(self, constraint: AiciConstraint, generated: int) -> GenerateOptions:
         req = self.req
+        constraint.step_limit = steps_limit(req.max_tokens)
         return GenerateOptions(
             max_tokens=max(1, req.max_tokens - generated),
             sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed),
@@ -317,6 +328,8 @@ async def _fork_task(
                     elif out.kind in ("suspend", "wait"):
                         await asyncio.sleep(wait_s)
                         wait_s = min(2 * wait_s, MAX_SUSPEND_WAIT_S)
+                    elif out.kind == "length":  # steps_limit
+                        finish = "length"
                     else:
                         finish = "aici-stop" if out.kind == "stop" else "fail"
                         error = out.error

@@ -13,7 +13,6 @@ state changes.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -33,14 +32,17 @@ from tokenwire.protocols.aici.codec import (
     seq_entry,
 )
 from tokenwire.protocols.aici.controller import (
-    Controller,
-    ControllerError,
     ControllerLimits,
     TokenizerEnv,
-    VariableStore,
 )
 from tokenwire.protocols.aici.deadline import call_with_deadline, ticker
-from tokenwire.protocols.aici.registry import ModuleRegistry, UnknownModule
+from tokenwire.protocols.aici.registry import ModuleRegistry
+from tokenwire.protocols.aici.runtime_side import Instance, Sequence, SideChannel, describe
+from tokenwire.protocols.aici.watchdog import CpuWatchdog, NoWatchdog
+
+# CPU seconds a clone may take before the watchdog kills the runtime: a jsctrl clone replays
+# the original's calls, each of which already ran within its own budget
+CLONE_WATCHDOG_S = 5.0
 
 log = logging.getLogger("tokenwire.aicirt")
 _monotonic = time.monotonic
@@ -53,23 +55,6 @@ class StopRuntime(Exception):
 
 
 @dataclass
-class Sequence:
-    controller: Controller
-    req_id: str
-    self_timed: bool
-    dead: bool = False  # failed or stopped: never called again
-    num_forks: int = 1  # from the last pre_process
-    clones_made: int = 0
-
-
-@dataclass
-class Instance:
-    controller: Controller
-    self_timed: bool
-    assigned: bool = False
-
-
-@dataclass
 class RuntimeStats:
     calls: int = 0
     failures: int = 0
@@ -77,7 +62,7 @@ class RuntimeStats:
     by_op: dict[str, int] = field(default_factory=dict)
 
 
-class AiciRuntime:
+class AiciRuntime(SideChannel):
     def __init__(
         self,
         env: TokenizerEnv,
@@ -85,6 +70,8 @@ class AiciRuntime:
         limits: ControllerLimits | None = None,
         *,
         tolerance_s: float = 0.005,
+        max_rss_bytes: int | None = None,
+        watchdog: CpuWatchdog | NoWatchdog | None = None,
     ) -> None:
         self.env = env
         self.registry = registry
@@ -94,6 +81,10 @@ class AiciRuntime:
         self.instances: dict[str, Instance] = {}
         self._lock = threading.Lock()  # guards `instances` (side threads add, main takes)
         self.stats = RuntimeStats()
+        # the whole runtime's memory (--max-runtime-mb): no new controller past it
+        self.max_rss_bytes = max_rss_bytes
+        self.watchdog = watchdog or NoWatchdog()
+        self.freed_since_trim = 0  # controllers closed since the heap was last trimmed (aicirt)
         mask_vocab = env.ll_tokenizer.vocab_size if env.ll_tokenizer is not None else env.vocab_size
         self._writer = BiasWriter(env.vocab_size, mask_vocab)
 
@@ -105,7 +96,13 @@ class AiciRuntime:
             if op == "ping":
                 return ok_reply({"pong": 1})
             if op == "tokens":
-                return ok_reply({"vocab_size": self.env.vocab_size, "eos_token_id": self.env.eos_token_id})
+                return ok_reply(
+                    {
+                        "vocab_size": self.env.vocab_size,
+                        "eos_token_id": self.env.eos_token_id,
+                        "max_forks": self.limits.max_forks,  # so the engine checks the same cap
+                    }
+                )
             if op == "post_pre_process":
                 with ticker():
                     return ok_reply(self._post_pre(msg))
@@ -154,13 +151,16 @@ class AiciRuntime:
             for _, req_id, _ in assigns:
                 del self.instances[req_id]
         for sid in freed:
-            del self.seqs[sid]
+            gone = self.seqs.pop(sid)
+            if gone.owns:
+                self._close(gone.controller)
         post_seqs: dict[str, Any] = {}
         post_s = self.limits.post_s
         for sid, backtrack, tokens in posts:
             seq = seqs[sid]
             if seq.dead:
                 continue
+            seq.length = max(0, seq.length - backtrack) + len(tokens)
             entry, value = self._call(seq, "post_process", post_s, backtrack, tokens)
             if value is not None:
                 stop = bool(value.stop)
@@ -168,7 +168,7 @@ class AiciRuntime:
                 seq.dead = stop
             post_seqs[str(sid)] = entry
         for sid, req_id, inst in assigns:
-            self.seqs[sid] = Sequence(inst.controller, req_id, inst.self_timed)
+            self.seqs[sid] = Sequence(inst.controller, req_id, inst.self_timed, length=inst.length)
         pre_seqs: dict[str, Any] = {}
         pre_s = self.limits.pre_s
         for sid, seq in seqs.items():
@@ -177,8 +177,16 @@ class AiciRuntime:
             entry, r = self._call(seq, "pre_process", pre_s)
             if r is not None:
                 forks = int(r.num_forks)
-                seq.num_forks, seq.clones_made = forks, 0
                 ff = r.ff_tokens
+                # checked before anything is made for them, here and in the engine (a
+                # set_num_forks(2**31 - 1) grew the server by 18 GB, one sequence per fork)
+                error = self._over_caps("pre_process", forks, ff)
+                if error:
+                    self._fail(seq, entry, error)
+                    pre_seqs[str(sid)] = entry
+                    continue
+                seq.num_forks, seq.clones_made = forks, 0
+                seq.length += len(ff)
                 entry["result"] = {
                     "suspend": bool(r.suspend),
                     "num_forks": forks,
@@ -217,21 +225,33 @@ class AiciRuntime:
             if clone_id is not None:
                 parent = self.seqs[clone_id]
                 parent.clones_made += 1
+                self.watchdog.arm(CLONE_WATCHDOG_S)
                 try:
+                    self._check_memory("clone")
                     child = parent.controller.clone(parent.clones_made)
                 except Exception as e:  # a failed clone fails the new sequence only
                     child = parent.controller
-                    self.seqs[sid] = Sequence(child, parent.req_id, parent.self_timed, dead=True)
-                    seqs[str(sid)] = seq_entry(None, error=f"clone failed: {_describe(e)}")
+                    self.seqs[sid] = Sequence(child, parent.req_id, parent.self_timed, dead=True, owns=False)
+                    seqs[str(sid)] = seq_entry(None, error=f"clone failed: {describe(e)}")
                     continue
-                self.seqs[sid] = Sequence(child, parent.req_id, parent.self_timed)
+                finally:
+                    self.watchdog.disarm()
+                self.seqs[sid] = Sequence(child, parent.req_id, parent.self_timed, length=parent.length)
             seq = self.seqs[sid]
             if seq.dead:
                 seqs[str(sid)] = seq_entry(None, error="sequence already stopped")
                 continue
             entry, r = self._call(seq, "mid_process", self.limits.mid_s)
             if r is not None:
-                if r.ff_tokens or r.backtrack:
+                error = self._over_caps("mid_process", 1, r.ff_tokens)
+                if not error and not 0 <= r.backtrack <= seq.length:
+                    error = (
+                        f"mid_process: backtrack {r.backtrack} is more than the {seq.length} "
+                        "tokens the sequence holds"
+                    )
+                if error:
+                    self._fail(seq, entry, error)
+                elif r.ff_tokens or r.backtrack:
                     entry["result"] = {
                         "ff_tokens": [int(t) for t in r.ff_tokens],
                         "backtrack": int(r.backtrack),
@@ -261,6 +281,7 @@ class AiciRuntime:
         self.stats.calls += 1
         error = ""
         value = None
+        self.watchdog.arm(budget)
         try:
             value = call_with_deadline(
                 getattr(ctrl, what),
@@ -273,16 +294,15 @@ class AiciRuntime:
         except MemoryError:
             error = f"{what}: controller ran out of memory"
         except Exception as e:  # any controller failure fails its own sequence only
-            error = f"{what}: {_describe(e)}"
+            error = f"{what}: {describe(e)}"
             if type(e).__name__ == "ControllerTimeout":
                 self.stats.timeouts += 1
+        finally:
+            self.watchdog.disarm()
         t1 = _monotonic()
         if not error and value is None:
             error = f"{what}: the controller returned no result"
-        logs = _drain_logs(ctrl) if ctrl.logs else ""
-        storage: list[Any] = []
-        if ctrl.storage:
-            storage, ctrl.storage = ctrl.storage, []
+        logs, storage = ctrl.drain() if ctrl.logs or ctrl.storage else ("", [])
         if error:
             self.stats.failures += 1
             seq.dead = True
@@ -297,103 +317,27 @@ class AiciRuntime:
         }
         return entry, value
 
-    # ---- side channel ----------------------------------------------------------------------
-
-    def handle_side(self, msg: dict[str, Any]) -> dict[str, Any]:
-        rid = msg.get("$rid")
-        rid = rid if isinstance(rid, str) else None
-        op = msg.get("op")
-        try:
-            if rid is None:
-                raise ProtocolError("side-channel request without a string '$rid'")
-            auth = msg.get("$auth") if isinstance(msg.get("$auth"), dict) else {}
-            user = str(auth.get("user", "unknown"))
-            if op == "mk_module":
-                binary = msg.get("binary")
-                if not isinstance(binary, str):
-                    raise ProtocolError("mk_module needs 'binary' (base64 Wasm)")
-                return ok_reply(self.registry.mk_module(binary), rid)
-            if op == "set_tags":
-                module_id, tags = msg.get("module_id"), msg.get("tags")
-                if isinstance(tags, str):
-                    tags = [tags]
-                if not isinstance(module_id, str) or not isinstance(tags, list):
-                    raise ProtocolError("set_tags needs 'module_id' (string) and 'tags' (list)")
-                return ok_reply({"tags": self.registry.set_tags(module_id, tags, user)}, rid)
-            if op == "get_tags":
-                return ok_reply({"tags": self.registry.get_tags()}, rid)
-            if op == "instantiate":
-                return ok_reply(self._instantiate(msg), rid)
-            raise ProtocolError(f"unknown op {op!r} on the side channel")
-        except (ProtocolError, UnknownModule, ValueError) as e:
-            return error_reply(f"{op}: {e}" if isinstance(op, str) else str(e), rid)
-
-    def _instantiate(self, msg: dict[str, Any]) -> dict[str, Any]:
-        req_id, module = msg.get("req_id"), msg.get("module_id")
-        if not isinstance(req_id, str) or not req_id:
-            raise ProtocolError("instantiate needs 'req_id' (non-empty string)")
-        if not isinstance(module, str):
-            raise ProtocolError("instantiate needs 'module_id' (module id or tag)")
-        prompt = msg.get("prompt", [])
-        if isinstance(prompt, str):
-            prompt = self.env.tokenize(prompt)
-        elif prompt is None:
-            prompt = []
-        elif not isinstance(prompt, list) or any(
-            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.env.vocab_size for t in prompt
-        ):
-            raise ProtocolError(f"'prompt' must be text or token ids in [0, {self.env.vocab_size})")
-        arg = msg.get("module_arg", "")
-        arg = "" if arg is None else arg if isinstance(arg, str) else json.dumps(arg)
-        with self._lock:
-            if req_id in self.instances or any(s.req_id == req_id for s in self.seqs.values()):
-                raise ProtocolError(f"req_id {req_id!r} is already in use")
-        _, factory, self_timed = self.registry.resolve(module)
-        t0 = time.monotonic()
-        deadline = time.thread_time() + self.limits.init_s + self.tolerance_s
-        ctrl: Controller | None = None
-        try:
-            ctrl = call_with_deadline(
-                lambda: factory(self.env, VariableStore(), self.limits, arg),
-                deadline,
-                "create",
-                self_timed=self_timed,
+    def _over_caps(self, what: str, forks: int, ff: list[int]) -> str:
+        limits = self.limits
+        if not 0 <= forks <= limits.max_forks:
+            return f"{what}: {forks} forks asked for, the limit is {limits.max_forks} (--max-forks)"
+        if len(ff) > limits.max_ff_tokens:
+            return (
+                f"{what}: {len(ff)} fast-forward tokens, the limit is {limits.max_ff_tokens} "
+                "(--max-ff-tokens)"
             )
-            c = ctrl
-            tokens = call_with_deadline(
-                lambda: c.init_prompt(list(prompt), deadline), deadline, "init_prompt", self_timed=self_timed
-            )
-        except MemoryError:
-            return _failed_init(ctrl, "instantiate: controller ran out of memory", t0)
-        except Exception as e:  # the controller's own failure: an ok reply carrying the error
-            return _failed_init(ctrl, f"instantiate: {_describe(e)}", t0)
-        with self._lock:
-            self.instances[req_id] = Instance(ctrl, self_timed)
-        storage, ctrl.storage = ctrl.storage, []
-        tokens = [int(t) for t in tokens]
-        return seq_entry(
-            {"prompt": tokens, "ff_tokens": tokens},
-            storage=storage,
-            logs=_drain_logs(ctrl),
-            micros=int((time.monotonic() - t0) * 1e6),
-        )
+        return ""
 
-    def drop_instance(self, req_id: str) -> None:
-        with self._lock:
-            self.instances.pop(req_id, None)
+    def _fail(self, seq: Sequence, entry: dict[str, Any], error: str) -> None:
+        """Fail a sequence whose callback returned something over a cap."""
+        self.stats.failures += 1
+        seq.dead = True
+        entry["result"] = None
+        entry["error"] = error
+        entry["logs"] += f"ERROR {error}\n"
 
-
-def _failed_init(ctrl: Controller | None, error: str, t0: float) -> dict[str, Any]:
-    logs = (_drain_logs(ctrl) if ctrl is not None else "") + f"ERROR {error}\n"
-    return seq_entry(None, error=error, logs=logs, micros=int((time.monotonic() - t0) * 1e6))
-
-
-def _drain_logs(ctrl: Controller) -> str:
-    lines, ctrl.logs = ctrl.logs, []
-    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, ControllerError) and type(e) is ControllerError:
-        return str(e)
-    return f"{type(e).__name__}: {e}"
+    def close_all(self) -> None:
+        for seq in self.seqs.values():
+            if seq.owns:
+                self._close(seq.controller)
+        self.seqs.clear()

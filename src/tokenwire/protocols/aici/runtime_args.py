@@ -56,6 +56,22 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-memory-mb", type=float, default=64.0, help="memory per jsctrl/Wasm controller")
     p.add_argument(
+        "--max-runtime-mb",
+        type=float,
+        default=4096.0,
+        help="resident memory of the whole runtime past which new controllers are refused (0 = none)",
+    )
+    p.add_argument("--max-forks", type=int, default=64, help="forks one pre_process may ask for")
+    p.add_argument("--max-ff-tokens", type=int, default=8192, help="tokens one callback may fast-forward")
+    p.add_argument("--max-log-kb", type=float, default=256.0, help="log text a controller holds per step")
+    p.add_argument(
+        "--max-var-kb", type=float, default=4096.0, help="shared variables of one run (and writes per step)"
+    )
+    p.add_argument(
+        "--max-host-input-kb", type=float, default=1024.0, help="text or grammar one host call takes"
+    )
+    p.add_argument("--max-wasm-table", type=int, default=65536, help="table elements of a Wasm controller")
+    p.add_argument(
         "--busy-wait-time",
         type=float,
         default=200.0,

@@ -26,6 +26,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenwire.aici")
 POLL_S = 0.2  # how often the child is checked: a restart begins within this of its death
 RETRY_S = 5.0  # wait before trying again when a restart itself failed
+# a runtime that owes a reply and has sent none for this long is stuck (alive, not answering):
+# it is killed and restarted. Its own CPU watchdog (watchdog.py) ends a controller stuck in native
+# code after its budget + 1 s of CPU; this covers the rest (a runtime stopped, deadlocked, or
+# starved). Far above any legitimate wait: instantiate's budget is 1 s of CPU, a round's 25 ms
+# per sequence, and replies to other commands keep a busy runtime from counting as stalled.
+HANG_S = 20.0
+# how long a new run waits for a restart before it is refused (503): a restart takes ~3-5 s
+# (the runtime loads torch and the tokenizer)
+RESTART_WAIT_S = 15.0
 
 
 class Supervised(Protocol):
@@ -55,6 +64,20 @@ class RuntimeSupervisor:
     def start(self) -> None:
         self._task = asyncio.create_task(self._watch(), name="aici-supervisor")
 
+    def ready(self) -> bool:
+        client = self.server.client
+        return not self.restarting and client is not None and client.proc.poll() is None
+
+    async def wait_ready(self, timeout_s: float = RESTART_WAIT_S) -> bool:
+        """Wait (briefly) for a runtime that died to be replaced: a run that arrives during a
+        restart starts on the new runtime instead of failing. False if not ready by then."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.ready():
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -69,8 +92,19 @@ class RuntimeSupervisor:
             await asyncio.sleep(POLL_S)
             dead = self.server.client
             status = dead.proc.poll()
-            if status is None or self.server.shutting_down:
+            if self.server.shutting_down:
                 continue
+            if status is None:
+                stalled = dead.stalled_s()
+                if stalled < HANG_S:
+                    continue
+                log.error(
+                    "AICI runtime (pid %d) owes a reply and sent none for %.0f s: killing it",
+                    dead.proc.pid,
+                    stalled,
+                )
+                dead.kill()
+                status = await loop.run_in_executor(None, dead.proc.wait)
             self.restarting = True
             log.error(
                 "AICI runtime (pid %d) died with status %s: failing its runs, restarting",

@@ -109,7 +109,7 @@ class JsController(Controller):
         self._journal: list[tuple[str, dict[str, Any], str]] = []  # (entry, args, result JSON)
         self._pending_fork: int | None = None
         self._replay: list[tuple[str, dict[str, Any], str]] | None = None
-        self._host = JsHost(env, variables, self.log, self.storage.append, self.seed)
+        self._host = JsHost(env, variables, self.log, self.add_storage, self.seed, limits.max_host_input)
         self._ctx = quickjs.Context()
         self._ctx.set_memory_limit(int(limits.memory_bytes))
         for name, fn in self._host.functions().items():
@@ -204,10 +204,18 @@ class JsController(Controller):
             return other
 
     def close(self) -> None:
-        """Drop the QuickJS context now (the runtime does this when a sequence is freed)."""
+        """Drop the QuickJS context now (the runtime does this when a sequence is freed): the
+        context holds the host functions, which hold this controller, a cycle the garbage
+        collector cannot see through the C object."""
         with self._lock:
-            self._entry = None
-            self._ctx = None  # type: ignore[assignment]
+            self._drop_context()
+
+    def _drop_context(self) -> None:
+        self._entry = None
+        self._ctx = None  # type: ignore[assignment]
+        self._host.constraints.clear()
+        self._host.grammar_sizes.clear()
+        self._host.masks.clear()
 
     # ---- internals --------------------------------------------------------------------------------
 
@@ -246,6 +254,7 @@ class JsController(Controller):
         if remaining <= 0:
             raise self._fail(ControllerTimeout(f"jsctrl: no time left for {name}"))
         ctx.add_callable("__tw_unlock", _Unlock(ctx))
+        self._host.deadline = deadline
         ctx.set_time_limit(remaining)
         try:
             out = self._entry(name, json.dumps(args))
@@ -281,6 +290,11 @@ class JsController(Controller):
         if self.failed is None:
             self.failed = str(err)
             self.log(f"{err}\n")
+        # a failed controller is never called again; a context that ran out of memory may be
+        # inconsistent, and all of them hold up to the memory limit: drop it now (no lock: the
+        # callers hold it)
+        if self._ctx is not None:
+            self._drop_context()
         return err
 
 

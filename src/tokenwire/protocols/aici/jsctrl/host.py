@@ -15,6 +15,7 @@ live and served back from the journal while replaying; writes and logs are suppr
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,10 @@ from tokenwire.protocols.aici.controller import TokenizerEnv, VariableStore
 ERR = "\u0001ERR:"
 MASKS_KEPT = 8  # host-side masks a TokenSet may still refer to
 MAX_CONSTRAINTS = 4096  # live host constraints per controller (each holds an llguidance matcher)
+# CPU seconds tokenizing costs per input character (measured 0.96 us with SmolLM2's tokenizer on
+# the 2-core development VM): a call that cannot finish in the callback's time left is refused
+# before it starts (tokenize("ab ".repeat(5e6)) took 18.5 s of CPU against a 1 s budget)
+TOKENIZE_S_PER_CHAR = 1e-6
 
 
 class ReplayDiverged(RuntimeError):
@@ -86,6 +91,7 @@ class JsHost:
         emit_log: Callable[[str], None],
         emit_storage: Callable[[dict[str, Any]], None],
         seed: int,
+        max_input: int = 2**20,
     ) -> None:
         self.env = env
         self.variables = variables
@@ -93,11 +99,27 @@ class JsHost:
         self.emit_storage = emit_storage
         self.seed = seed
         self.constraints: dict[int, GrammarMatcher] = {}
+        self.grammar_sizes: dict[int, int] = {}  # characters of each live constraint's grammar
         self.next_handle = 1
         self.masks: dict[int, np.ndarray] = {}  # recent masks by id (TokenSets refer to them)
         self.next_mask = 1
         self.var_reads: list[tuple[str, str | None]] = []  # journal of get_var results
         self.replay_reads: list[tuple[str, str | None]] | None = None  # set while replaying
+        self.max_input = max_input  # characters of text or grammar one call takes
+        self.deadline = float("inf")  # time.thread_time() at which the running callback ends
+
+    def _check_input(self, what: str, text: str, per_char_s: float = 0.0) -> None:
+        """Refuse work the callback cannot afford before doing any of it (size, time left)."""
+        if len(text) > self.max_input:
+            raise ValueError(
+                f"{what} of {len(text)} characters, the limit is {self.max_input} (--max-host-input-kb)"
+            )
+        left = self.deadline - time.thread_time()
+        if len(text) * per_char_s > left:
+            raise ValueError(
+                f"{what} of {len(text)} characters needs more time than the callback has left "
+                f"({max(left, 0.0) * 1e3:.1f} ms)"
+            )
 
     # ---- registration -----------------------------------------------------------------------------
 
@@ -122,15 +144,19 @@ class JsHost:
         return self.env.eos_token_id
 
     def h_tokenize(self, text_json: str) -> str:
+        self._check_input("tokenize", text_json, TOKENIZE_S_PER_CHAR)
         return json.dumps(self.env.tokenize(json.loads(text_json)))
 
     def h_tokenize_bytes(self, hex_bytes: str) -> str:
+        self._check_input("tokenize", hex_bytes, TOKENIZE_S_PER_CHAR / 2)
         return json.dumps(self.env.tokenize(bytes.fromhex(hex_bytes).decode("utf-8", "replace")))
 
     def h_detokenize(self, tokens_json: str) -> str:
+        self._check_input("detokenize", tokens_json)
         return self.env.detokenize(self._tokens(tokens_json)).hex()
 
     def h_tokens_repr(self, tokens_json: str) -> str:
+        self._check_input("tokensRepr", tokens_json)
         table = self.env.token_bytes
         parts = [repr(table[t])[1:] if 0 <= t < len(table) else f"<{t}>" for t in self._tokens(tokens_json)]
         return ", ".join(parts) if len(parts) != 1 else parts[0]
@@ -145,12 +171,15 @@ class JsHost:
     # ---- strings and bytes -------------------------------------------------------------------------
 
     def h_utf8_encode(self, text_json: str) -> str:
+        self._check_input("toBuffer", text_json)
         return json.loads(text_json).encode("utf-8", "surrogatepass").hex()
 
     def h_utf8_decode(self, hex_bytes: str) -> str:
+        self._check_input("fromBuffer", hex_bytes[: len(hex_bytes) // 2])
         return json.dumps(bytes.fromhex(hex_bytes).decode("utf-8", "replace"))
 
     def h_buffer_repr(self, hex_bytes: str) -> str:
+        self._check_input("a buffer", hex_bytes[: len(hex_bytes) // 2])
         data = bytes.fromhex(hex_bytes)
         try:
             return "b" + json.dumps(data.decode("utf-8"), ensure_ascii=False)
@@ -181,11 +210,20 @@ class JsHost:
     # ---- constraints -------------------------------------------------------------------------------
 
     def _add(self, grammar: str) -> int:
+        self._check_input("a grammar", grammar)
         if len(self.constraints) >= MAX_CONSTRAINTS:
             raise ValueError(f"too many live constraints (limit {MAX_CONSTRAINTS})")
+        # live matchers grow with their grammars: all of them together get 4 single inputs' worth
+        live = sum(self.grammar_sizes.values()) + len(grammar)
+        if live > 4 * self.max_input:
+            raise ValueError(
+                f"live constraints' grammars of {live} characters, the limit is {4 * self.max_input} "
+                "(4 x --max-host-input-kb)"
+            )
         h = self.next_handle
         self.next_handle += 1
         self.constraints[h] = GrammarMatcher(self.env, grammar)
+        self.grammar_sizes[h] = len(grammar)
         return h
 
     def _get(self, h: int) -> GrammarMatcher:
@@ -195,12 +233,14 @@ class JsHost:
         return c
 
     def h_c_regex(self, pattern: str) -> int:
+        self._check_input("a regex", pattern)
         return self._add(llguidance.LLMatcher.grammar_from_regex(pattern))
 
     def h_c_lark(self, grammar: str) -> int:
         return self._add(llguidance.LLMatcher.grammar_from_lark(grammar))
 
     def h_c_substr(self, template: str, stop_at: str) -> int:
+        self._check_input("a substring template", template + stop_at)
         # llguidance's substring lexeme: any run of whole words of `template`, then `stop_at`
         lark = f"start: SUB {json.dumps(stop_at)}\nSUB: %regex {json.dumps({'substring_words': template})}"
         if not stop_at:
@@ -241,6 +281,7 @@ class JsHost:
 
     def h_c_free(self, h: int) -> None:
         self.constraints.pop(h, None)
+        self.grammar_sizes.pop(h, None)
 
 
 def _safe(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -52,6 +52,10 @@ __all__ = ["WasmController", "compile_wasm", "wasm_engine"]
 
 DISALLOWED = np.float32(-1e10)
 EPOCH_TICK_S = 0.001
+# CPU seconds tokenizing costs per input byte (measured 0.96 us a character with SmolLM2's
+# tokenizer on the 2-core development VM): a tokenize call that cannot finish within the
+# callback's time left is refused before it starts (tokenize of 15 MB took 18.5 s of a 1 s budget)
+TOKENIZE_S_PER_BYTE = 1e-6
 WALL_SLACK_S = 0.010  # epoch backstop slack beyond twice the CPU budget (preemption)
 _engine_lock = threading.Lock()
 _engine: Engine | None = None
@@ -123,10 +127,21 @@ class WasmController(Controller):
         self.fork_index = fork_index
         self.failed: str | None = None
         self._res: dict[str, Any] = {}
+        self._deadline = time.thread_time() + limits.init_s  # of the callback running now
         self._store = Store(wasm_engine())
-        self._store.set_limits(memory_size=int(limits.memory_bytes))
+        # everything the module can make wasmtime allocate: linear memory, table elements (a
+        # 191-byte module's table.grow added 618 MiB) and the number of instances, tables and
+        # memories (the ABI needs one memory; toolchains emit one function table)
+        self._store.set_limits(
+            memory_size=int(limits.memory_bytes),
+            table_elements=int(limits.max_table_elements),
+            instances=1,
+            tables=2,
+            memories=1,
+        )
         self._store.set_fuel(int(limits.wasm_fuel))
-        self._store.set_epoch_deadline(1_000_000)
+        # the start function and data segments run here: within the instantiate budget
+        self._store.set_epoch_deadline(_epoch_ticks(limits.init_s))
         try:
             self._instance = Instance(self._store, module, self._imports())
         except (WasmtimeError, Trap) as e:
@@ -177,6 +192,17 @@ class WasmController(Controller):
                 theirs[name].set_value(other._store, item.value(self._store))
         return other
 
+    def close(self) -> None:
+        """Drop the store now. The host functions close over `self` and wasmtime keeps them in a
+        process-wide table until their store is deleted, so a controller that kept its store was
+        never freed (its linear memory stayed resident)."""
+        self.failed = self.failed or "closed"
+        self._res = {}
+        self._fn = {}
+        self._memory = None  # type: ignore[assignment]
+        self._instance = None  # type: ignore[assignment]
+        self._store = None  # type: ignore[assignment]
+
     # ---- plumbing -----------------------------------------------------------------------------------
 
     def _call(self, name: str, deadline: float, *args: int) -> dict[str, Any]:
@@ -186,6 +212,7 @@ class WasmController(Controller):
         if remaining <= 0:
             raise self._fail(ControllerTimeout(f"wasm: no time left for {name}"))
         self._res = {}
+        self._deadline = deadline
         self._store.set_fuel(int(self.limits.wasm_fuel))
         self._store.set_epoch_deadline(_epoch_ticks(remaining))
         try:
@@ -247,6 +274,10 @@ class WasmController(Controller):
         self._memory.write(self._store, data, ptr)
 
     def _tokens(self, ptr: int, n: int) -> list[int]:
+        if n > self.limits.max_ff_tokens:  # before 4n bytes become n Python ints
+            raise ControllerError(
+                f"wasm: {n} tokens, the limit is {self.limits.max_ff_tokens} (--max-ff-tokens)"
+            )
         ids = np.frombuffer(self._read(ptr, 4 * n), dtype="<i4").tolist()
         bad = [t for t in ids if not 0 <= t < self.env.vocab_size]
         if bad:
@@ -272,7 +303,7 @@ class WasmController(Controller):
             ),
             "var_get": self._h_var_get,
             "var_set": self._h_var_set,
-            "log": lambda p, n: self.log(self._read(p, n).decode("utf-8", "replace")),
+            "log": self._h_log,
             "set_suspend": lambda: self._res.__setitem__("suspend", True),
             "set_num_forks": lambda n: self._res.__setitem__("num_forks", int(n)),
             "set_ff_tokens": lambda p, n: self._res.__setitem__("ff", self._tokens(p, n)),
@@ -299,7 +330,22 @@ class WasmController(Controller):
         self._write(ptr, data[: max(0, cap)])
         return len(data)
 
+    def _h_log(self, p: int, n: int) -> None:
+        # only what the log cap still takes is read (a loop of log(ptr, 60 MB) reached 13 GB)
+        room = self.log_room()
+        if room > 0:
+            self.log(self._read(p, min(max(0, n), room + 1)).decode("utf-8", "replace"))
+
     def _h_tokenize(self, p: int, n: int, out: int, cap: int) -> int:
+        limit = self.limits.max_host_input
+        if n > limit:
+            raise ControllerError(f"wasm: tokenize of {n} bytes, the limit is {limit} (--max-host-input-kb)")
+        left = self._deadline - time.thread_time()
+        if n * TOKENIZE_S_PER_BYTE > left:
+            raise ControllerTimeout(
+                f"wasm: tokenize of {n} bytes needs more time than the callback has left "
+                f"({max(left, 0.0) * 1e3:.1f} ms)"
+            )
         ids = self.env.tokenize(self._read(p, n).decode("utf-8", "replace"))
         self._write(out, np.asarray(ids[: max(0, cap)], dtype="<i4").tobytes())
         return len(ids)
@@ -309,8 +355,12 @@ class WasmController(Controller):
         return -1 if value is None else self._copy_out(value, out, cap)
 
     def _h_var_set(self, p: int, n: int, vp: int, vn: int, append: int) -> None:
+        if n + vn > self.limits.max_var_bytes:  # before reading it out of linear memory
+            raise ControllerError(
+                f"wasm: a variable of {n + vn} bytes, the limit is {self.limits.max_var_bytes} (--max-var-kb)"
+            )
         name = self._read(p, n).decode("utf-8", "replace")
-        self.storage.append(self.variables.set(name, self._read(vp, vn), append=bool(append)))
+        self.add_storage(self.variables.set(name, self._read(vp, vn), append=bool(append)))
 
     def _h_allow_bits(self, p: int) -> None:
         words = np.frombuffer(self._read(p, 4 * ((self.env.vocab_size + 31) // 32)), dtype="<u4")
