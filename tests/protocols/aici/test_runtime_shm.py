@@ -310,8 +310,10 @@ def test_busy_wait_spins_for_the_next_command_then_sleeps(tmp_path):
         t1, c1 = time.monotonic(), _cpu_seconds(h.proc.pid)
         time.sleep(0.5)
         idle = (_cpu_seconds(h.proc.pid) - c1) / (time.monotonic() - t1)
-        assert spun > 0.4, f"the runtime used {spun:.0%} of a core right after a reply"
-        assert idle < 0.1, f"the runtime used {idle:.0%} of a core after its spin ended"
+        # CPU shares, not durations: a spinner still gets a fifth of a core at load 7 on 2 cores
+        # (0.4 could fail there), a sleeper ~0
+        assert spun > 0.15, f"the runtime used {spun:.0%} of a core right after a reply"
+        assert idle < 0.05, f"the runtime used {idle:.0%} of a core after its spin ended"
         assert h.main({"op": "ping"}) == {"type": "ok", "data": {"pong": 1}}  # and it still answers
     finally:
         h.close()

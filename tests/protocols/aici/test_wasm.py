@@ -4,7 +4,6 @@ interface with the default model's tokenizer (tok_env and Simulator from test_js
 from __future__ import annotations
 
 import re
-import time
 
 import numpy as np
 import pytest
@@ -151,11 +150,9 @@ def test_loop_stops_on_fuel(tok_env):
 
 
 def test_loop_stops_on_epoch_deadline(tok_env):
-    c = controller(tok_env, LOOP, wasm_fuel=10**15)
-    t0 = time.monotonic()
+    c = controller(tok_env, LOOP, wasm_fuel=10**15)  # fuel for days: only the epoch can stop it
     with pytest.raises(ControllerTimeout, match="deadline"):
         c.mid_process(deadline(0.05))
-    assert time.monotonic() - t0 < 1.0
 
 
 def test_memory_growth_stops_at_the_limit(tok_env):
