@@ -107,8 +107,10 @@ class AiciServer:
         app.router.add_get("/v1/controllers/tags", self._get_tags)
         app.router.add_post("/v1/controllers/tags", self._set_tags)
         app.router.add_post("/v1/run", self._run)
+        # a run sends nothing while its prompt is read: a client that left was noticed only at
+        # the first event; cancelled at once instead (the run's forks end with it)
         self._runner, self.port = await start_site(
-            app, self.host, self.port, self.sock, "--aici-port", self.ssl_context
+            app, self.host, self.port, self.sock, "--aici-port", self.ssl_context, cancel_on_disconnect=True
         )
         runtime = self.remote.describe() if self.remote is not None else self.client.prefix
         log.info("AICI REST listening on %s/v1/ (runtime %s)", self.url, runtime)
