@@ -288,29 +288,54 @@ async def _watch_disconnect(request: Request, run: Execution) -> None:
             return
 
 
+# Paths the API key guards on this port, longest prefix first when a request is refused: each
+# API answers a missing key in its own error shape (OpenAI's by default). The APIs served
+# beside OpenAI's (Anthropic, Ollama, the tokenizer endpoints) add theirs with guard_paths().
+AuthErrorShape = Callable[[str], Response]
+_GUARDED: dict[str, AuthErrorShape] = {}
+
+
+def _openai_auth_error(message: str) -> Response:
+    return _error_response(OpenAIError(401, message, type="authentication_error", code="invalid_api_key"))
+
+
+def guard_paths(prefix: str, shape: AuthErrorShape | None = None) -> None:
+    """Require the API key on paths starting with `prefix`, refused in `shape` (a 401 in that
+    API's own error form; OpenAI's when None)."""
+    _GUARDED[prefix] = shape or _openai_auth_error
+
+
+guard_paths("/v1")
+
+
 class ApiKeyMiddleware:
-    """`Authorization: Bearer KEY` on every /v1 route. Plain ASGI: Starlette's BaseHTTPMiddleware
-    would pipe every streamed chunk through an extra memory stream."""
+    """The API key on every guarded route (guard_paths: /v1 and the other APIs' prefixes), as
+    `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`. Plain ASGI: Starlette's
+    BaseHTTPMiddleware would pipe every streamed chunk through an extra memory stream."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self.api_key = api_key
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = bearer(next((v for k, v in scope["headers"] if k == b"authorization"), None))
+        shape = _guard_for(scope["path"]) if scope["type"] == "http" else None
+        if shape is not None:
+            headers = dict(scope["headers"])
+            given = bearer(headers.get(b"authorization"))
+            if given is None and b"x-api-key" in headers:
+                given = headers[b"x-api-key"].decode("latin-1").strip()
             if not token_matches(self.api_key, given):
                 client = scope.get("client")
                 refused("openai", client[0] if client else None, scope["path"], given)
-                error = OpenAIError(
-                    401,
-                    "missing or wrong API key: send Authorization: Bearer <key>",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                )
-                await _error_response(error)(scope, receive, send)
+                message = "missing or wrong API key: send Authorization: Bearer <key> (or x-api-key: <key>)"
+                await shape(message)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _guard_for(path: str) -> AuthErrorShape | None:
+    best = max((prefix for prefix in _GUARDED if path.startswith(prefix)), key=len, default=None)
+    return None if best is None else _GUARDED[best]
 
 
 def _guarded_http_protocol(guard: ListenerGuard) -> Any:
