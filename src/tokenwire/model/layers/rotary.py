@@ -80,7 +80,8 @@ def _signed(freqs: torch.Tensor, factor: float) -> RopeTables:
     into sin: rotate_half(x) = cat(-x2, x1) = roll(x, D/2) with the first half negated."""
     emb = torch.cat([freqs, freqs], dim=-1)
     half = emb.shape[-1] // 2
-    sign = torch.cat([-torch.ones(half), torch.ones(half)])
+    ones = torch.ones(half, device=freqs.device)  # on the angles' device: CUDA steps failed (d054c5b)
+    sign = torch.cat([-ones, ones])
     return emb.cos() * factor, emb.sin() * (sign * factor)
 
 
