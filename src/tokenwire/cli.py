@@ -57,6 +57,7 @@ def benchmarks() -> list[ModuleType]:
     # local: the benchmarks import the engine (torch) and every protocol's client; only `bench` needs them
     from tokenwire.bench import (
         aici_bench,
+        apis_bench,
         engine_bench,
         evergreen_bench,
         fuzz_bench,
@@ -72,7 +73,7 @@ def benchmarks() -> list[ModuleType]:
 
     return [
         salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
-        vision_bench, scale_bench, fuzz_bench, soak_bench, spec_bench,
+        vision_bench, scale_bench, fuzz_bench, soak_bench, spec_bench, apis_bench,
     ]  # fmt: skip
 
 

@@ -10,8 +10,9 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
+from tokenwire.protocols.ollama.listener import DEFAULT_OLLAMA_PORT, with_ollama_port
 from tokenwire.protocols.openai.chat_cli import register_cli as chat_cli
-from tokenwire.protocols.serving import SocketListener, Stopper, bind_tcp
+from tokenwire.protocols.serving import Listener, SocketListener, Stopper, bind_tcp
 
 if TYPE_CHECKING:
     from tokenwire.engine.api import EngineAPI
@@ -43,12 +44,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="requests waiting in the engine beyond which new ones are refused, on every protocol "
         "(this API: 429)",
     )
+    g.add_argument(
+        "--ollama-port",
+        type=int,
+        default=0,
+        help=f"also serve Ollama's API (/api/*) on this port (its clients' default: {DEFAULT_OLLAMA_PORT}; "
+        "0 = off; docs/ollama.md)",
+    )
 
 
-async def bind(args: argparse.Namespace) -> SocketListener | None:
+async def bind(args: argparse.Namespace) -> Listener | None:
     if not args.http_port:
-        return None
-    return SocketListener(bind_tcp(args.host, args.http_port, "--http-port"), lambda e, s: _serve(e, s, args))
+        return with_ollama_port(None, args)  # Ollama's API alone on --ollama-port
+    listener = SocketListener(
+        bind_tcp(args.host, args.http_port, "--http-port"), lambda e, s: _serve(e, s, args)
+    )
+    return with_ollama_port(listener, args)
 
 
 async def _serve(engine: EngineAPI, sock: socket.socket, args: argparse.Namespace) -> Stopper:

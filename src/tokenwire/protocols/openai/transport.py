@@ -26,8 +26,12 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from tokenwire import metrics
 from tokenwire.engine.errors import EngineError
 from tokenwire.engine.request import Origin
+from tokenwire.protocols.anthropic.routes import add_anthropic_routes
 from tokenwire.protocols.connection_guard import ListenerGuard
+from tokenwire.protocols.embeddings import routes as embedding_routes
+from tokenwire.protocols.ollama.routes import add_ollama_routes
 from tokenwire.protocols.openai import core, responses
+from tokenwire.protocols.openai.api_key import ApiKeyMiddleware, guard_paths
 from tokenwire.protocols.openai.body_limit import DEFAULT_MAX_BODY_MB, BodyLimitMiddleware
 from tokenwire.protocols.openai.errors import OpenAIError, from_engine
 from tokenwire.protocols.openai.images import vision_of
@@ -35,7 +39,8 @@ from tokenwire.protocols.openai.playground import add_playground_routes
 from tokenwire.protocols.openai.runner import Execution
 from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenwire.protocols.openai.sessions import add_session_routes
-from tokenwire.protocols.security import auth_token, bearer, refused, tls_files, token_matches
+from tokenwire.protocols.responses.routes import add_responses_routes
+from tokenwire.protocols.security import auth_token, tls_files
 
 if TYPE_CHECKING:
     from tokenwire.engine.api import EngineAPI
@@ -138,6 +143,10 @@ class OpenAIApp:
         app.post("/v1/completions")(self.completions)
         add_session_routes(app, self.engine, self.limits)
         add_playground_routes(app, self.engine)  # the web page at / (issue 19)
+        self.response_store = add_responses_routes(self)  # OpenAI's Responses API, /v1/responses (issue 43)
+        add_anthropic_routes(app, self, guard_paths)  # Anthropic's Messages API (issue 43)
+        embedding_routes.add_routes(app, self.engine, self.limits, self._check_capacity, guard_paths)
+        add_ollama_routes(app, self.engine, self.limits, self.active, self.max_queued)  # /api (issue 43)
 
     def _check_capacity(self) -> None:
         waiting = self.engine.stats()["waiting"]
@@ -186,6 +195,7 @@ class OpenAIApp:
             "owned_by": "tokenwire",
             "context_length": self.engine.max_model_len,
             "max_model_len": self.engine.max_model_len,
+            "pooling": embedding_routes.pooling_for(self.engine).mode,  # of /v1/embeddings
         }
 
     async def models(self) -> Response:
@@ -286,56 +296,6 @@ async def _watch_disconnect(request: Request, run: Execution) -> None:
         if message["type"] == "http.disconnect":
             run.close()
             return
-
-
-# Paths the API key guards on this port, longest prefix first when a request is refused: each
-# API answers a missing key in its own error shape (OpenAI's by default). The APIs served
-# beside OpenAI's (Anthropic, Ollama, the tokenizer endpoints) add theirs with guard_paths().
-AuthErrorShape = Callable[[str], Response]
-_GUARDED: dict[str, AuthErrorShape] = {}
-
-
-def _openai_auth_error(message: str) -> Response:
-    return _error_response(OpenAIError(401, message, type="authentication_error", code="invalid_api_key"))
-
-
-def guard_paths(prefix: str, shape: AuthErrorShape | None = None) -> None:
-    """Require the API key on paths starting with `prefix`, refused in `shape` (a 401 in that
-    API's own error form; OpenAI's when None)."""
-    _GUARDED[prefix] = shape or _openai_auth_error
-
-
-guard_paths("/v1")
-
-
-class ApiKeyMiddleware:
-    """The API key on every guarded route (guard_paths: /v1 and the other APIs' prefixes), as
-    `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`. Plain ASGI: Starlette's
-    BaseHTTPMiddleware would pipe every streamed chunk through an extra memory stream."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        shape = _guard_for(scope["path"]) if scope["type"] == "http" else None
-        if shape is not None:
-            headers = dict(scope["headers"])
-            given = bearer(headers.get(b"authorization"))
-            if given is None and b"x-api-key" in headers:
-                given = headers[b"x-api-key"].decode("latin-1").strip()
-            if not token_matches(self.api_key, given):
-                client = scope.get("client")
-                refused("openai", client[0] if client else None, scope["path"], given)
-                message = "missing or wrong API key: send Authorization: Bearer <key> (or x-api-key: <key>)"
-                await shape(message)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _guard_for(path: str) -> AuthErrorShape | None:
-    best = max((prefix for prefix in _GUARDED if path.startswith(prefix)), key=len, default=None)
-    return None if best is None else _GUARDED[best]
 
 
 def _guarded_http_protocol(guard: ListenerGuard) -> Any:
