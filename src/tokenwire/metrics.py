@@ -189,6 +189,17 @@ def watch_engine(engine: Engine) -> None:
     engine.on_finish = observe_request
 
 
+def requests_by_protocol() -> dict[str, int]:
+    """Finished requests per protocol label (every outcome): the playground's engine panel."""
+    counts: dict[str, int] = {}
+    for metric in REQUESTS.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                protocol = sample.labels["protocol"]
+                counts[protocol] = counts.get(protocol, 0) + int(sample.value)
+    return dict(sorted(counts.items()))
+
+
 def exposition() -> tuple[bytes, str]:
     """The text exposition of every metric and its content type (for a /metrics route)."""
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

@@ -430,6 +430,18 @@ def test_the_engine_panel_shows_guesses_kept(browser: Any, server: str) -> None:
     label = wait_for(shown, timeout=15, what="the guesses kept")
     kept = 100 * stats["spec_accepted"] / stats["spec_proposed"]
     assert label.startswith(f"{kept:.1f}% {counts}, ") and label.endswith("tokens a step")
+    # the requests of each API, as /metrics counts them (Anthropic's and Ollama's get their own)
+    status, _, _ = http("POST", f"{server}/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
+                                                         "options": {"num_predict": 2}})  # fmt: skip
+    assert status == 200
+    by_api = http("GET", f"{server}/stats", key=None)[2]["requests_by_protocol"]
+    assert by_api.get("openai", 0) >= 1 and by_api.get("ollama", 0) >= 1, by_api
+
+    def apis_shown() -> str:
+        text = js(driver, "return document.getElementById('by-protocol').textContent")
+        return text if "ollama" in text and "openai" in text else ""
+
+    wait_for(apis_shown, timeout=15, what="the requests by API")
     assert severe_console(driver) == []
 
 

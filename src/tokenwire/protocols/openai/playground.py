@@ -17,6 +17,8 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
+from tokenwire import metrics
+
 if TYPE_CHECKING:
     from tokenwire.engine.api import EngineAPI
 
@@ -46,6 +48,8 @@ def stats_of(engine: EngineAPI) -> dict[str, Any]:
         "spec_accepted": s["spec_accepted"],
         "spec_verifications": s["spec_verifications"],
         "max_model_len": engine.max_model_len,
+        # finished requests per API / protocol (OpenAI, Anthropic, Ollama, LMTP, ...), as /metrics counts them
+        "requests_by_protocol": metrics.requests_by_protocol(),
         "concepts": list(concepts.names) if concepts is not None else [],
         "layers": list(concepts.layers) if concepts is not None else [],
     }

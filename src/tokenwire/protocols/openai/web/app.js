@@ -488,6 +488,8 @@ async function pollEngine() {
       const per = (s.spec_accepted + s.spec_verifications) / s.spec_verifications;
       $("spec").textContent = `${kept.toFixed(1)}% (${s.spec_accepted}/${s.spec_proposed}), ${per.toFixed(2)} tokens a step`;
     }
+    const apis = Object.entries(s.requests_by_protocol || {});
+    if (apis.length) $("by-protocol").textContent = apis.map(([name, n]) => `${name} ${n}`).join(" · ");
     last = s;
     $("updated").textContent = new Date(s.time * 1000).toLocaleTimeString();
     $("engine").dataset.polls = String(polls);
