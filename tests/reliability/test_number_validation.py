@@ -120,11 +120,6 @@ def test_the_engine_refuses_before_a_session_is_created_or_changed(engine: Any) 
     assert engine.close_session(sid)
 
 
-@pytest.mark.xfail(
-    reason="engine.generate has no rollback yet for a failure after it accepted a request "
-    "(engine/engine.py, outside this change: a try/except around the append and prepare)",
-    strict=False,
-)
 def test_a_failure_after_acceptance_leaves_nothing(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """What acceptance cannot see (prepare failing: a constraint's start, a generator) must
     still leave no one-off session behind and a named session's tokens as they were."""

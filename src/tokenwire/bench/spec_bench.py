@@ -25,33 +25,13 @@ from typing import Any
 
 import torch
 
-from tokenwire.bench import llamacpp_baseline
+from tokenwire.bench import llamacpp_baseline, lock_hold_bench
+from tokenwire.bench.edit_prompts import edit_prompt
 from tokenwire.bench.engine_bench import QUESTIONS
 from tokenwire.bench.measures import ours_single, ours_streams
 from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
-
-NAMES = ["width", "height", "depth", "scale", "offset", "margin", "radius", "weight"]
-
-
-def source_file(functions: int = 16) -> str:
-    parts = []
-    for i in range(functions):
-        a, b = NAMES[i % len(NAMES)], NAMES[(i + 3) % len(NAMES)]
-        parts.append(
-            f"def measure_{i}({a}, {b}):\n"
-            f'    """Measure {i}: combine {a} and {b} for part number {i * 7 % 31}."""\n'
-            f"    total = {a} * {b} + {i}\n"
-            f"    return total / {i + 2}\n"
-        )
-    return "\n\n".join(parts)
-
-
-def edit_prompt(engine: Engine, variant: int = 0) -> list[int]:
-    old = NAMES[variant % len(NAMES)]
-    ask = f"Rewrite this Python file exactly as it is, but rename `{old}` to `{old}_{variant}`:\n\n"
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": ask + source_file()}])
 
 
 class Counted:
@@ -170,4 +150,11 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     bs.add_argument("--chat-tokens", type=int, default=128, help="new tokens of a chat answer")
     bs.add_argument("--streams", type=int, default=32)
     bs.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", help="skip llama.cpp")
-    bs.set_defaults(handler=lambda args: run_spec_bench(args, settings_from(args)))
+    lock_hold_bench.add_arguments(bs)
+    bs.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.lock_hold:  # the engine lock's hold per step alone (bench/lock_hold_bench.py)
+        return lock_hold_bench.run_lock_hold(args, settings_from(args))
+    return run_spec_bench(args, settings_from(args))

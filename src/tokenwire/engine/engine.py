@@ -2,7 +2,8 @@
 
 Public methods are thread-safe and cheap: they take the engine lock, change session state
 and return. The model runs in one dedicated thread (`tokenwire-model`) whose loop is
-schedule (scheduler.py) -> run the model (step.py, without the lock) -> postprocess
+[a draft model's guesses, without the lock (draft.py)] -> schedule (scheduler.py) -> run the
+model (step.py, without the lock) -> postprocess
 (postprocess.py: each request's events and finish) -> deliver (emit, end finished requests).
 """
 
@@ -22,11 +23,12 @@ import torch
 from tokenwire.engine.admission import Limits, check_request, prepare
 from tokenwire.engine.api import EngineAPI, model_function
 from tokenwire.engine.concepts import ConceptSet
-from tokenwire.engine.draft import DraftSpeculator
+from tokenwire.engine.draft import DraftSpeculator, plan_drafts, run_drafts, settle_drafts
 from tokenwire.engine.errors import (
     CapacityError,
     EngineClosedError,
 )
+from tokenwire.engine.lock_holds import LockHolds, now
 from tokenwire.engine.model_setup import Loaded, load_model_and_cache
 from tokenwire.engine.postprocess import Finish, Outcome, StepContext, postprocess
 from tokenwire.engine.request import EngineHandle, FinishEvent, GenerateOptions, Request
@@ -35,6 +37,7 @@ from tokenwire.engine.session import Session
 from tokenwire.engine.session_calls import SessionCalls
 from tokenwire.engine.speculation import SPECULATE, SpecStats, Speculator, StepCost
 from tokenwire.engine.step import StepItem, run_step
+from tokenwire.engine.step_model import StepModel, check_step_model
 from tokenwire.engine.step_team import StepTeam
 from tokenwire.engine.vision import (
     EmbeddingCache,
@@ -122,6 +125,7 @@ class Engine(SessionCalls, EngineAPI):
         self.computed_tokens = 0
         # called (model thread, lock held) with each request as it finishes: metrics, access log
         self.on_finish: Callable[[Request, FinishEvent], None] | None = None
+        self.lock_holds = LockHolds()  # the model thread's holds of the lock per step (bench spec)
         loaded: Future[Loaded] = Future()
         assigned = threading.Event()
         self._thread = threading.Thread(
@@ -146,6 +150,8 @@ class Engine(SessionCalls, EngineAPI):
 
     def _assign(self, built: Loaded, max_batch_tokens: int, max_running: int) -> None:
         self.model = built.model
+        # the same model as run_step sees it (engine/step_model.py), checked once here
+        self.step_model: StepModel = check_step_model(built.model)
         self.config: ModelConfig = built.model.config
         self.kv = built.kv
         self.kv_block_size = self.kv.block_size
@@ -246,17 +252,29 @@ class Engine(SessionCalls, EngineAPI):
                 self._sessions[session.id] = session
             else:
                 session = self._sessions[session_id]
-            session.tokens.extend(append)
-            if added:
-                session.images = sorted([*session.images, *added], key=lambda b: b.start)
-                session.uncompute_from(min(b.start for b in added), self.kv)  # pads computed as text
-            session.touch()
-            request = Request(next(self._ids), session, options, prompt_len)
-            prepare(request, self.tokenizer, self.kv)
-            if self._speculates(options):
-                request.speculator = Speculator() if self.draft is None else DraftSpeculator(self.draft)
-            self._running[session.id] = request
-            self.scheduler.add(request)
+            kept_length, kept_images = len(session.tokens), list(session.images)
+            try:
+                session.tokens.extend(append)
+                if added:
+                    session.images = sorted([*session.images, *added], key=lambda b: b.start)
+                    session.uncompute_from(min(b.start for b in added), self.kv)  # pads as text
+                session.touch()
+                request = Request(next(self._ids), session, options, prompt_len)
+                prepare(request, self.tokenizer, self.kv)
+                if self._speculates(options):
+                    request.speculator = Speculator() if self.draft is None else DraftSpeculator(self.draft)
+                self.scheduler.add(request)
+                self._running[session.id] = request
+            except BaseException:
+                # accepted but failed on the way in: nothing may stay of it (a one-off session
+                # with no request never ends; a named one keeps its tokens as they were)
+                if session_id is None:
+                    del self._sessions[session.id]
+                    self._release(session)
+                else:
+                    session.truncate(kept_length, self.kv)
+                    session.images = kept_images
+                raise
             self._wake.notify()
         return EngineHandle(request, self.cancel, self._queue_position)
 
@@ -268,7 +286,7 @@ class Engine(SessionCalls, EngineAPI):
             self.speculate != "off"
             and options.speculate
             and options.max_tokens > 1
-            and getattr(self.model, "can_fuse_decode", False)
+            and self.step_model.can_fuse_decode
         )
 
     def cancel(self, request: Request) -> None:
@@ -303,10 +321,17 @@ class Engine(SessionCalls, EngineAPI):
     def steps(self) -> int:
         return self._steps
 
+    def holding(self) -> threading.RLock:
+        """The engine lock, for a thread submitting many requests at once (engine/draft.py's
+        guesses): the model thread schedules none of them before the last is in, so they run as
+        one batch. Only this engine's public calls may be made while holding it."""
+        return self._lock
+
     def _loop(self) -> None:
         next_reap = time.monotonic() + REAP_INTERVAL_S
         while True:
             with self._lock:
+                taken = now()
                 if self._closed:
                     return
                 if time.monotonic() >= next_reap:
@@ -315,9 +340,21 @@ class Engine(SessionCalls, EngineAPI):
                 if not self._model_calls and not self.scheduler.has_work():
                     self._wake.wait(timeout=REAP_INTERVAL_S)
                     continue
+                # the draft model's guesses (engine/draft.py): planned here, made without the
+                # lock (API calls go on meanwhile), taken by the scheduler's propose()
+                drafts = [] if self.draft is None else plan_drafts(self.scheduler)
+                planning = now() - taken
+            if self.draft is not None:
+                run_drafts(self.draft, drafts)
+            with self._lock:
+                taken = now()
+                settle_drafts(drafts)
+                if self._closed:
+                    return
                 calls, self._model_calls = self._model_calls, []
                 items = self._schedule()
                 self._stepping = {item.request.session.id for item in items}
+                scheduling = now() - taken
             for fn, fut in calls:
                 if fut.set_running_or_notify_cancel():
                     try:
@@ -330,7 +367,7 @@ class Engine(SessionCalls, EngineAPI):
             started = time.perf_counter()
             try:
                 output = run_step(
-                    self.model, self.kv, items, capture, vision=self.vision, team=self.step_team
+                    self.step_model, self.kv, items, capture, vision=self.vision, team=self.step_team
                 )
             except Exception as exc:  # a model failure fails this step's requests, not the engine
                 log.exception("model step failed")
@@ -342,11 +379,13 @@ class Engine(SessionCalls, EngineAPI):
             if all(item.count == 1 or item.draft for item in items):  # decode rows alone
                 self.step_cost.observe(sum(item.count for item in items), time.perf_counter() - started)
             with self._lock:
+                taken = now()
                 self._steps += 1
                 self.computed_tokens += sum(item.count for item in items)
                 for outcome in postprocess(items, output, self._step_context):
                     self._deliver(outcome)
                 self._step_over()
+                self.lock_holds.add(scheduling, now() - taken, planning)
 
     def _schedule(self) -> list[StepItem]:
         """Must hold the lock. The next step's items; a scheduling bug fails the requests it
