@@ -89,6 +89,7 @@ def test_the_isa_can_be_narrowed_to_build_the_avx2_path(monkeypatch: pytest.Monk
     build of its own in the kernel cache; =portable drops the vector paths; a typo is refused."""
     from tokenwire.model import kernels
 
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)  # the suite itself may run with it set
     native = compiler_flags()
     monkeypatch.setenv(kernels.ISA_ENV, "avx2")
     avx2 = compiler_flags()
