@@ -111,3 +111,35 @@ def test_a_mixture_of_experts_file_without_its_expert_counts_is_refused_by_name(
     write_like_llama_cpp(hf_model("qwen3_moe_gguf"), path, "F32", drop="expert_used_count")
     with pytest.raises(ValueError, match=r"qwen3moe\.expert_used_count is missing"):
         resolve_model(path, cache_dir=tmp_path / "cache")
+
+
+def test_a_tokenizer_is_converted_once_for_every_file_that_shares_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two quantisations of one model: the second file's tokenizer is the first's, copied from the
+    tokenizer cache with no child process; the same files and turn ends either way."""
+    import subprocess
+
+    from tokenwire.model import gguf as gguf_module
+
+    monkeypatch.setenv("TOKENWIRE_CACHE_DIR", str(tmp_path / "home-cache"))
+    hf = hf_model("qwen3_gguf")
+    first, second = tmp_path / "a-F32.gguf", tmp_path / "a-Q8_0.gguf"
+    write_like_llama_cpp(hf, first, "F32")
+    write_like_llama_cpp(hf, second, "Q8_0")
+    key = gguf_module.tokenizer_key(gguf_module.read_header(first))
+    assert key == gguf_module.tokenizer_key(gguf_module.read_header(second))
+    gguf_module.convert_gguf_apart(first, tmp_path / "one")
+    assert (gguf_module.tokenizer_cache(key) / "tokenizer.json").is_file()
+
+    def no_child(*args: object, **kw: object) -> None:
+        raise AssertionError("a cached tokenizer was converted again")
+
+    monkeypatch.setattr(subprocess, "run", no_child)
+    gguf_module.convert_gguf_apart(second, tmp_path / "two")
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    assert not (tmp_path / "two" / ".turn_ends.json").exists()
+    other = tmp_path / "b.gguf"  # another vocabulary's template: another key
+    write_like_llama_cpp(hf, other, "F32", chat_template="{{ messages[0]['content'] }}")
+    assert gguf_module.tokenizer_key(gguf_module.read_header(other)) != key

@@ -12,14 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tokenwire.model.cache_dir import default_cache_dir
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
 from tokenwire.model.families import GGUF_FAMILIES, read_config
 from tokenwire.model.families.base import Family, GgufMeta, GgufNames
@@ -210,9 +214,12 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> ModelConfig:
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, *, progress: bool = True, tokenizer_from: Path | None = None
+) -> ModelConfig:
     """Write config.json, generation_config.json and tokenizer files for `gguf_path` into
-    `out_dir` (no tensor data is read). Returns the parsed ModelConfig."""
+    `out_dir` (no tensor data is read). Returns the parsed ModelConfig. `tokenizer_from`: a
+    converted tokenizer of the same fields (the tokenizer cache) copied instead of built."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = read_header(gguf_path)
     config = gguf_to_hf_config(reader, gguf_path)
@@ -221,7 +228,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Mo
     except UnsupportedArchitectureError as e:
         raise UnsupportedArchitectureError(f"{e} (in {gguf_path})") from e
     out_dir.mkdir(parents=True, exist_ok=True)
-    turn_ends = _write_tokenizer(reader, gguf_path, out_dir)
+    if tokenizer_from is not None:
+        turn_ends = _copy_tokenizer(tokenizer_from, out_dir)
+    else:
+        turn_ends = _write_tokenizer(reader, gguf_path, out_dir)
+        (out_dir / _TURN_ENDS).write_text(json.dumps(turn_ends) + "\n")  # for the tokenizer cache
     if turn_ends:
         eos = config["eos_token_id"]
         listed = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -234,15 +245,68 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Mo
     return model_config
 
 
+# A converted tokenizer, kept by the digest of everything it is built from (the architecture,
+# every tokenizer.* field, the converter's version): each quantisation of one model, or each of
+# the tests' tiny models over the shipped vocabulary, converts it once. Building it imports
+# transformers in a child and takes 4-8 s a file here; a cached one is copied in milliseconds.
+_TURN_ENDS = ".turn_ends.json"
+_NOT_TOKENIZER = ("config.json", "generation_config.json", _TURN_ENDS)
+
+
+def tokenizer_key(reader: GgufHeader) -> str:
+    fields = {k: v for k, v in reader.fields.items() if k.startswith("tokenizer.")}
+    what = {
+        "architecture": reader.fields.get("general.architecture"),
+        "fields": fields,
+        "arrays": reader.digests,
+        "converter": converter_fingerprint(),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def tokenizer_cache(key: str) -> Path:
+    return default_cache_dir() / "tokenizers" / key
+
+
+def _copy_tokenizer(cached: Path, out_dir: Path) -> list[int]:
+    for file in cached.iterdir():
+        if file.name != _TURN_ENDS:
+            shutil.copyfile(file, out_dir / file.name)
+    return [int(t) for t in json.loads((cached / _TURN_ENDS).read_text())]
+
+
+def _keep_tokenizer(out_dir: Path, cached: Path) -> None:
+    """The tokenizer files just converted into out_dir, copied to the cache (atomically: a
+    complete entry or none); the turn-end list moves there."""
+    tmp: Path | None = None
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
+        for file in out_dir.iterdir():
+            if file.is_file() and file.name not in _NOT_TOKENIZER[:2]:
+                shutil.copyfile(file, tmp / file.name)
+        os.rename(tmp, cached)
+    except OSError:  # a racing writer won, or no room: the cache is only a saving
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    (out_dir / _TURN_ENDS).unlink(missing_ok=True)
+
+
 def convert_gguf_apart(gguf_path: Path, out_dir: Path) -> None:
     """convert_gguf in a child process, so what the tokenizer's conversion imports and reads
     (transformers' GGUF reader and its registry of every model) never stays in the server: the
     shipped model's first start peaked 58 MiB higher with it in-process. Its errors come back
-    as the type and message they were raised with; its progress and logs go to our stderr."""
+    as the type and message they were raised with; its progress and logs go to our stderr. A
+    tokenizer converted before (the tokenizer cache) is copied here instead, with no child."""
+    cached = tokenizer_cache(tokenizer_key(read_header(gguf_path)))
+    if (cached / _TURN_ENDS).is_file():
+        convert_gguf(gguf_path, out_dir, tokenizer_from=cached)
+        return
     out = subprocess.run(
         [sys.executable, "-m", __name__, str(gguf_path), str(out_dir)], stdout=subprocess.PIPE, text=True
     )
     if out.returncode == 0:
+        _keep_tokenizer(out_dir, cached)
         return
     try:
         error = json.loads(out.stdout.strip().splitlines()[-1])

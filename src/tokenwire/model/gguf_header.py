@@ -9,8 +9,9 @@ tokenizer is built from the file by transformers, which reads those arrays itsel
 
 from __future__ import annotations
 
+import hashlib
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ class GgufHeader:
     fields: dict[str, Any]  # metadata, arrays as lists (the vocabulary's left out)
     lengths: dict[str, int]  # the vocabulary's arrays: their lengths
     tensors: dict[str, TensorInfo]
+    # the vocabulary's arrays: sha256 of their bytes (a converted tokenizer is shared by every
+    # file whose tokenizer is the same: model/gguf.py's tokenizer cache)
+    digests: dict[str, str] = field(default_factory=dict)
 
     def values(self, name: str) -> np.ndarray:
         """A float tensor's values (rope factors): read from the file, as float32."""
@@ -87,8 +91,10 @@ class _Cursor:
             return [self.value(item) for _ in range(count)]
         return self.unpack(_SCALARS[kind])
 
-    def skip_array(self) -> int:
+    def skip_array(self) -> tuple[int, str]:
+        """Steps over an array: its length and the sha256 of its bytes."""
         item, count = self.unpack("<I"), self.unpack("<Q")
+        start = self.at
         if item == _STRING:
             for _ in range(count):
                 length = self.unpack("<Q")  # read before `at` moves on (`at += unpack()` would lose it)
@@ -96,7 +102,7 @@ class _Cursor:
             self.take(0)
         else:
             self.take(count * struct.calcsize(_SCALARS[item]))
-        return count
+        return count, hashlib.sha256(self.buffer[start : self.at]).hexdigest()
 
 
 def read_header(path: Path | str) -> GgufHeader:
@@ -118,10 +124,11 @@ def _read(path: Path) -> GgufHeader:
         n_tensors, n_fields = cursor.unpack("<Q"), cursor.unpack("<Q")
         fields: dict[str, Any] = {}
         lengths: dict[str, int] = {}
+        digests: dict[str, str] = {}
         for _ in range(n_fields):
             key, kind = cursor.string(), cursor.unpack("<I")
             if key in _SKIPPED and kind == _ARRAY:
-                lengths[key] = cursor.skip_array()
+                lengths[key], digests[key] = cursor.skip_array()
             else:
                 fields[key] = cursor.value(kind)
         infos = []
@@ -141,4 +148,4 @@ def _read(path: Path) -> GgufHeader:
         if start + offset + nbytes > size:
             raise ValueError(f"tensor {name} runs past the end of the file")
         tensors[name] = TensorInfo(name, qtype, tuple(int(d) for d in reversed(ne)), start + offset, nbytes)
-    return GgufHeader(path, fields, lengths, tensors)
+    return GgufHeader(path, fields, lengths, tensors, digests)
