@@ -95,7 +95,7 @@ async def openai_responses(http: aiohttp.ClientSession, base: str, model: str, t
         async for _, event in _sse(response):
             if event.get("type") == "response.output_text.delta":
                 r.delta(event["delta"])
-            elif event.get("type") == "response.completed":
+            elif event.get("type") in ("response.completed", "response.incomplete"):  # incomplete: at the cap
                 r.tokens = event["response"]["usage"]["output_tokens"]
     return r.done()
 
@@ -147,7 +147,7 @@ async def _engine(engine: Engine, tokens: int) -> Reading:
             break
         if not ids:
             r.first = time.perf_counter() - r.start
-        ids.append(event.token)
+        ids.append(event.token_id)
     r.text, r.tokens = engine.tokenizer.decode(ids), len(ids)
     return r.done()
 
