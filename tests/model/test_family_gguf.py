@@ -65,11 +65,20 @@ def engine_greedy(model: torch.nn.Module, tokenizer, prompt: list[int], n: int) 
 
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_gguf_as_llama_cpp_writes_it_loads_as_its_hf_directory(tmp_path: Path, arch: str, quant: str) -> None:
+def test_gguf_as_llama_cpp_writes_it_loads_as_its_hf_directory(
+    tmp_path: Path, shared_cache: Path, arch: str, quant: str
+) -> None:
     hf = hf_model(arch)
     path = tmp_path / f"tiny-{arch}-{quant}.gguf"
     write_like_llama_cpp(hf, path, quant)
-    assert_loads_as(hf, path, quant, tmp_path / "cache")
+    assert_loads_as(hf, path, quant, shared_cache)
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One conversions' cache for the module: each family's F32 and Q8_0 files share a
+    tokenizer, converted once (model/gguf.py's tokenizer cache)."""
+    return tmp_path_factory.mktemp("cache")
 
 
 def assert_loads_as(hf: torch.nn.Module, path: Path, quant: str, cache_dir: Path) -> None:
@@ -122,21 +131,21 @@ def test_a_tokenizer_is_converted_once_for_every_file_that_shares_it(
 
     from tokenwire.model import gguf as gguf_module
 
-    monkeypatch.setenv("TOKENWIRE_CACHE_DIR", str(tmp_path / "home-cache"))
+    cache = tmp_path / "cache"
     hf = hf_model("qwen3_gguf")
     first, second = tmp_path / "a-F32.gguf", tmp_path / "a-Q8_0.gguf"
     write_like_llama_cpp(hf, first, "F32")
     write_like_llama_cpp(hf, second, "Q8_0")
     key = gguf_module.tokenizer_key(gguf_module.read_header(first))
     assert key == gguf_module.tokenizer_key(gguf_module.read_header(second))
-    gguf_module.convert_gguf_apart(first, tmp_path / "one")
-    assert (gguf_module.tokenizer_cache(key) / "tokenizer.json").is_file()
+    gguf_module.convert_gguf_apart(first, tmp_path / "one", cache)
+    assert (gguf_module.tokenizer_cache(key, cache) / "tokenizer.json").is_file()
 
     def no_child(*args: object, **kw: object) -> None:
         raise AssertionError("a cached tokenizer was converted again")
 
     monkeypatch.setattr(subprocess, "run", no_child)
-    gguf_module.convert_gguf_apart(second, tmp_path / "two")
+    gguf_module.convert_gguf_apart(second, tmp_path / "two", cache)
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
     assert not (tmp_path / "two" / ".turn_ends.json").exists()

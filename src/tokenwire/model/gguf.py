@@ -264,8 +264,10 @@ def tokenizer_key(reader: GgufHeader) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def tokenizer_cache(key: str) -> Path:
-    return default_cache_dir() / "tokenizers" / key
+def tokenizer_cache(key: str, cache_dir: Path | None = None) -> Path:
+    """Where a converted tokenizer is kept: `.tokenizers/` of the conversions' cache directory
+    (--cache-dir; a dot name, so the loader's clean-up of superseded conversions passes it by)."""
+    return (cache_dir if cache_dir is not None else default_cache_dir()) / ".tokenizers" / key
 
 
 def _copy_tokenizer(cached: Path, out_dir: Path) -> list[int]:
@@ -292,13 +294,13 @@ def _keep_tokenizer(out_dir: Path, cached: Path) -> None:
     (out_dir / _TURN_ENDS).unlink(missing_ok=True)
 
 
-def convert_gguf_apart(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf_apart(gguf_path: Path, out_dir: Path, cache_dir: Path | None = None) -> None:
     """convert_gguf in a child process, so what the tokenizer's conversion imports and reads
     (transformers' GGUF reader and its registry of every model) never stays in the server: the
     shipped model's first start peaked 58 MiB higher with it in-process. Its errors come back
     as the type and message they were raised with; its progress and logs go to our stderr. A
     tokenizer converted before (the tokenizer cache) is copied here instead, with no child."""
-    cached = tokenizer_cache(tokenizer_key(read_header(gguf_path)))
+    cached = tokenizer_cache(tokenizer_key(read_header(gguf_path)), cache_dir)
     if (cached / _TURN_ENDS).is_file():
         convert_gguf(gguf_path, out_dir, tokenizer_from=cached)
         return

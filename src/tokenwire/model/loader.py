@@ -137,7 +137,7 @@ def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name[:16]}-", dir=cache_dir))
     source = str(gguf_path.resolve())
     try:  # convert_gguf checks the architecture before reading any tensor
-        gguf_convert.convert_gguf_apart(gguf_path, tmp)
+        gguf_convert.convert_gguf_apart(gguf_path, tmp, cache_dir=cache_dir)
         marker = {"source": source, "converter": gguf_convert.converter_fingerprint()}
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         for path in (tmp, *tmp.iterdir()):  # mkdtemp and safetensors create owner-only files
