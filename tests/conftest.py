@@ -2,12 +2,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Tests convert GGUF files into throw-away cache directories dozens of times, nearly all over the
+# shipped vocabulary: one tokenizer cache for the run (model/gguf.py) converts each tokenizer once
+# (4-8 s each, in a child process) instead of once a test. Set before any server child starts,
+# so theirs share it too; the cold-start test clears it for its own process.
+os.environ.setdefault("TOKENWIRE_TOKENIZER_CACHE", tempfile.mkdtemp(prefix="tokenwire-test-tokenizers-"))
 
 
 @pytest.fixture(scope="session")

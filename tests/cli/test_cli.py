@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -94,11 +95,13 @@ def test_generate_prints_no_special_tokens_but_json_keeps_their_ids(smollm2_sour
 
 
 def test_a_cold_start_without_a_terminal_logs_conversion_and_load(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TOKENWIRE_TOKENIZER_CACHE"}  # cold: no tokenizer
     out = subprocess.run(
         [*CMD, "generate", "Hi", "--max-tokens", "1", "--kv-cache-mb", "16", "--cache-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
     assert out.returncode == 0, out.stderr
     assert "reading the tokenizer and config of " in out.stderr, out.stderr

@@ -131,6 +131,7 @@ def test_a_tokenizer_is_converted_once_for_every_file_that_shares_it(
 
     from tokenwire.model import gguf as gguf_module
 
+    monkeypatch.delenv(gguf_module.TOKENIZER_CACHE_ENV, raising=False)  # this test's own cache
     cache = tmp_path / "cache"
     hf = hf_model("qwen3_gguf")
     first, second = tmp_path / "a-F32.gguf", tmp_path / "a-Q8_0.gguf"
@@ -139,7 +140,10 @@ def test_a_tokenizer_is_converted_once_for_every_file_that_shares_it(
     key = gguf_module.tokenizer_key(gguf_module.read_header(first))
     assert key == gguf_module.tokenizer_key(gguf_module.read_header(second))
     gguf_module.convert_gguf_apart(first, tmp_path / "one", cache)
-    assert (gguf_module.tokenizer_cache(key, cache) / "tokenizer.json").is_file()
+    assert (cache / ".tokenizers" / key / "tokenizer.json").is_file()
+    monkeypatch.setenv(gguf_module.TOKENIZER_CACHE_ENV, str(tmp_path / "shared"))  # one for every cache
+    assert gguf_module.tokenizer_cache(key, cache) == tmp_path / "shared" / key
+    monkeypatch.delenv(gguf_module.TOKENIZER_CACHE_ENV)
 
     def no_child(*args: object, **kw: object) -> None:
         raise AssertionError("a cached tokenizer was converted again")

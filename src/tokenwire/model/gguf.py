@@ -264,9 +264,17 @@ def tokenizer_key(reader: GgufHeader) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+TOKENIZER_CACHE_ENV = "TOKENWIRE_TOKENIZER_CACHE"
+
+
 def tokenizer_cache(key: str, cache_dir: Path | None = None) -> Path:
     """Where a converted tokenizer is kept: `.tokenizers/` of the conversions' cache directory
-    (--cache-dir; a dot name, so the loader's clean-up of superseded conversions passes it by)."""
+    (--cache-dir; a dot name, so the loader's clean-up of superseded conversions passes it by),
+    or $TOKENWIRE_TOKENIZER_CACHE for every cache directory at once (the test suite's dozens of
+    throw-away cache directories share their tokenizers through it)."""
+    shared = os.environ.get(TOKENIZER_CACHE_ENV)
+    if shared:
+        return Path(shared) / key
     return (cache_dir if cache_dir is not None else default_cache_dir()) / ".tokenizers" / key
 
 
