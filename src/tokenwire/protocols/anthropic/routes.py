@@ -27,7 +27,7 @@ from tokenwire.protocols.anthropic.errors import AnthropicError, from_openai, in
 from tokenwire.protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
 from tokenwire.protocols.openai.core import ModelLimits
 from tokenwire.protocols.openai.errors import OpenAIError
-from tokenwire.protocols.openai.runner import Execution
+from tokenwire.protocols.openai.runner import Execution, watch_disconnect
 
 if TYPE_CHECKING:
     from tokenwire.engine.api import EngineAPI
@@ -58,15 +58,6 @@ def _error_response(exc: AnthropicError) -> Response:
 def _auth_error(message: str) -> Response:
     """A missing or wrong key (the shared --api-key, as x-api-key or Bearer) in this API's shape."""
     return _error_response(AnthropicError(401, message))
-
-
-async def _watch_disconnect(request: Request, run: Execution) -> None:
-    """A non-streaming request whose client went away stops generating too."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            run.close()
-            return
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -107,7 +98,7 @@ class MessagesRoutes:
         self.api.active.add(run)  # aborted with a 503 (here: 529 overloaded) when the server stops
         if req.stream:
             return StreamingResponse(self._stream(run), media_type="text/event-stream", headers=SSE_HEADERS)
-        watcher = asyncio.create_task(_watch_disconnect(request, run))
+        watcher = asyncio.create_task(watch_disconnect(request, run))
         try:
             async for batch in run.batches():
                 for index, event in batch:

@@ -23,7 +23,7 @@ from tokenwire.protocols.ollama.errors import OllamaError, bad_request, from_ope
 from tokenwire.protocols.ollama.reply import Reply, created_at
 from tokenwire.protocols.openai.api_key import guard_paths
 from tokenwire.protocols.openai.errors import OpenAIError
-from tokenwire.protocols.openai.runner import Execution
+from tokenwire.protocols.openai.runner import Execution, watch_disconnect
 
 if TYPE_CHECKING:
     from tokenwire.engine.api import EngineAPI
@@ -53,15 +53,6 @@ async def read_body(request: Request) -> Any:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise bad_request(f"invalid JSON in the request body: {exc}") from None
-
-
-async def _watch_disconnect(request: Request, run: Execution) -> None:
-    """A client that goes away during a reply that is not streamed stops its generation."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            run.close()
-            return
 
 
 class OllamaRoutes:
@@ -165,7 +156,7 @@ class OllamaRoutes:
         self.active.add(run)
         if planned.stream:
             return StreamingResponse(self._stream(run, reply), media_type=NDJSON)
-        watcher = asyncio.create_task(_watch_disconnect(request, run))
+        watcher = asyncio.create_task(watch_disconnect(request, run))
         try:
             async for batch in run.batches():
                 for _, event in batch:

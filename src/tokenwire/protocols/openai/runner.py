@@ -19,6 +19,8 @@ from tokenwire.protocols.openai.core import Plan
 from tokenwire.protocols.openai.errors import OpenAIError, bad_request, from_engine
 
 if TYPE_CHECKING:
+    from starlette.requests import Request
+
     from tokenwire.engine.api import EngineAPI
 
 
@@ -120,3 +122,13 @@ class Execution:
         for fork in self.forks:
             self.engine.close_session(fork)
         self.forks = []
+
+
+async def watch_disconnect(request: Request, run: Execution) -> None:
+    """A reply that is not streamed: its client going away stops its generation (every HTTP
+    API's non-streaming route runs this beside its Execution)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            run.close()
+            return

@@ -36,7 +36,7 @@ from tokenwire.protocols.openai.body_limit import DEFAULT_MAX_BODY_MB, BodyLimit
 from tokenwire.protocols.openai.errors import OpenAIError, from_engine
 from tokenwire.protocols.openai.images import vision_of
 from tokenwire.protocols.openai.playground import add_playground_routes
-from tokenwire.protocols.openai.runner import Execution
+from tokenwire.protocols.openai.runner import Execution, watch_disconnect
 from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tokenwire.protocols.openai.sessions import add_session_routes
 from tokenwire.protocols.responses.routes import add_responses_routes
@@ -238,7 +238,7 @@ class OpenAIApp:
         self.active.add(run)
         if plan.stream:
             return StreamingResponse(self._stream(run), media_type="text/event-stream", headers=SSE_HEADERS)
-        watcher = asyncio.create_task(_watch_disconnect(request, run))
+        watcher = asyncio.create_task(watch_disconnect(request, run))
         try:
             async for batch in run.batches():
                 for index, event in batch:
@@ -287,15 +287,6 @@ class OpenAIApp:
         (a stream gets it as its last event), so uvicorn's graceful shutdown does not wait."""
         for run in list(self.active):
             run.abort()
-
-
-async def _watch_disconnect(request: Request, run: Execution) -> None:
-    """A non-streaming request whose client went away stops generating too."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            run.close()
-            return
 
 
 def _guarded_http_protocol(guard: ListenerGuard) -> Any:

@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from tokenwire.engine.errors import CapacityError, EngineError
 from tokenwire.engine.request import Origin
 from tokenwire.protocols.openai.errors import OpenAIError, bad_request, from_engine
-from tokenwire.protocols.openai.runner import Execution
+from tokenwire.protocols.openai.runner import Execution, watch_disconnect
 from tokenwire.protocols.responses.core import Turn, finish, plan_turn, response_object
 from tokenwire.protocols.responses.events import EventStream, sse
 from tokenwire.protocols.responses.schemas import ResponseCreate
@@ -142,7 +142,7 @@ def add_responses_routes(api: OpenAIApp) -> ResponseStore:
         if body.stream:
             stream = _stream(api, run, turn, lambda ok: settle(turn, owner, session, ok))
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-        watcher = asyncio.create_task(_watch_disconnect(request, run))
+        watcher = asyncio.create_task(watch_disconnect(request, run))
         ok = False
         try:
             async for batch in run.batches():
@@ -227,12 +227,3 @@ async def _stream(api: OpenAIApp, run: Execution, turn: Turn, settle: Any) -> As
         api.active.discard(run)
         if not ok:
             settle(False)
-
-
-async def _watch_disconnect(request: Request, run: Execution) -> None:
-    """A non-streaming request whose client went away stops generating too."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            run.close()
-            return
