@@ -68,7 +68,9 @@ def test_a_ref_chain_and_nesting_are_measured() -> None:
     deep = guard.measure_json_schema(nested(600))
     assert deep.max_depth > 1000, deep  # objects and their properties maps, 2 levels each
     tree = {
-        "$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}},
+        "$defs": {
+            "node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+        },
         "$ref": "#/$defs/node",
     }
     assert guard.measure_json_schema(tree).max_chain < 10  # a recursive schema is not infinite

@@ -15,9 +15,11 @@ import torch
 from tests.protocols.openai.conftest import InProcess, http
 from tests.tiny_models import hf_model, ours_from_hf
 from tokenwire import metrics
+from tokenwire.engine import abandoned_calls
+from tokenwire.engine.abandoned_calls import CallAbandoned
 from tokenwire.engine.engine import Engine
 from tokenwire.protocols.embeddings import core
-from tokenwire.protocols.embeddings.core import CallAbandoned, EmbeddingInputError, embed, embed_counted
+from tokenwire.protocols.embeddings.core import EmbeddingInputError, embed, embed_counted
 
 KEY = "k-43"
 # lengths that make several slices (3, 5 and 17 share one; 260 and 300 are one each)
@@ -104,14 +106,14 @@ def test_truncate_cuts_to_the_context(tiny: tuple[Engine, Any]) -> None:
 
 def test_a_cancelled_call_stops_at_a_layer(tiny: tuple[Engine, Any]) -> None:
     engine = tiny[0]
-    core._cancelled.add(-7)
+    abandoned_calls.cancelled.add(-7)
     try:
         ids, lengths = np.array([[5, 6, 7]]), np.array([3])
         future = engine.model_call(f"{core.__name__}:embed_forward", ids, lengths, "mean", -7)
         with pytest.raises(CallAbandoned):
             future.result(60)
     finally:
-        core._cancelled.discard(-7)
+        abandoned_calls.cancelled.discard(-7)
 
 
 def test_cancelling_embed_stops_its_calls(tiny: tuple[Engine, Any]) -> None:
@@ -126,7 +128,7 @@ def test_cancelling_embed_stops_its_calls(tiny: tuple[Engine, Any]) -> None:
 
     asyncio.run(cancel_early())
     assert asyncio.run(embed(engine, [[5, 6]]))  # the engine serves on; the cancelled id is gone
-    assert not core._cancelled
+    assert not abandoned_calls.cancelled
 
 
 # ---------------------------------------------------------------------------- over HTTP

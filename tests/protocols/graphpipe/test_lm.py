@@ -15,6 +15,7 @@ import torch
 
 from tests.protocols.graphpipe.conftest import ServerThread
 from tests.tiny_models import hf_model, ours_from_hf
+from tokenwire.engine import abandoned_calls
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.request import GenerateOptions, SamplingParams
 from tokenwire.protocols.graphpipe.client import Client, GraphPipeClientError, build_request
@@ -196,7 +197,7 @@ class HeldSlices:
                 assert self.release.wait(120), "the test never released the first slice"
             try:
                 out = real(engine, ids, outputs, layer, call_id)
-            except lm_model.CallAbandoned:
+            except abandoned_calls.CallAbandoned:
                 self.events.append("abandoned")
                 raise
             self.events.append("done")
@@ -246,11 +247,11 @@ def test_a_call_whose_client_left_stops_before_its_next_layer(tiny, monkeypatch:
     with socket.create_connection(("127.0.0.1", server.server.port), timeout=60) as sock:
         sock.sendall(head + body)
         assert held.first_started.wait(120)
-    _wait_for(lambda: bool(held.lm_model._cancelled), "the server noticing its client left")
+    _wait_for(lambda: bool(abandoned_calls.cancelled), "the server noticing its client left")
     held.release.set()
     _wait_for(lambda: "abandoned" in held.events, "the running slice stopping")
     opts = GenerateOptions(max_tokens=2, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
     events, _ = engine.generate(None, [5, 6, 7], opts).result()
     assert len(events) == 2
     assert held.events == ["start 1", "abandoned"], held.events
-    _wait_for(lambda: not held.lm_model._cancelled, "the cancelled call's id being forgotten")
+    _wait_for(lambda: not abandoned_calls.cancelled, "the cancelled call's id being forgotten")

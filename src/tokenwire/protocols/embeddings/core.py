@@ -15,7 +15,6 @@ no further slice, and the slice running stops before its next layer.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from tokenwire import metrics
+from tokenwire.engine.abandoned_calls import layer_check, new_call_id, slice_result
 from tokenwire.engine.errors import InvalidRequestError
 from tokenwire.logs import access_log
 from tokenwire.model.gguf_header import read_header
@@ -53,8 +53,6 @@ MAX_TOTAL_TOKENS = 300_000
 
 Input = str | Sequence[int]
 
-_call_ids = itertools.count(1)
-_cancelled: set[int] = set()  # calls whose caller went away: their forward stops at a layer
 _declared: dict[tuple[str, str, str], DeclaredPooling] = {}
 
 
@@ -65,10 +63,6 @@ class EmbeddingInputError(InvalidRequestError):
         super().__init__(message)
         self.param = param
         self.code = code
-
-
-class CallAbandoned(Exception):
-    """Raised in a cancelled call's forward; nobody awaits its result any more."""
 
 
 @dataclass
@@ -240,7 +234,7 @@ async def _run(engine: EngineAPI, token_lists: list[list[int]], mode: Pooling) -
     """The pooled (not yet normalised) [N, H] float32 states, one model call per slice."""
     lengths = [len(t) for t in token_lists]
     out = np.empty((len(token_lists), engine.config.hidden_size), dtype=np.float32)
-    call_id = next(_call_ids)
+    call_id = new_call_id()
     for group in slices(lengths):
         width = max(lengths[i] for i in group)
         ids = np.zeros((len(group), width), dtype=np.int64)  # right-padded with id 0
@@ -249,12 +243,7 @@ async def _run(engine: EngineAPI, token_lists: list[list[int]], mode: Pooling) -
         rows = np.array([lengths[i] for i in group], dtype=np.int64)
         # by name: under --replicas it runs in a replica's process (EngineAPI.model_call)
         future = engine.model_call(f"{__name__}:embed_forward", ids, rows, mode, call_id)
-        try:
-            out[group] = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            _cancelled.add(call_id)  # the slice running now stops before its next layer
-            future.add_done_callback(lambda _: _cancelled.discard(call_id))
-            raise
+        out[group] = await slice_result(future, call_id)
     return out
 
 
@@ -265,11 +254,7 @@ def embed_forward(
     """Runs on the model thread: one dense causal pass over the right-padded [B, T] batch, its
     final normed states pooled per row (`lengths` [B] real tokens) -> float32 [B, H]."""
 
-    def before_layer() -> None:
-        engine.check_stopping()
-        if call_id in _cancelled:
-            raise CallAbandoned(f"embeddings call {call_id}: its client went away")
-
+    before_layer = layer_check(engine, call_id, "embeddings")
     model = engine.model
     b, t = ids.shape
     device = model.device

@@ -5,7 +5,6 @@ further slice starts; the one running stops before its next layer)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +17,7 @@ from tokenwire.engine.request import Origin
 from tokenwire.protocols.embeddings import wire
 from tokenwire.protocols.embeddings.core import EmbeddingInputError, embed_counted, pooling_for
 from tokenwire.protocols.openai.errors import OpenAIError, from_engine
+from tokenwire.protocols.openai.runner import on_disconnect
 from tokenwire.protocols.tokenizer_api.routes import PATHS as TOKENIZER_PATHS
 from tokenwire.protocols.tokenizer_api.routes import add_tokenizer_routes, read_json
 
@@ -69,7 +69,7 @@ def add_embedding_routes(
                 engine, plan.inputs, dimensions=plan.dimensions, origin=Origin("openai", "embeddings", peer)
             )
         )
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, work))
+        watcher = asyncio.create_task(on_disconnect(request, work.cancel))
         try:
             result = await work
         except EmbeddingInputError as exc:
@@ -89,12 +89,3 @@ def add_embedding_routes(
             work.cancel()
         return _json(wire.response(result, plan, limits.name))
 
-
-async def _cancel_on_disconnect(request: Request, work: asyncio.Future[Any]) -> None:
-    """Cancels `work` when the client goes away (the body is read: receive waits for that)."""
-    with contextlib.suppress(Exception):
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                work.cancel()
-                return

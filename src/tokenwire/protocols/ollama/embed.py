@@ -6,7 +6,6 @@ over the context are cut) and `dimensions`; `/api/embeddings` takes one `prompt`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from tokenwire.protocols.embeddings.core import EmbeddingInputError, embed_count
 from tokenwire.protocols.ollama.core import check_model
 from tokenwire.protocols.ollama.errors import OllamaError, bad_request, from_engine_error
 from tokenwire.protocols.ollama.options import parse_options
+from tokenwire.protocols.openai.runner import on_disconnect
 
 if TYPE_CHECKING:
     from tokenwire.engine.api import EngineAPI
@@ -90,7 +90,7 @@ async def run_embed(engine: EngineAPI, req: EmbedRequest, request: Request, star
             origin=origin,
         )
     )
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, work))
+    watcher = asyncio.create_task(on_disconnect(request, work.cancel))
     try:
         result = await work
     except EmbeddingInputError as exc:
@@ -108,11 +108,3 @@ async def run_embed(engine: EngineAPI, req: EmbedRequest, request: Request, star
         work.cancel()
     return embed_response(req, result.vectors, result.prompt_tokens, time.perf_counter_ns() - started)
 
-
-async def _cancel_on_disconnect(request: Request, work: asyncio.Future[Any]) -> None:
-    with contextlib.suppress(Exception):
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                work.cancel()
-                return

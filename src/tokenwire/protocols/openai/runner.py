@@ -8,9 +8,10 @@ socket).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenwire.engine.errors import EngineError
 from tokenwire.engine.events import EventChannel
@@ -127,8 +128,15 @@ class Execution:
 async def watch_disconnect(request: Request, run: Execution) -> None:
     """A reply that is not streamed: its client going away stops its generation (every HTTP
     API's non-streaming route runs this beside its Execution)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            run.close()
-            return
+    await on_disconnect(request, run.close)
+
+
+async def on_disconnect(request: Request, stop: Callable[[], Any]) -> None:
+    """Calls `stop` when the client goes away (the body is read: receive waits for that); a
+    receive that fails once the reply is out ends the watch quietly."""
+    with contextlib.suppress(Exception):
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                stop()
+                return

@@ -17,13 +17,13 @@ no further slice starts, and the slice running stops before its next layer.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from tokenwire.engine.abandoned_calls import layer_check, new_call_id, slice_result
 from tokenwire.engine.request import InvalidValueError, require_int
 from tokenwire.model.layers.attention import DenseCausalAttention
 from tokenwire.protocols.graphpipe.codec import IOMetadata
@@ -41,15 +41,6 @@ MAX_OUTPUT_BYTES = 1 << 30
 # tokens a slice of rows holds (a row is never split: one row of T tokens is one slice when
 # T is larger): the engine's default --max-batch-tokens, so a slice costs about one step
 SLICE_TOKENS = 512
-
-# model calls whose callers went away: dense_forward stops before its next layer. Only calls on
-# this process's engine see it; under --replicas a cancelled request stops between slices.
-_call_ids = itertools.count(1)
-_cancelled: set[int] = set()
-
-
-class CallAbandoned(Exception):
-    """Raised in a cancelled call's forward; nobody awaits its result any more."""
 
 
 class LanguageModel(TensorModel):
@@ -139,19 +130,14 @@ class LanguageModel(TensorModel):
     async def _sliced(self, ids: np.ndarray, outputs: list[str], config: Any) -> list[np.ndarray]:
         b, t = ids.shape
         rows = max(1, SLICE_TOKENS // max(t, 1))
-        call_id = next(_call_ids)
+        call_id = new_call_id()
         parts: list[list[np.ndarray]] = []
         for lo in range(0, b, rows):
             # by name: under --replicas it runs in a replica's process (EngineAPI.model_call)
             future = self.engine.model_call(
                 f"{__name__}:dense_forward", ids[lo : lo + rows], outputs, config, call_id
             )
-            try:
-                parts.append(await asyncio.wrap_future(future))
-            except asyncio.CancelledError:
-                _cancelled.add(call_id)  # the slice running now stops before its next layer
-                future.add_done_callback(lambda _: _cancelled.discard(call_id))
-                raise
+            parts.append(await slice_result(future, call_id))
         return [np.concatenate(part) for part in zip(*parts, strict=True)]
 
 
@@ -160,11 +146,7 @@ def dense_forward(
     engine: Engine, ids: np.ndarray, outputs: list[str], layer: int, call_id: int = 0
 ) -> list[np.ndarray]:
     """Runs on the model thread: one dense causal pass over the [B, T] batch."""
-
-    def before_layer() -> None:
-        engine.check_stopping()
-        if call_id in _cancelled:
-            raise CallAbandoned(f"GraphPipe call {call_id}: its client went away")
+    before_layer = layer_check(engine, call_id, "GraphPipe")
 
     model = engine.model
     b, t = ids.shape
