@@ -5,7 +5,8 @@ streamed by a plain aiohttp client that parses the API's own stream (SSE, named 
 NDJSON) and takes the token count from the API's own usage fields, against the engine called
 directly with the same prompt tokens — interleaved, medians of --repeats:
 
-- time to first token and tokens/s per API, and the ratio to the engine's (target >= 0.97x); the
+- time to first token and tokens/s per API, and its ratio to the engine's (target >= 0.97x): the
+  median over rounds of each reading against an engine reading taken just before it; the
   clients run in a process of their own (bench/api_clients.py), as a user's client does;
 - the texts must be equal (greedy parity: the same conversation, the same tokens), else exit 1;
 - turn 2 of a --history-tokens conversation through Responses: `previous_response_id` (the
@@ -77,20 +78,25 @@ async def _run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     server = await OpenAIServer(engine, "127.0.0.1", 0).start()
     base = server.url.removesuffix("/v1")
     rows: dict[str, list[Reading]] = {"engine": [], **{name: [] for name in APIS}}
+    # each API's reading beside an engine reading taken just before it: the machine is shared,
+    # and a ratio of neighbours cancels the load that moves both (medians of these ratios)
+    pairs: dict[str, list[float]] = {name: [] for name in APIS}
     client = ClientProcess()
     try:
         await _engine(engine, 4)  # warm-up: the prompt's prefix cache, every route once
         for name in APIS:
             await client.call(name, base, engine.name, 4)
         for _ in range(args.repeats):
-            rows["engine"].append(await _engine(engine, args.tokens))
             for name in APIS:
-                rows[name].append(await client.call(name, base, engine.name, args.tokens))
+                alone = await _engine(engine, args.tokens)
+                served = await client.call(name, base, engine.name, args.tokens)
+                rows["engine"].append(alone)
+                rows[name].append(served)
+                pairs[name].append((served.tokens / served.seconds) / (alone.tokens / alone.seconds))
         turn2 = await _turn2(client, base, engine, args.history_tokens, args.repeats)
     finally:
         client.close()
         await server.stop()
-    base_rate = statistics.median(r.tokens / r.seconds for r in rows["engine"])
     reference = rows["engine"][0].text
     table = {}
     for name, readings in rows.items():
@@ -98,7 +104,7 @@ async def _run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
         table[name] = {
             "ttft_s": statistics.median(r.first for r in readings),
             "tok_s": rate,
-            "ratio": rate / base_rate,
+            "ratio": statistics.median(pairs[name]) if name in pairs else 1.0,
             "tokens": readings[0].tokens,
             "same_text": all(r.text == reference for r in readings),
         }
