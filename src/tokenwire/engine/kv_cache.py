@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -228,6 +228,9 @@ class KVCache:
         places = [self._where[layer] for layer in range(config.num_layers)]
         self.layer_slots = torch.tensor([i if p is pool else -i - 1 for p, i in places], dtype=torch.long)
         self.bytes_per_token = kv_bytes_per_token(config, kv_dtype, len(full))
+        # where a prefix-cache miss looks next: a block read back from disk, registered and
+        # unreferenced, or None (engine/persistence.py; only without a window pool)
+        self.lower_tier: Callable[[bytes], int | None] | None = None
         self.window_bytes_per_token = kv_bytes_per_token(config, kv_dtype, len(windowed))
 
     def has_room(self, needed: Sequence[int], extra: Sequence[int] = (0, 0)) -> bool:

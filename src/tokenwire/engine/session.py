@@ -54,6 +54,13 @@ class Session:
     ephemeral: bool = False  # created for one request and closed with it
     # vision models: the attached images (engine/vision.py SessionImage), sorted by position
     images: list[Any] = field(default_factory=list)
+    # persisted sessions (engine/persistence.py): the protocol that claimed it ("" = RAM only),
+    # the digest of the key that owns it, the session it was forked from, the protocol's notes
+    protocol: str = ""
+    owner: str = ""
+    parent: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    from_disk: int = 0  # blocks the last match_prefix read from the block files
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -132,7 +139,8 @@ class Session:
 
     def fork(self, new_id: str, at: int, kv: KVCache) -> Session:
         """A session holding tokens [0, at), sharing this one's blocks (no copy, no compute)."""
-        child = Session(new_id, tokens=self.tokens[:at], ttl_s=self.ttl_s)
+        child = Session(new_id, tokens=self.tokens[:at], ttl_s=self.ttl_s, protocol=self.protocol,
+                        owner=self.owner, parent=self.id, metadata=dict(self.metadata))  # fmt: skip
         child.images = [b for b in self.images if b.end <= at]  # the engine refuses splits
         child.num_computed = min(self.num_computed, at)
         keep = -(-child.num_computed // kv.block_size)
@@ -158,11 +166,14 @@ class Session:
         if self.num_computed % bs or len(self.block_table) * bs != self.num_computed:
             return 0
         pool = kv.window_pool
-        reused = 0
+        reused = self.from_disk = 0
         while self.num_computed + bs <= limit:
             start = self.num_computed
             digest = self._block_hash(start, bs)
             block = kv.allocator.lookup(digest)
+            if block is None and kv.lower_tier is not None:  # the block files (engine/persistence.py)
+                block = kv.lower_tier(digest)
+                self.from_disk += block is not None
             if block is None:
                 break
             if pool is not None:  # the windowed layers' block too, or the match ends here
