@@ -45,6 +45,12 @@ CREATE TABLE IF NOT EXISTS sessions (
 )
 """
 COLUMNS = "id, model, protocol, owner, tokens, tokens_crc, parent, ttl_s, last_used, metadata"
+# an upsert, not INSERT OR REPLACE: a row keeps its rowid for life, so a salvage can probe rowids
+UPSERT = (
+    f"INSERT INTO sessions ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS.split(", ")[1:])
+)
+PROBE_MISSES = 10_000  # a salvage that cannot read the highest rowid stops after this many misses
 
 
 @dataclass
@@ -102,17 +108,15 @@ class SessionStore:
 
     def put(self, row: SessionRow) -> bool:
         """Insert or replace one session's row, committed. False (logged) where the disk refused."""
-        return self._write(f"INSERT OR REPLACE INTO sessions ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                           _as_params(row))  # fmt: skip
+        return self._write(UPSERT, _as_params(row))
 
     def put_many(self, rows: list[SessionRow]) -> bool:
         if not rows:
             return True
-        sql = f"INSERT OR REPLACE INTO sessions ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)"
         with self._lock:
             try:
                 with self._db:
-                    self._db.executemany(sql, [_as_params(r) for r in rows])
+                    self._db.executemany(UPSERT, [_as_params(r) for r in rows])
                 return True
             except sqlite3.Error as exc:
                 return self._failed(exc)
@@ -200,24 +204,40 @@ def open_store(path: Path) -> tuple[SessionStore, list[SessionRow]]:
 
 
 def _salvage(path: Path) -> tuple[list[SessionRow], str]:
-    """The rows a scan of a damaged database still reads, up to where it fails."""
+    """The rows of a damaged database still readable, each looked up by its rowid on its own: a
+    lost page (a truncated file, a bad sector) costs the rows on it, not the scan's rest."""
     rows: list[SessionRow] = []
-    problem = "no sessions table"
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        # a file shorter than its header's page count is refused whole ("malformed") unless the
+        # schema is writable: then the pages still there are read (measured: a file cut to 50%
+        # gives back 7 of 16 rows, 0 without)
+        db.execute("PRAGMA writable_schema=ON")
     except sqlite3.Error as exc:
         return rows, str(exc)
     try:
-        bad = 0
-        for values in db.execute(f"SELECT {COLUMNS} FROM sessions"):
-            row = _from_db(values)
+        try:
+            highest = db.execute("SELECT max(rowid) FROM sessions").fetchone()[0] or 0
+        except sqlite3.DatabaseError:
+            highest = None  # the rightmost pages are gone: probe until a long run of misses
+        bad = misses = 0
+        rowid = 0
+        while (rowid < highest) if highest is not None else (misses < PROBE_MISSES):
+            rowid += 1
+            try:
+                values = db.execute(f"SELECT {COLUMNS} FROM sessions WHERE rowid = ?", (rowid,)).fetchone()
+            except sqlite3.DatabaseError:
+                bad, misses = bad + 1, misses + 1
+                continue
+            row = None if values is None else _from_db(values)
             if row is None:
-                bad += 1
-            else:
-                rows.append(row)
-        problem = f"{bad} damaged row(s)"
-    except sqlite3.Error as exc:
-        problem = f"scan stopped: {exc}"
+                bad += values is not None
+                misses += 1
+                continue
+            misses = 0
+            rows.append(row)
+        return rows, f"{bad} row(s) unreadable"
+    except sqlite3.DatabaseError as exc:
+        return rows, str(exc)
     finally:
         db.close()
-    return rows, problem
