@@ -90,8 +90,11 @@ class Server:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{self.http}{path}", data,
                                          {"Content-Type": "application/json"})  # fmt: skip
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            return json.loads(r.read())
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"{path}: HTTP {exc.code}: {exc.read().decode()[:500]}") from None
 
     def turn(self, session: str, token: int) -> float:
         """Seconds for a one-token greedy completion appending `token` to the session."""
@@ -104,7 +107,7 @@ class Server:
     def tokens(self, session: str) -> list[int] | None:
         try:
             return self.call(f"/v1/sessions/{session}")["tokens"]
-        except urllib.error.HTTPError:
+        except RuntimeError:  # not found
             return None
 
     def stop(self, sig: int) -> float:
@@ -125,7 +128,7 @@ def run_sessions_bench(args: argparse.Namespace) -> int:
     kv_mb = args.ram_sessions * (args.history + 64) * per_token / 2**20
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="tokenwire-bench-sessions-"))
     serve = ["--state-dir", str(state), "--kv-cache-mb", f"{kv_mb:.1f}",
-             "--max-model-len", str(args.history + 256), "--shutdown-grace", "600"]  # fmt: skip
+             "--max-model-len", str(args.history + 4096), "--shutdown-grace", "600"]  # fmt: skip
     if model:
         serve += ["--model", model]
     if args.cache_dir:
@@ -171,7 +174,7 @@ def _measure(args: argparse.Namespace, serve: list[str], state: Path) -> dict[st
             ttft["disk_after_sigterm"].append(server.turn(sid, 13))
             expected[sid] = server.tokens(sid)
         victim = sessions[0]
-        body = {"model": server.model, "session": victim, "prompt": [13], "max_tokens": 100000,
+        body = {"model": server.model, "session": victim, "prompt": [13], "max_tokens": 2000,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
         threading.Thread(target=lambda: _ignore(server.call, "/v1/completions", body), daemon=True).start()
         time.sleep(2.0)  # the long turn is in flight

@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,8 @@ class SessionPersistence:
         self.evicted_sessions = 0  # sessions whose block files went for --state-max-gb
         self.restored = self.skipped = self.expired = 0
         self._chains: dict[str, tuple[int, list[bytes]]] = {}  # session -> (tokens hashed, hashes)
+        # frees RAM blocks for a read (the engine's: an idle session's KV to disk and out of RAM)
+        self.make_room: Callable[[], bool] = lambda: False
 
     # ------------------------------------------------------------------ start
     def open(
@@ -152,7 +154,7 @@ class SessionPersistence:
         if files is None or not files.has(digest):
             return None
         allocator = self.kv.allocator
-        if allocator.num_available == 0:
+        if allocator.num_available == 0 and not self.make_room():
             return None
         payload = files.read(digest)
         if payload is None:

@@ -60,6 +60,7 @@ class SessionCalls:
         for session in self.state.restore(rows, self.vocab_size):
             self._sessions[session.id] = session
         self.scheduler.spill = self._spill
+        self.state.make_room = self._free_idle
         self.sessions_outlive_server = True  # a protocol stopping must not close them
 
     def _spill(self, session: Session) -> None:
@@ -67,6 +68,15 @@ class SessionCalls:
         assert self.state is not None
         if self.state.spill(session):
             self.state.enforce_budget(list(self._sessions.values()), set(self._running))
+
+    def _free_idle(self) -> bool:
+        """Must hold the lock, no step running: the least recently used idle session's KV to disk
+        and out of RAM, for a block read back from disk (whether there was one to free)."""
+        for session in self._idle_sessions():
+            self._spill(session)
+            session.release(self.kv)
+            return True
+        return False
 
     def _commit(self, session: Session) -> None:
         if self.state is not None:
