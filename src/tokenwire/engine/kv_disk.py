@@ -104,27 +104,38 @@ class BlockFiles:
         self.write_bytes += size
         return True
 
-    def read(self, digest: bytes) -> bytes | None:
-        """A block's payload, or None where it is absent or fails its checks (then removed)."""
-        if digest not in self.sizes:
-            return None
+    def fetch(self, digest: bytes) -> tuple[bytearray | None, str | None]:
+        """A block file's bytes and what is wrong with them (None: nothing). Thread-safe and
+        counts nothing: the CRC and the read release the GIL, so reads run side by side
+        (`prefetch`); `read`/`accept` account for what was fetched."""
         path = self.path(digest)
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                data = bytearray(HEADER.size + self.payload_bytes + 1)  # one more: a longer file shows
+                n = f.readinto(data)
         except OSError as exc:
-            log.warning("KV block file %s unreadable (%s): computing the block again", path, exc)
-            self.remove(digest)
-            return None
-        problem = _check(data, digest, self.payload_bytes)
-        if problem is not None:
-            self.corrupt += 1
-            log.warning("KV block file %s is damaged (%s): removed, computed again", path, problem)
+            return None, f"unreadable: {exc.strerror or exc}"
+        del data[n:]
+        return data, _check(data, digest, self.payload_bytes)
+
+    def accept(self, digest: bytes, fetched: tuple[bytearray | None, str | None]) -> memoryview | None:
+        """A fetched block's payload, or None (logged, counted, the file removed) where it failed."""
+        data, problem = fetched
+        if data is None or problem is not None:
+            if data is not None:
+                self.corrupt += 1
+            log.warning("KV block file %s is damaged (%s): computed again", self.path(digest), problem)
             self.remove(digest)
             return None
         self.reads += 1
         self.read_bytes += len(data)
-        return data[HEADER.size :]
+        return memoryview(data)[HEADER.size :]
+
+    def read(self, digest: bytes) -> memoryview | None:
+        """A block's payload, or None where it is absent or fails its checks (then removed)."""
+        if digest not in self.sizes:
+            return None
+        return self.accept(digest, self.fetch(digest))
 
     def remove(self, digest: bytes) -> None:
         size = self.sizes.pop(digest, None)
@@ -133,7 +144,7 @@ class BlockFiles:
         _remove(self.path(digest))
 
 
-def _check(data: bytes, digest: bytes, payload_bytes: int) -> str | None:
+def _check(data: bytes | bytearray, digest: bytes, payload_bytes: int) -> str | None:
     if len(data) < HEADER.size:
         return "shorter than its header"
     magic, length, crc, stored = HEADER.unpack_from(data)
@@ -141,7 +152,7 @@ def _check(data: bytes, digest: bytes, payload_bytes: int) -> str | None:
         return "not this block's file"
     if length != payload_bytes or len(data) != HEADER.size + length:
         return f"{len(data) - HEADER.size} payload bytes, expected {payload_bytes}"
-    if zlib.crc32(memoryview(data)[HEADER.size :]) != crc:
+    if zlib.crc32(memoryview(data)[HEADER.size :]) != crc:  # 3 GB/s here: 15 ms for a 2k-token session
         return "checksum mismatch"
     return None
 

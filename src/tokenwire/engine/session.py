@@ -167,12 +167,16 @@ class Session:
             return 0
         pool = kv.window_pool
         reused = self.from_disk = 0
+        tier, prefetched = kv.lower_tier, False
         while self.num_computed + bs <= limit:
             start = self.num_computed
             digest = self._block_hash(start, bs)
             block = kv.allocator.lookup(digest)
-            if block is None and kv.lower_tier is not None:  # the block files (engine/persistence.py)
-                block = kv.lower_tier(digest)
+            if block is None and tier is not None:  # the block files (engine/persistence.py)
+                if not prefetched:
+                    tier.prefetch(self._hashes_ahead(digest, start, limit, bs))
+                    prefetched = True
+                block = tier.load(digest)
                 self.from_disk += block is not None
             if block is None:
                 break
@@ -189,6 +193,15 @@ class Session:
             reused += bs
         self._slide_window(kv)
         return reused
+
+    def _hashes_ahead(self, digest: bytes, start: int, limit: int, bs: int) -> list[bytes]:
+        """The prefix hashes of the full blocks from `start` (whose hash is `digest`) below `limit`."""
+        hashes = [digest]
+        if self.images:  # their keys take the images' places: one block at a time
+            return hashes
+        for at in range(start + bs, limit - bs + 1, bs):
+            hashes.append(block_hash(hashes[-1], self.tokens[at : at + bs]))
+        return hashes
 
     def _prefix_hash(self) -> bytes:
         return self.full_hashes[-1] if self.full_hashes else ROOT_HASH
