@@ -49,6 +49,7 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p = bench_sub.add_parser("sessions", help="sessions across restarts: TTFT from RAM, disk, re-prefill")
     p.add_argument("--model", help="a GGUF or model directory (default: the shipped model)")
     p.add_argument("--shape", help=f"a random-weight model at these widths instead: {', '.join(SHAPES)}")
+    p.add_argument("--quant", default="Q4_0", help="the --shape file's weight type (bench/shapes.py)")
     p.add_argument("--cache-dir", type=Path)
     p.add_argument("--sessions", type=int, default=200, help="sessions (default 200)")
     p.add_argument("--history", type=int, default=2048, help="tokens of each session's history")
@@ -121,8 +122,8 @@ def run_sessions_bench(args: argparse.Namespace) -> int:
     cache_dir = args.cache_dir or default_cache_dir()
     model = args.model
     if args.shape:
-        check(args.shape, "Q4_0")
-        model = str(shape_file(args.shape, "Q4_0", cache_dir))
+        check(args.shape, args.quant)
+        model = str(shape_file(args.shape, args.quant, cache_dir))
     source = resolve_model(model, cache_dir=args.cache_dir)
     per_token = kv_bytes_per_token(source.config, "fp16")  # a quantised model's KV: fp16 (auto)
     kv_mb = args.ram_sessions * (args.history + 64) * per_token / 2**20
