@@ -57,6 +57,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.idle_sessions = idle_sessions
+        self.spill: Callable[[Session], object] | None = None  # writes an idle session's KV to disk
         self.waiting: list[Request] = []
         self.running: list[Request] = []
 
@@ -108,6 +109,7 @@ class Scheduler:
                     )
                 if request.cached_tokens is None:
                     request.cached_tokens = session.num_computed
+                    request.disk_tokens = session.from_disk * self.kv.block_size
         # most urgent first, so a request only ever preempts less urgent ones that have not
         # been scheduled in this step; within a priority, decodes before prefills
         order = sorted((r for r in self.running if not r.finished), key=_pack_order)
@@ -164,6 +166,8 @@ class Scheduler:
         if kv.has_room(needed):
             return True
         for session in self.idle_sessions():
+            if self.spill is not None:  # its KV to disk first (engine/persistence.py)
+                self.spill(session)
             session.release(kv)
             if kv.has_room(needed):
                 return True
