@@ -4,8 +4,8 @@
 //   path writes its cache with torch, the fused step with store_row: the same bits).
 // - q8: int8 values with one fp16 scale per 32 (llama.cpp's q8_0 numbers: d = amax / 127, q =
 //   round(x / d)), the scales in a tensor of their own beside the int8 one.
-// Readers (KvF32 ... KvQ8) give a row as fp32: 16 values into a vector (AVX-512) or the whole
-// row into memory; both give the same floats (a q8 value is its fp16 scale times its integer, one
+// Readers (KvF32 ... KvQ8) give a row as fp32: 16 or 8 values into a vector (AVX-512, AVX2) or
+// the whole row into memory; all give the same floats (a q8 value is its fp16 scale times its integer, one
 // rounding either way).
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via attention.h).
 #pragma once
@@ -27,6 +27,9 @@ struct KvF32 {
   const float* p;
   static KvF32 at(const void* base, const uint16_t*, int64_t i) { return {static_cast<const float*>(base) + i}; }
   void to_floats(int64_t D, float* out) const { std::memcpy(out, p, D * sizeof(float)); }
+#ifdef TW_AVX2  // 8 values in a vector (the AVX2 attention, attention.h)
+  __m256 load8(int64_t i) const { return _mm256_loadu_ps(p + i); }
+#endif
 #ifdef TW_AVX512
   __m512 load16(int64_t i) const { return _mm512_loadu_ps(p + i); }
 #endif
@@ -44,6 +47,9 @@ struct KvF16 {
 #endif
     for (; i < D; ++i) out[i] = half_bits(p[i]);
   }
+#ifdef TW_AVX2  // 8 values in a vector (the AVX2 attention, attention.h)
+  __m256 load8(int64_t i) const { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))); }
+#endif
 #ifdef TW_AVX512
   __m512 load16(int64_t i) const { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i))); }
 #endif
@@ -66,6 +72,12 @@ struct KvBF16 {
       std::memcpy(out + i, &bits, 4);
     }
   }
+#ifdef TW_AVX2  // 8 values in a vector (the AVX2 attention, attention.h)
+  __m256 load8(int64_t i) const {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+#endif
 #ifdef TW_AVX512
   __m512 load16(int64_t i) const {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
@@ -94,6 +106,12 @@ struct KvQ8 {
     for (int64_t i = 0; i < D; ++i) out[i] = half_bits(s[i / kKvQ8Block]) * static_cast<float>(q[i]);
 #endif
   }
+#ifdef TW_AVX2  // 8 values in a vector (the AVX2 attention, attention.h)
+  __m256 load8(int64_t i) const {
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i))));
+    return _mm256_mul_ps(_mm256_set1_ps(half_bits(s[i / kKvQ8Block])), v);
+  }
+#endif
 #ifdef TW_AVX512
   __m512 load16(int64_t i) const {
     const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
