@@ -82,10 +82,11 @@ class StepCost:
 
     A guess's row pays its matmuls (per_row) and its attention over its whole context
     (per_position * context); at long context the attention is most of it: SmolLM2 on 2 cores
-    (AVX2 build, fp16 KV), an extra row of one sequence costs ~1.3 ms at 100 positions and
-    ~4.6 ms at 8k (kernels/paged_attention.h: 0.11 ms a layer at 4k, 30 layers), against a 1-row
-    step of ~3.1 ms short and ~15 ms at 8k. Counting a guess as a short row there made 8k decode
-    with guesses run at half the speed of decode without (issue 45: 6.7 vs 13 tok/s).
+    (AVX2 build, fp16 KV), an extra row of one sequence costs ~1.3 ms at 100 positions and ~7 ms
+    at 8k (kernels/paged_attention.h: 0.19 ms a layer a row at 8k, 30 layers; the cache is read
+    once for the rows of a sequence, 0.39 ms a layer), against a 1-row step of ~3.1 ms short and
+    ~15 ms at 8k. Counting a guess as a short row there made 8k decode with guesses run at half
+    the speed of decode without (issue 45, at 4k: 13 vs 27 tok/s, when each row read the cache).
 
     The prior is those figures' shape (PRIOR, seconds), scaled to the steps observed: a bigger
     model's steps scale it, and the fit moves it where the steps' shapes tell the terms apart
