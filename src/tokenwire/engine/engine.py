@@ -35,7 +35,7 @@ from tokenwire.engine.request import EngineHandle, FinishEvent, GenerateOptions,
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session
 from tokenwire.engine.session_calls import SessionCalls
-from tokenwire.engine.speculation import SPECULATE, SpecStats, Speculator, StepCost
+from tokenwire.engine.speculation import SPECULATE, SpecStats, Speculator, StepCost, step_shape
 from tokenwire.engine.step import StepItem, run_step
 from tokenwire.engine.step_model import StepModel, check_step_model
 from tokenwire.engine.step_team import StepTeam
@@ -381,7 +381,7 @@ class Engine(SessionCalls, EngineAPI):
                     self._step_over()
                 continue
             if all(item.count == 1 or item.draft for item in items):  # decode rows alone
-                self.step_cost.observe(sum(item.count for item in items), time.perf_counter() - started)
+                self.step_cost.observe(step_shape(items), time.perf_counter() - started)
             with self._lock:
                 taken = now()
                 self._steps += 1
