@@ -281,5 +281,7 @@ _PASSTHROUGH: dict[str, Callable[..., Any]] = {
         Engine.check,
         Engine.session_images,
         Engine.image_tokens,
+        Engine.claim_session,  # persisted sessions (issue 44): each replica its own state dir
+        Engine.session_owner,
     )
 }
