@@ -4,25 +4,12 @@ chained turn 2 is measured against re-sending the conversation."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
+from tests.bench.bench_cli import bench_json
 from tokenwire.bench.api_clients import APIS
 
 
 def test_apis_bench_json_reports_every_api_with_the_engines_text() -> None:
-    out = subprocess.run(
-        [
-            *(sys.executable, "-m", "tokenwire.cli", "bench", "apis", "--json"),
-            *("--repeats=1", "--tokens=6", "--history-tokens=200"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)
+    result = bench_json("apis", "--repeats=1", "--tokens=6", "--history-tokens=200")
     assert set(result["apis"]) == {"engine", *APIS}
     for name, row in result["apis"].items():
         assert row["same_text"], name  # greedy parity with the engine, read through the API's stream
