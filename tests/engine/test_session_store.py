@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenwire.engine.kv_disk import BlockFiles
+from tokenwire.engine.kv_disk import HEADER, BlockFiles
 from tokenwire.engine.session_store import SessionRow, open_store
 
 
@@ -97,6 +97,36 @@ def test_block_files_are_written_once_and_damage_is_detected(tmp_path: Path, cap
     files.path(a).write_bytes(files.path(a).read_bytes()[:500])  # torn
     assert files.read(a) is None and files.corrupt == 2
     assert "is damaged" in caplog.text
+
+
+def test_read_checked_reads_into_a_reused_buffer_and_catches_every_kind_of_damage(tmp_path: Path) -> None:
+    """The read path of a turn whose KV is on disk (persistence.py `_read_into`): the same
+    checks as `read`, into a buffer the reader keeps, and `settle` accounts for it."""
+    files = BlockFiles(tmp_path / "kv", 4096)
+    payload = bytes(range(256)) * 16
+    digests = [bytes([i]) * 16 for i in range(5)]
+    for digest in digests:
+        files.write(digest, payload)
+    buffer = bytearray(HEADER.size + 4096 + 1)
+    assert files.read_checked(digests[0], buffer) is None
+    assert buffer[HEADER.size : HEADER.size + 4096] == payload
+    assert files.settle(digests[0], None) and files.reads == 1
+    flipped = bytearray(files.path(digests[1]).read_bytes())
+    flipped[HEADER.size + 4000] ^= 0x10
+    files.path(digests[1]).write_bytes(bytes(flipped))
+    assert files.read_checked(digests[1], buffer) == "checksum mismatch"
+    files.path(digests[2]).write_bytes(files.path(digests[2]).read_bytes() + b"x")  # longer
+    assert "payload bytes" in (files.read_checked(digests[2], buffer) or "")
+    files.path(digests[3]).write_bytes(files.path(digests[3]).read_bytes()[:100])  # torn
+    assert "payload bytes" in (files.read_checked(digests[3], buffer) or "")
+    files.path(digests[0]).replace(files.path(digests[4]))  # another block's file under this name
+    assert files.read_checked(digests[4], buffer) == "not this block's file"
+    for digest in digests[1:]:
+        assert not files.settle(digest, files.read_checked(digest, buffer) or "gone")
+        assert not files.has(digest)
+    assert files.corrupt == 4 and files.reads == 1
+    with pytest.raises(ValueError):
+        files.read_checked(digests[0], bytearray(10))
 
 
 def test_a_restart_indexes_the_files_and_drops_unfinished_ones(tmp_path: Path) -> None:

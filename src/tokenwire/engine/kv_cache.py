@@ -43,6 +43,9 @@ class LowerTier(Protocol):
     def load(self, digest: bytes) -> int | None:
         """The block back in a free block, registered under `digest`, unreferenced; or None."""
 
+    def finish(self) -> None:
+        """The match is over: what was read ahead and not asked for is let go."""
+
 
 class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
@@ -87,6 +90,10 @@ class BlockAllocator:
                 self._evictable[block] = None
             else:
                 self._free.append(block)
+
+    def holds(self, digest: bytes) -> bool:
+        """Whether a block with this content is cached (no hit counted, no LRU move)."""
+        return digest in self._by_hash
 
     def lookup(self, digest: bytes) -> int | None:
         block = self._by_hash.get(digest)

@@ -29,16 +29,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from tokenwire.engine.kv_cache import ROOT_HASH, KVCache, OutOfBlocksError, block_hash
-from tokenwire.engine.kv_disk import ENGINE_ARITHMETIC, BlockFiles
+from tokenwire.engine.kv_disk import ENGINE_ARITHMETIC, HEADER, BlockFiles
 from tokenwire.engine.session import Session
 from tokenwire.engine.session_store import SessionRow, open_store
 
@@ -63,7 +65,10 @@ class SessionPersistence:
         # frees RAM blocks for a read (the engine's: an idle session's KV to disk and out of RAM)
         self.make_room: Callable[[], bool] = lambda: False
         self._readers: ThreadPoolExecutor | None = None
-        self._ahead: dict[bytes, Future[tuple[bytearray | None, str | None]]] = {}
+        # blocks read ahead (prefetch): digest -> (the block read into, or -1 for a buffer; the read)
+        self._ahead: dict[bytes, tuple[int, Future[Any]]] = {}
+        self._host: list[tuple[Any, int]] | None = None  # the cache's tensors as bytes (_host_views)
+        self._local = threading.local()  # each reader's reused buffer
 
     # ------------------------------------------------------------------ start
     def open(
@@ -151,22 +156,48 @@ class SessionPersistence:
         return written
 
     def prefetch(self, digests: list[bytes]) -> None:
-        """The prefix cache's lower tier (KVCache.lower_tier): the blocks a sequence will ask for
-        next, read and checked two at a time in the background (the CRC and the reads release
-        the GIL): a 2k-token session's 128 files took 50 ms one by one, measured."""
+        """The prefix cache's lower tier (KVCache.lower_tier), told the blocks a sequence will ask
+        for next: the ones on disk and not in RAM get a free block each now (an idle session's
+        RAM freed for them where the cache is full) and are read straight into it by two
+        threads (the preadv and the CRC release the GIL); `load` hands them over as they finish,
+        `finish` frees what the match did not take. Measured on a 2k-token SmolLM2 session (128
+        files, 47 MB), 2 shared cores: reading into a buffer then copying it into the cache with
+        torch took 0.1-0.25 s a turn (torch's intra-op threads on a loaded machine); see
+        docs/sessions.md for the turn it gives now."""
+        self.finish()
         files = self.files
-        self._ahead.clear()
         if files is None:
             return
+        allocator = self.kv.allocator
         wanted = []
         for digest in digests[: self.kv.num_blocks]:
+            if allocator.holds(digest):
+                continue  # still in RAM: match_prefix's lookup finds it
             if not files.has(digest):
                 break
             wanted.append(digest)
-        if len(wanted) > 1:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(2, thread_name_prefix="tokenwire-kv-read")
-            self._ahead = {d: self._readers.submit(files.fetch, d) for d in wanted}
+        if len(wanted) < 2:
+            return  # one block: `load` reads it on the spot
+        while allocator.num_available < len(wanted) and self.make_room():
+            pass
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(2, thread_name_prefix="tokenwire-kv-read")
+        host = self._host_views()
+        for digest in wanted[: allocator.num_available]:
+            if host is None:  # not host memory: read into a buffer, copied by `load`
+                self._ahead[digest] = (-1, self._readers.submit(files.fetch, digest))
+                continue
+            block = allocator.allocate()
+            self._ahead[digest] = (block, self._readers.submit(self._read_into, digest, block, host))
+
+    def finish(self) -> None:
+        """The match is over: blocks read ahead that it did not take go back to the free list
+        (after their reads end: a thread may still be writing into them)."""
+        for block, future in self._ahead.values():
+            future.result()
+            if block >= 0:
+                self.kv.allocator.decref(block)
+        self._ahead.clear()
 
     def load(self, digest: bytes) -> int | None:
         """A block read from its file into a free block, registered under `digest` with no
@@ -175,10 +206,18 @@ class SessionPersistence:
         if files is None or not files.has(digest):
             return None
         allocator = self.kv.allocator
+        ahead = self._ahead.pop(digest, None)
+        if ahead is not None and ahead[0] >= 0:  # read straight into its block
+            block, future = ahead
+            if not files.settle(digest, future.result()):
+                allocator.decref(block)
+                return None
+            allocator.register(block, digest)
+            allocator.decref(block)  # cached and unreferenced: match_prefix's lookup takes it
+            return block
         if allocator.num_available == 0 and not self.make_room():
             return None
-        ahead = self._ahead.pop(digest, None)
-        payload = files.read(digest) if ahead is None else files.accept(digest, ahead.result())
+        payload = files.read(digest) if ahead is None else files.accept(digest, ahead[1].result())
         if payload is None:
             return None
         try:
@@ -187,8 +226,36 @@ class SessionPersistence:
             return None
         write_block(self.kv, block, payload)
         allocator.register(block, digest)
-        allocator.decref(block)  # cached and unreferenced: match_prefix's lookup takes it
+        allocator.decref(block)
         return block
+
+    def _host_views(self) -> list[tuple[Any, int]] | None:
+        """The cache's tensors as [layers, blocks, bytes of a block's layer] uint8 arrays with
+        their bytes per block; None where the cache is not in host memory."""
+        if self._host is None:
+            tensors = _block_tensors(self.kv)
+            if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+                return None
+            self._host = []
+            for t in tensors:
+                raw = t.view(torch.uint8).numpy().reshape(t.shape[0], t.shape[1], -1)
+                self._host.append((raw, t[:, 0].numel() * t.element_size()))
+        return self._host
+
+    def _read_into(self, digest: bytes, block: int, host: list[tuple[Any, int]]) -> str | None:
+        """A reader thread's job: the file into the thread's buffer, checked, copied into the
+        cache's `block` (numpy's copy releases the GIL: the two readers and the engine thread
+        run side by side). What is wrong with the file, or None."""
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None:
+            buffer = self._local.buffer = bytearray(HEADER.size + self.files.payload_bytes + 1)  # type: ignore[union-attr]
+        problem = self.files.read_checked(digest, buffer)  # type: ignore[union-attr]
+        if problem is None:
+            offset = HEADER.size
+            for array, size in host:
+                array[:, block] = np.frombuffer(buffer, np.uint8, size, offset).reshape(array.shape[0], -1)
+                offset += size
+        return problem
 
     def enforce_budget(self, sessions: list[Session], busy: set[str]) -> None:
         """Over --state-max-gb: remove block files no session holds, then the files of whole

@@ -191,6 +191,8 @@ class Session:
             self.full_hashes.append(digest)
             self.num_computed += bs
             reused += bs
+        if prefetched and tier is not None:
+            tier.finish()
         self._slide_window(kv)
         return reused
 
