@@ -75,6 +75,34 @@ def test_not_found(stub, pb):
     stub.CloseSession(pb.CloseSessionRequest(session_id=missing))  # closing stays idempotent
 
 
+def test_a_session_opened_with_one_token_is_not_found_with_another(stub, pb, smollm2_engine):
+    """Per-key sessions (as the OpenAI API's): the bearer token a session was opened with owns
+    it; another token, or none, gets the NOT_FOUND of an unknown id (docs/sessions.md)."""
+    a, b = [("authorization", "Bearer key-a")], [("authorization", "Bearer key-b")]
+    sid = stub.OpenSession(pb.OpenSessionRequest(), metadata=a).session_id
+    list(
+        stub.Generate(
+            pb.GenerateRequest(session_id=sid, append_tokens=[1, 2, 3], offset=0, max_tokens=0), metadata=a
+        )
+    )
+    for metadata in (b, None):
+        for fn, request in [
+            (stub.ForkSession, pb.ForkSessionRequest(session_id=sid, at_position=1)),
+            (stub.DumpSession, pb.DumpSessionRequest(session_id=sid)),
+            (lambda r, **kw: list(stub.Generate(r, **kw)), pb.GenerateRequest(session_id=sid, max_tokens=1)),
+        ]:
+            code, details = _code(fn, request, metadata=metadata)
+            assert code == grpc.StatusCode.NOT_FOUND and sid in details
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=metadata)  # a no-op for them
+    assert list(stub.DumpSession(pb.DumpSessionRequest(session_id=sid), metadata=a).tokens) == [1, 2, 3]
+    child = stub.ForkSession(pb.ForkSessionRequest(session_id=sid, at_position=2), metadata=a).session_id
+    code, _ = _code(stub.DumpSession, pb.DumpSessionRequest(session_id=child), metadata=b)
+    assert code == grpc.StatusCode.NOT_FOUND  # a fork belongs to its parent's owner
+    for owned in (child, sid):
+        stub.CloseSession(pb.CloseSessionRequest(session_id=owned), metadata=a)
+    assert not smollm2_engine.has_session(sid)
+
+
 def test_resource_exhausted_on_context_overflow(stub, pb, smollm2_engine, open_session):
     sid = open_session()
     too_long = [1] * (smollm2_engine.max_model_len + 1)

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from tokenwire.engine.api import EngineAPI
-from tokenwire.engine.errors import EngineError, InvalidRequestError
+from tokenwire.engine.errors import EngineError, InvalidRequestError, SessionNotFoundError
 from tokenwire.engine.request import FinishEvent, Origin, RequestHandle, TokenEvent, stream_events
 from tokenwire.engine.session import Ttl
 from tokenwire.engine.vision import ImageCounter, ImageInput
@@ -126,6 +126,16 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         given = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
         return owner_of(bearer(given))
 
+    def _check_owner(self, session_id: str, context: grpc.aio.ServicerContext) -> None:
+        """SessionNotFoundError (NOT_FOUND) unless the session is the caller's bearer token's
+        (or nobody's): a session opened with one token is another's unknown id, before and after
+        a restart (its owner's digest persists), as the OpenAI API's sessions are per key."""
+        holder = self.engine.session_owner(session_id)
+        if holder and holder != self._owner(context):
+            raise SessionNotFoundError(
+                f"session {session_id!r} not found (closed, expired, never opened, or another token's)"
+            )
+
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         """The server's interceptor checks every call first (grpc_server.py); this servicer checks
         again by the same rule (security.py: the scheme is case-insensitive, RFC 9110) for a
@@ -169,6 +179,10 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     @_access_logged
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
         await self._authorize(context)
+        try:
+            self._check_owner(request.session_id, context)
+        except EngineError:
+            return pb.CloseSessionResponse()  # as for an unknown id (closing is idempotent)
         self.engine.close_session(request.session_id)  # idempotent: False when already gone
         self._opened.discard(request.session_id)
         self._images.pop(request.session_id, None)
@@ -179,6 +193,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         await self._authorize(context)
         src = request.session_id
         try:
+            self._check_owner(src, context)
             length = len(self.engine.session_tokens(src))
             inherited = core.check_fork(request.at_position, length, self._images.get(src, []))
             child = self.engine.fork_session(src, request.at_position)
@@ -194,6 +209,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     async def DumpSession(self, request: pb.DumpSessionRequest, context: Any) -> pb.DumpSessionResponse:
         await self._authorize(context)
         try:
+            self._check_owner(request.session_id, context)
             tokens = self.engine.session_tokens(request.session_id)
             self.engine.touch_session(request.session_id)
         except EngineError as exc:
@@ -223,6 +239,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         handle: RequestHandle | None = None
         try:
             try:
+                self._check_owner(sid, context)
                 handle, plan = self._start(sid, request, context.peer())
             except (SalienceStatus, EngineError) as exc:
                 await self._abort(context, exc)
