@@ -77,9 +77,16 @@ class EngineAPI(Protocol):
 
     def has_session(self, session_id: str) -> bool: ...
 
-    def claim_session(self, session_id: str, protocol: str, owner: str = "") -> None:
+    def claim_session(
+        self, session_id: str, protocol: str, owner: str = "", metadata: dict[str, Any] | None = None
+    ) -> None:
         """A protocol's session by id: it persists across restarts (with --state-dir) and belongs
-        to `owner` (a digest of the key that made it, protocols/security.py owner_of)."""
+        to `owner` (a digest of the key that made it, protocols/security.py owner_of); `metadata`
+        (JSON) persists with it."""
+        ...
+
+    def claimed_sessions(self, protocol: str) -> list[dict[str, Any]]:
+        """The sessions `protocol` claimed: id, owner, metadata, idle_s; least recently used first."""
         ...
 
     def session_owner(self, session_id: str) -> str:

@@ -82,13 +82,29 @@ class SessionCalls:
         if self.state is not None:
             self.state.commit(session)
 
-    def claim_session(self, session_id: str, protocol: str, owner: str = "") -> None:
+    def claim_session(
+        self, session_id: str, protocol: str, owner: str = "", metadata: dict[str, Any] | None = None
+    ) -> None:
         """A protocol's session by id: it persists (with --state-dir) and belongs to `owner`
-        (a digest of the key that made it; "" for none)."""
+        (a digest of the key that made it; "" for none). `metadata` (JSON), where given,
+        replaces what the protocol keeps with it (a fork starts with its parent's)."""
         with self._lock:
             session = self._session(session_id)
             session.protocol, session.owner = protocol, owner
+            if metadata is not None:
+                session.metadata = metadata
             self._commit(session)
+
+    def claimed_sessions(self, protocol: str) -> list[dict[str, Any]]:
+        """The sessions `protocol` claimed (those a restart restored included): each one's id,
+        owner, metadata and idle seconds, least recently used first. How a protocol whose
+        clients address its sessions by another name (Responses' response ids) finds them."""
+        with self._lock:
+            now = time.monotonic()
+            mine = [s for s in self._sessions.values() if s.protocol == protocol]
+            mine.sort(key=lambda s: s.last_used)
+            return [{"id": s.id, "owner": s.owner, "metadata": s.metadata, "idle_s": now - s.last_used}
+                    for s in mine]  # fmt: skip
 
     def session_owner(self, session_id: str) -> str:
         """Who a session belongs to ("" for nobody in particular); SessionNotFoundError if gone."""

@@ -225,8 +225,17 @@ class ReplicaEngine(EngineAPI):
                 self.router.opened(replica, -1)
         return closed
 
-    def claim_session(self, session_id: str, protocol: str, owner: str = "") -> None:
-        self._session_call(session_id, lambda a: a.call.remote("claim_session", session_id, protocol, owner))
+    def claim_session(
+        self, session_id: str, protocol: str, owner: str = "", metadata: dict[str, Any] | None = None
+    ) -> None:
+        self._session_call(
+            session_id, lambda a: a.call.remote("claim_session", session_id, protocol, owner, metadata)
+        )
+
+    def claimed_sessions(self, protocol: str) -> list[dict[str, Any]]:
+        """None: the session directory starts empty with the server, so a restarted server's
+        replicas' sessions are not addressable through it (docs/sessions.md, Ray replicas)."""
+        return []
 
     def session_owner(self, session_id: str) -> str:
         return self._session_call(session_id, lambda a: a.call.remote("session_owner", session_id))

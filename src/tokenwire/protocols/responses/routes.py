@@ -27,7 +27,15 @@ from tokenwire.protocols.openai.runner import Execution, watch_disconnect
 from tokenwire.protocols.responses.core import Turn, finish, plan_turn, response_object
 from tokenwire.protocols.responses.events import EventStream, sse
 from tokenwire.protocols.responses.schemas import ResponseCreate
-from tokenwire.protocols.responses.store import DEFAULT_CAPACITY, ResponseStore, Stored, not_found
+from tokenwire.protocols.responses.store import (
+    DEFAULT_CAPACITY,
+    PROTOCOL,
+    ResponseStore,
+    Stored,
+    not_found,
+    persisted,
+    restore,
+)
 from tokenwire.protocols.security import http_owner
 
 if TYPE_CHECKING:
@@ -71,6 +79,7 @@ def store_for(api: OpenAIApp) -> ResponseStore:
 def add_responses_routes(api: OpenAIApp) -> ResponseStore:
     engine, app = api.engine, api.app
     store = store_for(api)
+    restore(store, engine)
 
     def open_session(source: Stored | None, keep: bool) -> str | None:
         """This response's session: a fork of the previous one's, a new one to store, or none.
@@ -90,10 +99,15 @@ def add_responses_routes(api: OpenAIApp) -> ResponseStore:
         return None  # unreachable
 
     def settle(turn: Turn, owner: str, session: str | None, ok: bool) -> None:
-        """A finished response is stored with its session; any other ends with its session closed."""
+        """A finished response is stored with its session (which persists it: --state-dir);
+        any other ends with its session closed."""
         if ok and turn.body.store and session is not None:
-            response = response_object(turn)
-            store.put(Stored(turn.id, owner, session, response, [*turn.history, *turn.items]))
+            stored = Stored(turn.id, owner, session, response_object(turn), [*turn.history, *turn.items])
+            store.put(stored)
+            try:
+                engine.claim_session(session, PROTOCOL, owner, persisted(stored))
+            except EngineError:
+                pass  # closed meanwhile (evicted at --max-sessions): the next lookup forgets it
         elif session is not None:
             engine.close_session(session)
 

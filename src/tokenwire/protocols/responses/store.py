@@ -6,6 +6,11 @@ The store holds at most `capacity` responses (half of --max-sessions; 1024 witho
 recently used evicted first, and forgets a response idle for `ttl_s` (--session-ttl, the
 lifetime of its session too); dropping a response closes its session (`release`). A response of
 another key reads as absent: the same 404 as an unknown id.
+
+Stored responses outlive the process (docs/sessions.md): each one's session is claimed as a
+"responses" session, its metadata the response's id, object and chain items (`persisted`), so
+the session store commits them with the session's tokens and owner; at start, `restore` makes
+them stored responses again from the engine's restored sessions.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from tokenwire.protocols.openai.errors import OpenAIError
 from tokenwire.protocols.security import owner_of as owner_of  # the owner digest, shared
 
 DEFAULT_CAPACITY = 1024
+PROTOCOL = "responses"  # the engine sessions of stored responses (claim_session's protocol)
 
 
 @dataclass
@@ -118,3 +124,27 @@ class ResponseStore:
     def clear(self) -> None:
         while self.evict_oldest():
             pass
+
+
+def persisted(stored: Stored) -> dict[str, Any]:
+    """What a stored response's session keeps of it (JSON), beside its tokens and owner."""
+    return {"response_id": stored.id, "session": stored.session, "response": stored.response,
+            "items": stored.items}  # fmt: skip
+
+
+def restore(store: ResponseStore, engine: Any) -> int:
+    """At start: the stored responses whose sessions the engine restored (--state-dir), least
+    recently used first, with their idle time. A session whose metadata names another session
+    is a fork whose turn a crash cut short (it inherited its parent's metadata): closed."""
+    claimed = getattr(engine, "claimed_sessions", None)
+    restored = 0
+    for found in claimed(PROTOCOL) if claimed is not None else ():
+        meta = found["metadata"]
+        if meta.get("session") != found["id"] or not isinstance(meta.get("response"), dict):
+            engine.close_session(found["id"])
+            continue
+        stored = Stored(meta["response_id"], found["owner"], found["id"], meta["response"], meta["items"])
+        store.put(stored)
+        stored.last_used = store.clock() - found["idle_s"]
+        restored += 1
+    return restored
