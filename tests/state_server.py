@@ -24,7 +24,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 class StateServer:
     def __init__(self, state_dir: Path, *extra: str, kv_cache_mb: float = 64) -> None:
-        self.http, self.grpc, self.metrics_port, graphpipe, lmtp = free_ports(5)
+        self.http, self.grpc, self.metrics_port, graphpipe, self.lmtp = free_ports(5)
         # the suite turns persistence off for every other server (tests/conftest.py)
         env = {k: v for k, v in os.environ.items() if k != "TOKENWIRE_NO_PERSIST"}
         self.proc = subprocess.Popen(
@@ -32,7 +32,7 @@ class StateServer:
                 sys.executable, "-m", "tokenwire.cli", "serve", "--state-dir", str(state_dir),
                 "--kv-cache-mb", str(kv_cache_mb), "--http-port", str(self.http),
                 "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics_port),
-                "--graphpipe-port", str(graphpipe), "--lmtp-port", str(lmtp), *extra,
+                "--graphpipe-port", str(graphpipe), "--lmtp-port", str(self.lmtp), *extra,
             ],
             stderr=subprocess.PIPE,
             text=True,

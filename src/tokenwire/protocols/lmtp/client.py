@@ -295,9 +295,12 @@ class Client:
         """The generated text (text extension)."""
         return "".join([r.get("text", "") async for r in self.generate(prompt, **kwargs)])
 
-    async def buffer(self, name: str, prompt: Any = None, *, base: str | None = None) -> dict[str, Any]:
-        """Store tokens (or text) as a named buffer, computed once (buffers extension)."""
-        payload: dict[str, Any] = {"name": name, "prompt": prompt}
+    async def buffer(
+        self, name: str, prompt: Any = None, *, base: str | None = None, keep: bool = False
+    ) -> dict[str, Any]:
+        """Store tokens (or text) as a named buffer, computed once (buffers extension); `keep`:
+        it outlives the connection (and a restart), for this client's token."""
+        payload: dict[str, Any] = {"name": name, "prompt": prompt, **({"keep": True} if keep else {})}
         if base is not None:
             payload["base"] = base
         return (await self.request("BUFFER", payload, timeout=None))["buffer"]

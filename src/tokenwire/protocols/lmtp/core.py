@@ -25,7 +25,7 @@ from tokenwire.engine.request import (
 )
 from tokenwire.protocols.lmtp import info
 from tokenwire.protocols.lmtp.codec import FrameError, decode_frame, encode_outbox
-from tokenwire.protocols.lmtp.extensions import Buffers, ReplayLog
+from tokenwire.protocols.lmtp.extensions import Buffers, KeptBuffers, ReplayLog
 from tokenwire.protocols.lmtp.messages import (
     EXTENSIONS,
     BufferRef,
@@ -100,7 +100,11 @@ class LmtpConnection:
         replay_limit: int = 256,
         peer: str | None = None,
         max_streams: int | None = None,
+        owner: str = "",
+        kept: KeptBuffers | None = None,
     ) -> None:
+        """`owner`: the digest of the token the client presented; `kept`: the server's buffers
+        kept past their connections (None: the connection's own only)."""
         self.engine = engine
         self.max_streams = max_streams  # --max-streams-per-connection (None: no cap)
         self.peer = peer  # the client's address, for the access log
@@ -108,7 +112,7 @@ class LmtpConnection:
         self._aliases = set(aliases)
         self.enabled: set[str] = set()
         self.streams: dict[StreamId, Stream] = {}  # live streams by stream_id
-        self.buffers = Buffers()
+        self.buffers = Buffers(owner, kept)
         self.replay = ReplayLog(replay_limit)
         self._out: list[tuple[str, dict[str, Any]]] = []
         self._parked: list[str] = []  # frames that arrived before the engine was ready
@@ -283,7 +287,7 @@ class LmtpConnection:
         if self._resumed(msg.stream_id, fingerprint, msg.resume_from):
             return
         tokens = self._expand(msg.prompt, msg.prompt_is_text, starts=msg.buffer is None)
-        stream = GenerateStream(msg.stream_id, fingerprint, save_as=msg.save_as)
+        stream = GenerateStream(msg.stream_id, fingerprint, save_as=msg.save_as, keep=msg.keep)
         persistent = msg.save_as is not None
         self._start(stream, msg.buffer, tokens, msg.options(), persistent=persistent, generates=True)
 
@@ -316,12 +320,12 @@ class LmtpConnection:
         self._resumed(msg.stream_id, "", 0)  # only refuses a live stream_id
         tokens = self._expand(msg.prompt, msg.prompt_is_text, starts=msg.base is None)
         if tokens:  # computed now, so every later use finds the KV ready
-            stream = BufferStream(msg.stream_id, save_as=msg.name, buffer_name=msg.name)
+            stream = BufferStream(msg.stream_id, save_as=msg.name, keep=msg.keep, buffer_name=msg.name)
             self._start(stream, msg.base, tokens, GenerateOptions(max_tokens=0, priority=0), True, False)
             return
         base = self.buffers.session(engine, msg.base) if msg.base is not None else None
         session = engine.fork_session(base) if base is not None else engine.create_session(ttl_s=None)
-        self.buffers.put(engine, msg.name, session)
+        self.buffers.put(engine, msg.name, session, msg.keep)
         length = len(engine.session_tokens(session))
         self._msg({"stream_id": msg.stream_id, "buffer": {"name": msg.name, "length": length}})
 
@@ -411,7 +415,7 @@ class LmtpConnection:
             self._error("TOKEN", stream.stream_id, error, code, code != "cancelled", stream)
         if stream.session is not None:
             if error is None and stream.save_as is not None:
-                self.buffers.put(engine, stream.save_as, stream.session)
+                self.buffers.put(engine, stream.save_as, stream.session, stream.keep)
             else:
                 engine.close_session(stream.session)
         if stream.sent is not None:

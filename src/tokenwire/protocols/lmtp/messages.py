@@ -27,7 +27,7 @@ __all__ = ["EXTENSIONS", "StreamId"]
 _SAMPLING = ("max_tokens", "temperature", "logit_bias", "top_logprobs", "top_p", "top_k", "seed")
 _GENERATE = {"stream_id", "model", "prompt", *_SAMPLING, "priority", "stop_token_ids", "ignore_eos"}
 _SCORE = {"stream_id", "model", "prompt", "scored", *_SAMPLING, "priority"}
-_EXT_FIELDS = {"buffer": "buffers", "save_as": "buffers", "resume_from": "retry"}
+_EXT_FIELDS = {"buffer": "buffers", "save_as": "buffers", "keep": "buffers", "resume_from": "retry"}
 MAX_TOP_LOGPROBS = 1000
 MAX_BIAS = 1e4  # larger biases only overflow the softmax (LMQL's masks use +-100)
 T = TypeVar("T")
@@ -76,6 +76,7 @@ class Generate:
     ignore_eos: bool = False
     buffer: str | None = None
     save_as: str | None = None
+    keep: bool = False  # save_as's buffer outlives the connection (and the server: --state-dir)
     resume_from: int = 0
 
     def options(self) -> GenerateOptions:
@@ -131,6 +132,7 @@ class BufferPut:
     prompt: list[PromptItem]
     prompt_is_text: bool
     base: str | None
+    keep: bool = False  # the buffer outlives the connection (and the server: --state-dir)
 
 
 @dataclass
@@ -296,6 +298,9 @@ def parse_generate(payload: Any, enabled: set[str]) -> Generate:
     msg.priority = f.integer("priority", 5, 0, 10)
     msg.stop_token_ids = f.token_list("stop_token_ids", f.p.get("stop_token_ids") or [])
     msg.ignore_eos = f.boolean("ignore_eos")
+    msg.keep = f.boolean("keep")
+    if msg.keep and msg.save_as is None:
+        raise f.error("GENERATE: keep applies to save_as's buffer: give save_as")
     msg.resume_from = f.integer("resume_from", 0, 0)
     f.checked(msg.options().validate)  # the ranges: temperature >= 0, top_p in (0, 1], ...
     return msg
@@ -353,12 +358,12 @@ def parse_hello(payload: Any) -> Hello:
 
 
 def parse_buffer(payload: Any, enabled: set[str]) -> BufferPut:
-    f = _Fields("BUFFER", payload, {"stream_id", "name", "prompt", "base"}, enabled)
+    f = _Fields("BUFFER", payload, {"stream_id", "name", "prompt", "base", "keep"}, enabled)
     sid = f.stream_id()
     name = f.string("name", required=True)
     assert name is not None
     prompt, is_text = f.prompt("prompt", enabled, required=False)
-    return BufferPut(sid, name, prompt, is_text, f.string("base"))
+    return BufferPut(sid, name, prompt, is_text, f.string("base"), f.boolean("keep"))
 
 
 def parse_drop(payload: Any, enabled: set[str]) -> BufferDrop:

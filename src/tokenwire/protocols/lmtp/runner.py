@@ -23,6 +23,7 @@ from tokenwire.protocols.lmtp.streams import Stream
 
 if TYPE_CHECKING:
     from tokenwire.engine.api import EngineAPI
+    from tokenwire.protocols.lmtp.extensions import KeptBuffers
 
 log = logging.getLogger("tokenwire.lmtp")
 Send = Callable[[str], Awaitable[None]]
@@ -38,9 +39,13 @@ class ConnectionRunner:
         tick_s: float = 0.5,
         peer: str | None = None,
         max_streams: int | None = None,
+        owner: str = "",
+        kept: KeptBuffers | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
-        self.core = LmtpConnection(engine, self._watch, aliases=aliases, peer=peer, max_streams=max_streams)
+        self.core = LmtpConnection(
+            engine, self._watch, aliases=aliases, peer=peer, max_streams=max_streams, owner=owner, kept=kept
+        )
         self._send = send
         self._events: EventChannel[tuple[Stream, Event]] = EventChannel(self.loop, self._drain)
         self._wake = asyncio.Event()

@@ -34,6 +34,7 @@ class Stream:
     handle: RequestHandle | None = None
     session: str | None = None  # an engine session this stream owns (a fork of a buffer)
     save_as: str | None = None  # buffer name the session becomes when the stream succeeds
+    keep: bool = False  # ... a kept buffer, outliving the connection (extensions.KeptBuffers)
     decoder: IncrementalDecoder | None = None  # text extension
     sent: list[Record] | None = None  # records sent so far (retry extension: replay)
     finished: bool = False

@@ -17,8 +17,9 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from tokenwire.protocols.http_site import start_site
 from tokenwire.protocols.lmtp.core import frame_budget
+from tokenwire.protocols.lmtp.extensions import KeptBuffers
 from tokenwire.protocols.lmtp.runner import ConnectionRunner
-from tokenwire.protocols.security import aiohttp_auth
+from tokenwire.protocols.security import aiohttp_auth, http_owner, owner_of
 
 if TYPE_CHECKING:
     from tokenwire.engine.api import EngineAPI
@@ -74,6 +75,7 @@ class LmtpServer:
         self.idle_timeout_s = idle_timeout_s  # close a connection with no stream for this long
         self.max_streams = max_streams
         self._connections: dict[ConnectionRunner, web.WebSocketResponse] = {}
+        self.kept = KeptBuffers()  # buffers kept past their connections (and restarts: --state-dir)
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> LmtpServer:
@@ -109,9 +111,14 @@ class LmtpServer:
                 status=426, text="LMTP endpoint: connect with a WebSocket\n", headers={"Upgrade": "websocket"}
             )
         await ws.prepare(request)
+        # whose kept buffers this connection sees: the token it presented (header, else ?token=)
+        query = request.query.get("token")
+        in_query = query and "authorization" not in request.headers
+        owner = owner_of(query) if in_query else http_owner(request.headers)
         runner = ConnectionRunner(
-            self.engine, ws.send_str, aliases=self.aliases, peer=request.remote, max_streams=self.max_streams
-        )
+            self.engine, ws.send_str, aliases=self.aliases, peer=request.remote, max_streams=self.max_streams,
+            owner=owner, kept=self.kept,
+        )  # fmt: skip
         self._connections[runner] = ws
         try:
             while True:
