@@ -168,31 +168,33 @@ class Session:
         pool = kv.window_pool
         reused = self.from_disk = 0
         tier, prefetched = kv.lower_tier, False
-        while self.num_computed + bs <= limit:
-            start = self.num_computed
-            digest = self._block_hash(start, bs)
-            block = kv.allocator.lookup(digest)
-            if block is None and tier is not None:  # the block files (engine/persistence.py)
-                if not prefetched:
-                    tier.prefetch(self._hashes_ahead(digest, start, limit, bs))
-                    prefetched = True
-                block = tier.load(digest)
-                self.from_disk += block is not None
-            if block is None:
-                break
-            if pool is not None:  # the windowed layers' block too, or the match ends here
-                window_block = pool.allocator.lookup(digest)
-                if window_block is None:
+        try:
+            while self.num_computed + bs <= limit:
+                start = self.num_computed
+                digest = self._block_hash(start, bs)
+                block = kv.allocator.lookup(digest)
+                if block is None and tier is not None:  # the block files (engine/persistence.py)
+                    if not prefetched:
+                        tier.prefetch(self._hashes_ahead(digest, start, limit, bs))
+                        prefetched = True
+                    block = tier.load(digest)
+                    self.from_disk += block is not None
+                if block is None:
                     break
-                pool.allocator.incref(window_block)
-                self.window_table.append(window_block)
-            kv.allocator.incref(block)
-            self.block_table.append(block)
-            self.full_hashes.append(digest)
-            self.num_computed += bs
-            reused += bs
-        if prefetched and tier is not None:
-            tier.finish()
+                if pool is not None:  # the windowed layers' block too, or the match ends here
+                    window_block = pool.allocator.lookup(digest)
+                    if window_block is None:
+                        break
+                    pool.allocator.incref(window_block)
+                    self.window_table.append(window_block)
+                kv.allocator.incref(block)
+                self.block_table.append(block)
+                self.full_hashes.append(digest)
+                self.num_computed += bs
+                reused += bs
+        finally:  # blocks read ahead and not taken go back (an exception included)
+            if prefetched and tier is not None:
+                tier.finish()
         self._slide_window(kv)
         return reused
 
