@@ -233,8 +233,8 @@ class ReplicaEngine(EngineAPI):
         )
 
     def claimed_sessions(self, protocol: str) -> list[dict[str, Any]]:
-        """None: the session directory starts empty with the server, so a restarted server's
-        replicas' sessions are not addressable through it (docs/sessions.md, Ray replicas)."""
+        """None here: the protocols that find their sessions by another name at start (stored
+        responses, kept LMTP buffers) do not restore them through replicas (docs/sessions.md)."""
         return []
 
     def session_owner(self, session_id: str) -> str:
