@@ -35,7 +35,9 @@ def ray_address() -> Iterator[str]:
 class ServeProcess:
     """`tokenwire serve` on the tiny model: Salience/Evergreen (gRPC), LMTP, GraphPipe, HTTP, metrics."""
 
-    def __init__(self, model: Path, *extra: str) -> None:
+    def __init__(self, model: Path, *extra: str, persist: bool = False) -> None:
+        """`persist`: sessions persist (--state-dir given in `extra`), which the suite turns off
+        for every other server (tests/conftest.py)."""
         self.grpc, self.lmtp, self.http, self.metrics, self.graphpipe = free_ports(5)
         argv = [
             sys.executable, "-m", "tokenwire.cli", "serve", "--model", str(model), "--model-name", "tiny",
@@ -44,6 +46,8 @@ class ServeProcess:
             "--kv-cache-mb", "8", *extra,
         ]  # fmt: skip
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if persist:
+            env.pop("TOKENWIRE_NO_PERSIST", None)
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self._ready = threading.Event()

@@ -54,6 +54,7 @@ def servers(ray_address, tiny_model_dir, tmp_path_factory):
         tiny_model_dir, "--replicas", "2", "--replica-cpus", "0.5", "--ray-address", ray_address,
         "--ray-namespace", NAMESPACE, "--aici", "--aici-port", str(aici_port),
         "--aici-store-dir", str(tmp_path_factory.mktemp("aici-store")),
+        "--state-dir", str(tmp_path_factory.mktemp("state")), persist=True,
     )  # fmt: skip
     replicated.aici_port = aici_port
     reference = ServeProcess(tiny_model_dir)
@@ -593,7 +594,7 @@ async def start_on_each_replica(start: Any) -> list[tuple[asyncio.Task, int]]:
 
 def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -> None:
     """Streams of every protocol on both replicas; replica 0's process is killed mid-stream."""
-    replicated, _ = servers
+    replicated, reference = servers
     victim_pid = replica_call(0, "stats")["pid"]
 
     async def timed(coro: Any) -> tuple[Any, bool]:
@@ -609,6 +610,20 @@ def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -
         "http": lambda: timed(asyncio.to_thread(http_request, replicated.http)),
         "http_sse": lambda: timed(asyncio.to_thread(http_stream, replicated.http)),
     }
+
+    async def idle_session_on_replica_0() -> tuple[str, list[int]]:
+        """A Salience session with a committed turn, idle on the replica about to be killed (each
+        replica persists its sessions in its own state dir: the restarted one recovers it)."""
+        async with AsyncClient(f"127.0.0.1:{replicated.grpc}") as client:
+            for _ in range(8):
+                session = await client.open()
+                if placement(session.id)[0] == 0:
+                    [t async for t in session.generate([5, 6, 7], max_tokens=3, top_k=1)]
+                    return session.id, await session.dump()
+                await session.close()
+        raise AssertionError("no session was placed on replica 0")
+
+    kept, kept_tokens = run(idle_session_on_replica_0())
 
     async def go() -> dict[str, list[tuple[Any, bool, int]]]:
         placed = {name: await start_on_each_replica(start) for name, start in starts.items()}
@@ -664,3 +679,20 @@ def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -
             return [placement(s.view.session_id)[0] for s in sessions]
 
     assert 0 in run(fresh())
+
+    async def recovered() -> tuple[list[int], list[int], list[int]]:
+        """The idle session, back with the restarted replica: its tokens, and a turn on it beside
+        the same turn on a single-process server's session holding the same tokens."""
+        async with AsyncClient(f"127.0.0.1:{replicated.grpc}") as client:
+            session = AsyncSession(client, SessionView(kept, 4096, list(kept_tokens)))
+            tokens = await session.dump()
+            turn = [t.id async for t in session.generate([8], max_tokens=3, top_k=1)]
+        async with AsyncClient(f"127.0.0.1:{reference.grpc}") as client:
+            twin = await client.open()
+            [t async for t in twin.generate(kept_tokens, max_tokens=0)]
+            expected = [t.id async for t in twin.generate([8], max_tokens=3, top_k=1)]
+        return tokens, turn, expected
+
+    tokens, turn, expected = run(recovered())
+    assert tokens == kept_tokens and placement(kept)[0] == 0
+    assert turn == expected
