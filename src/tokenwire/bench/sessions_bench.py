@@ -126,7 +126,9 @@ def run_sessions_bench(args: argparse.Namespace) -> int:
         model = str(shape_file(args.shape, args.quant, cache_dir))
     source = resolve_model(model, cache_dir=args.cache_dir)
     per_token = kv_bytes_per_token(source.config, "fp16")  # a quantised model's KV: fp16 (auto)
-    kv_mb = args.ram_sessions * (args.history + 64) * per_token / 2**20
+    # room for each history and what its turns add (with --ram-sessions 1 and 64 tokens of it, the
+    # SIGKILL phase's turn on llama-1b asked for 133 blocks of 132: kv_budget_exceeded)
+    kv_mb = args.ram_sessions * (args.history + 256) * per_token / 2**20
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="tokenwire-bench-sessions-"))
     serve = ["--state-dir", str(state), "--kv-cache-mb", f"{kv_mb:.1f}",
              "--max-model-len", str(args.history + 4096), "--shutdown-grace", "600"]  # fmt: skip
