@@ -158,11 +158,12 @@ class SessionPersistence:
     def prefetch(self, digests: list[bytes]) -> None:
         """The prefix cache's lower tier (KVCache.lower_tier), told the blocks a sequence will ask
         for next: the ones on disk and not in RAM get a free block each now (an idle session's
-        RAM freed for them where the cache is full) and are read straight into it by two
-        threads (the preadv and the CRC release the GIL); `load` hands them over as they finish,
-        `finish` frees what the match did not take. Measured on a 2k-token SmolLM2 session (128
-        files, 47 MB), 2 shared cores: reading into a buffer then copying it into the cache with
-        torch took 0.1-0.25 s a turn (torch's intra-op threads on a loaded machine); see
+        RAM freed for them where the cache is full), and two threads read, check and copy each
+        file into its block (`_read_into`: the read, the CRC and numpy's copy release the GIL);
+        `load` hands them over as they finish, `finish` frees what the match did not take.
+        Measured on a 2k-token SmolLM2 session (128 files, 47 MB), 2 shared cores: reading each
+        file into a new buffer, then copying it into the cache with torch on the engine thread,
+        took 0.1-0.25 s a turn (torch's intra-op threads on a loaded machine, py-spy); see
         docs/sessions.md for the turn it gives now."""
         self.finish()
         files = self.files
