@@ -1,5 +1,6 @@
 """The Responses API's stored responses and LMTP's kept buffers outlive the process (issue 44),
-on one server restarted on its --state-dir (one pair of starts for both protocols).
+and a Salience session stays its bearer token's, on one server restarted on its --state-dir (one
+pair of starts for the three).
 
 - Responses, through the real `openai` package: a `previous_response_id` chain continues after
   the restart with the chain's KV read back from disk (`cached_tokens`), retrieve and
@@ -19,10 +20,14 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from tests.state_server import MODEL, StateServer
 from tokenwire.protocols.lmtp.client import Client, LmtpError
+from tokenwire.protocols.salience.client import Client as SalienceClient
+from tokenwire.protocols.salience.client import Session as SalienceSession
+from tokenwire.protocols.salience.client_session import SalienceError, SessionView
 
 PROMPT = [(i * 7919) % 40000 + 100 for i in range(300)]  # 18 full blocks of 16, and a tail
 NEXT = [504, 3457, 28]
@@ -112,12 +117,31 @@ async def _lmtp_after(server: StateServer, reference: Records, chat: Records) ->
         await _unknown(a, "doc")
 
 
-def test_stored_responses_and_kept_lmtp_buffers_survive_a_restart(tmp_path: Path) -> None:
+# ---------------------------------------------------------------------- Salience
+def _salience_dump(server: StateServer, sid: str, token: str) -> list[int]:
+    with SalienceClient(f"127.0.0.1:{server.grpc}", auth_token=token) as client:
+        return SalienceSession(client, SessionView(sid, 8192)).dump()
+
+
+def _salience_not_found(server: StateServer, sid: str, token: str) -> None:
+    with pytest.raises(SalienceError) as err:
+        _salience_dump(server, sid, token)
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_stored_responses_kept_lmtp_buffers_and_salience_owners_survive_a_restart(tmp_path: Path) -> None:
     with StateServer(tmp_path) as server:
         first, reference = _responses_before(server)
         buffered, chat = asyncio.run(_lmtp_before(server))
+        with SalienceClient(f"127.0.0.1:{server.grpc}", auth_token="key-a") as client:
+            session = client.open()
+            session.complete(PROMPT[:40], max_tokens=0)
+            owned = session.id
+        _salience_not_found(server, owned, "key-b")
         server.stop()
     with StateServer(tmp_path) as server:
+        assert _salience_dump(server, owned, "key-a") == PROMPT[:40]
+        _salience_not_found(server, owned, "key-b")  # the owner's digest persisted
         _responses_after(server, first, reference)
         reads = server.metric("tokenwire_kv_disk_reads_total")
         assert reads > 0 and "disk_kv_tokens=" in server.log  # the chain's KV came from disk
