@@ -163,7 +163,7 @@ class SessionPersistence:
         `load` hands them over as they finish, `finish` frees what the match did not take.
         Measured on a 2k-token SmolLM2 session (128 files, 47 MB), 2 shared cores: reading each
         file into a new buffer, then copying it into the cache with torch on the engine thread,
-        took 0.1-0.25 s a turn (torch's intra-op threads on a loaded machine, py-spy); see
+        took 0.26 s a turn on average (torch's intra-op threads, a loaded machine, py-spy); see
         docs/sessions.md for the turn it gives now."""
         self.finish()
         files = self.files
