@@ -31,6 +31,8 @@ class Reading:
         self.text = ""
         self.tokens = 0
         self.seconds = 0.0
+        self.loop_cpu_s = 0.0  # CPU of the server's loop thread over this reading (apis_bench)
+        self.client_cpu_s = 0.0  # CPU of the client process over it (0 for the engine called directly)
 
     def delta(self, piece: str | None) -> None:
         if piece:
@@ -187,10 +189,12 @@ def _child(conn: Any) -> None:
                 if request is None:
                     return
                 name, args = request
+                cpu = time.process_time()
                 try:
-                    conn.send(("ok", await CALLS[name](http, *args)))
+                    value = await CALLS[name](http, *args)
+                    conn.send(("ok", value, time.process_time() - cpu))
                 except Exception as exc:  # the parent raises it
-                    conn.send(("error", f"{name}: {type(exc).__name__}: {exc}"))
+                    conn.send(("error", f"{name}: {type(exc).__name__}: {exc}", 0.0))
 
     asyncio.run(serve())
 
@@ -204,11 +208,12 @@ class ClientProcess:
         self._process = context.Process(target=_child, args=(child,), daemon=True, name="bench-apis-client")
         self._process.start()
         child.close()
+        self.cpu_s = 0.0  # the child's CPU seconds (all its threads) in the last call
 
     def request(self, name: str, *args: Any) -> Any:
         """Run CALLS[name](http, *args) in the child and wait for its result (a thread's call)."""
         self._conn.send((name, args))
-        status, value = self._conn.recv()
+        status, value, self.cpu_s = self._conn.recv()
         if status == "error":
             raise RuntimeError(value)
         return value
