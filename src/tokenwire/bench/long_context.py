@@ -13,10 +13,10 @@ keeps its context and drops only the decoded tokens), so the rounds measure deco
 
 Served (issue 45): the same request streamed through the OpenAI API, from a real server on
 127.0.0.1 in this process over the same engine, read by a client in a process of its own
-(bench/served_long.py), in the same rounds: what a user of `tokenwire serve` meets. KV GB/s: the cache one decode step reads (the context's
-positions times the bytes a position takes) times decode steps per second; our steps are
-counted (a step may yield several tokens where prompt-lookup guesses are kept), llama.cpp's are
-its tokens.
+(bench/served_long.py), in the same rounds: what a user of `tokenwire serve` meets. KV GB/s:
+the cache one decode step reads (the context's positions times the bytes a position takes) times
+decode steps per second; our steps are counted (a step may yield several tokens where
+prompt-lookup guesses are kept), llama.cpp's are its tokens.
 """
 
 from __future__ import annotations
