@@ -15,6 +15,9 @@ def test_apis_bench_json_reports_every_api_with_the_engines_text() -> None:
         assert row["same_text"], name  # greedy parity with the engine, read through the API's stream
         assert row["tokens"] == 6, name  # from the API's own usage fields
         assert row["tok_s"] > 0 and row["ttft_s"] > 0, name
+        assert row["loop_cpu_us"] > 0, name  # the server's loop thread: every token wakes it
+        # the client process's CPU, for the APIs; the engine's row has no client
+        assert (row["client_cpu_us"] > 0) == (name != "engine"), name
     turn2 = result["turn2"]
     assert turn2["history_tokens"] == 200
     assert turn2["chained_ttft_s"] > 0 and turn2["ratio"] == turn2["resent_ttft_s"] / turn2["chained_ttft_s"]

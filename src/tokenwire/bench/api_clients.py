@@ -31,6 +31,8 @@ class Reading:
         self.text = ""
         self.tokens = 0
         self.seconds = 0.0
+        self.loop_cpu_s = 0.0  # CPU of the server's loop thread over this reading (apis_bench)
+        self.client_cpu_s = 0.0  # CPU of the client process over it (0 for the engine called directly)
 
     def delta(self, piece: str | None) -> None:
         if piece:
@@ -146,6 +148,25 @@ async def responses_ttft(http: aiohttp.ClientSession, base: str, body: dict[str,
     return r.first or time.perf_counter() - r.start
 
 
+async def completions_decode(http: aiohttp.ClientSession, base: str, body: dict[str, Any]) -> float:
+    """Decode tok/s of one streamed /v1/completions answer (bench/served_long.py): the tokens
+    after the first (usage.completion_tokens less one) over the time from the first streamed
+    token's chunk to the last one's."""
+    stamps: list[float] = []
+    tokens = 0
+    async with http.post(f"{base}/v1/completions", json={**body, "stream": True}) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:300]!r}")
+        async for _, chunk in _sse(response):
+            if chunk.get("choices"):
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    if tokens < 2 or len(stamps) < 2:
+        raise RuntimeError(f"{tokens} tokens in {len(stamps)} chunks")
+    return (tokens - 1) / (stamps[-1] - stamps[0])
+
+
 async def responses_delete(http: aiohttp.ClientSession, base: str, response_id: str) -> None:
     async with http.delete(f"{base}/v1/responses/{response_id}") as response:
         response.raise_for_status()
@@ -156,6 +177,7 @@ CALLS: dict[str, Callable[..., Any]] = {
     "responses_first_turn": responses_first_turn,
     "responses_ttft": responses_ttft,
     "responses_delete": responses_delete,
+    "completions_decode": completions_decode,
 }
 
 
@@ -167,10 +189,12 @@ def _child(conn: Any) -> None:
                 if request is None:
                     return
                 name, args = request
+                cpu = time.process_time()
                 try:
-                    conn.send(("ok", await CALLS[name](http, *args)))
+                    value = await CALLS[name](http, *args)
+                    conn.send(("ok", value, time.process_time() - cpu))
                 except Exception as exc:  # the parent raises it
-                    conn.send(("error", f"{name}: {type(exc).__name__}: {exc}"))
+                    conn.send(("error", f"{name}: {type(exc).__name__}: {exc}", 0.0))
 
     asyncio.run(serve())
 
@@ -184,14 +208,19 @@ class ClientProcess:
         self._process = context.Process(target=_child, args=(child,), daemon=True, name="bench-apis-client")
         self._process.start()
         child.close()
+        self.cpu_s = 0.0  # the child's CPU seconds (all its threads) in the last call
 
-    async def call(self, name: str, *args: Any) -> Any:
-        """Run CALLS[name](http, *args) in the child; the parent's loop keeps serving meanwhile."""
+    def request(self, name: str, *args: Any) -> Any:
+        """Run CALLS[name](http, *args) in the child and wait for its result (a thread's call)."""
         self._conn.send((name, args))
-        status, value = await asyncio.to_thread(self._conn.recv)
+        status, value, self.cpu_s = self._conn.recv()
         if status == "error":
             raise RuntimeError(value)
         return value
+
+    async def call(self, name: str, *args: Any) -> Any:
+        """`request` from a coroutine: the parent's loop keeps serving meanwhile."""
+        return await asyncio.to_thread(self.request, name, *args)
 
     def close(self) -> None:
         self._conn.send(None)

@@ -12,6 +12,13 @@ directly with the same prompt tokens — interleaved, medians of --repeats:
 - turn 2 of a --history-tokens conversation through Responses: `previous_response_id` (the
   session's KV is reused) against re-sending the whole conversation (a history the server never
   saw, so no prefix cache helps it). Target >= 10x.
+
+Beside the rates, the CPU each token costs, which the machine's load does not move as it moves
+tok/s: the server's event-loop thread (time.thread_time over the reading: for the engine row
+the in-process consumer's wake-ups alone, for an API the same plus its HTTP stream) and the
+client process. On a machine whose cores the engine's threads fill, every such microsecond is
+taken from the model's step, so (API's loop − engine's loop + client) / the time a token takes
+is about what an API loses against the engine (issue 43).
 """
 
 from __future__ import annotations
@@ -88,8 +95,12 @@ async def _run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
             await client.call(name, base, engine.name, 4)
         for _ in range(args.repeats):
             for name in APIS:
+                cpu = time.thread_time()  # this thread runs the loop: the consumer's and the server's work
                 alone = await _engine(engine, args.tokens)
+                alone.loop_cpu_s = time.thread_time() - cpu
+                cpu = time.thread_time()
                 served = await client.call(name, base, engine.name, args.tokens)
+                served.loop_cpu_s, served.client_cpu_s = time.thread_time() - cpu, client.cpu_s
                 rows["engine"].append(alone)
                 rows[name].append(served)
                 pairs[name].append((served.tokens / served.seconds) / (alone.tokens / alone.seconds))
@@ -107,6 +118,9 @@ async def _run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
             "ratio": statistics.median(pairs[name]) if name in pairs else 1.0,
             "tokens": readings[0].tokens,
             "same_text": all(r.text == reference for r in readings),
+            # CPU a token costs: the server's loop thread, the client process (medians)
+            "loop_cpu_us": statistics.median(r.loop_cpu_s / r.tokens * 1e6 for r in readings),
+            "client_cpu_us": statistics.median(r.client_cpu_s / r.tokens * 1e6 for r in readings),
         }
     return {
         "model": engine.name,
@@ -128,11 +142,15 @@ def run_apis_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
         print(json.dumps(result, indent=2))
         return 0 if ok else 1
     print(f"tokenwire bench apis — {result['model']}, {args.tokens} greedy tokens, median of {args.repeats}")
-    print(f"{'api':<18}{'TTFT':>10}{'tok/s':>10}{'vs engine':>11}{'tokens':>8}{'same text':>11}")
+    print(
+        f"{'api':<18}{'TTFT':>10}{'tok/s':>10}{'vs engine':>11}{'tokens':>8}{'same text':>11}"
+        f"{'loop CPU':>11}{'client CPU':>12}"
+    )
     for name, row in result["apis"].items():
         print(
             f"{name:<18}{row['ttft_s'] * 1e3:>8.1f}ms{row['tok_s']:>10.1f}{row['ratio']:>10.2f}x"
             f"{row['tokens']:>8}{'yes' if row['same_text'] else 'NO':>11}"
+            f"{row['loop_cpu_us']:>7.0f}µs/t{row['client_cpu_us']:>8.0f}µs/t"
         )
     t = result["turn2"]
     print(

@@ -12,11 +12,11 @@ its own cache); each context is prefilled once per engine (the prefix cache keep
 keeps its context and drops only the decoded tokens), so the rounds measure decode alone.
 
 Served (issue 45): the same request streamed through the OpenAI API, from a real server on
-127.0.0.1 in this process over the same engine (bench/served_long.py), in the same rounds: what
-a user of `tokenwire serve` meets. KV GB/s: the cache one decode step reads (the context's
-positions times the bytes a position takes) times decode steps per second; our steps are
-counted (a step may yield several tokens where prompt-lookup guesses are kept), llama.cpp's are
-its tokens.
+127.0.0.1 in this process over the same engine, read by a client in a process of its own
+(bench/served_long.py), in the same rounds: what a user of `tokenwire serve` meets. KV GB/s:
+the cache one decode step reads (the context's positions times the bytes a position takes) times
+decode steps per second; our steps are counted (a step may yield several tokens where
+prompt-lookup guesses are kept), llama.cpp's are its tokens.
 """
 
 from __future__ import annotations
@@ -146,7 +146,10 @@ def print_long_context(result: dict[str, Any], kv_dtypes: list[str]) -> None:
             )
             label = f"{measure} ({row['context']}) {kv}"
             print(f"{label:<24}{cell['tokenwire_tok_s']:>10.1f} t/s{peer}{ratio}{served}{served_ratio}")
-    print("served: the same request streamed through the OpenAI API (server on 127.0.0.1, this process)")
+    print(
+        "served: the same request streamed through the OpenAI API (server on 127.0.0.1 in this "
+        "process, client in its own)"
+    )
     print(
         f"{'KV read per decode step':<24}{'tokenwire':>14}{'llama.cpp':>14}"
         "   (context x bytes a position x steps/s)"

@@ -6,10 +6,19 @@ Two pieces, one job each:
 - `EventFeed`: one request's events to its one subscriber, called on the producing thread. Events
   made before anyone subscribed are parked and handed over first, so a caller may subscribe after
   `generate` returned without losing the early ones.
-- `EventChannel`: items pushed from any thread, delivered to one asyncio loop in batches, with one
-  `call_soon_threadsafe` per batch. Everything one engine step produced crosses threads together
-  (a prefill burst of many logprob positions, every stream of an LMTP connection), which is what
-  lets a protocol write one frame per step instead of one per event.
+- `EventChannel`: items pushed from any thread, delivered to one asyncio loop in batches. The
+  producer wakes the loop (`call_soon_threadsafe`: a write to the loop's self-pipe) only when the
+  consumer is parked waiting, once per wait; items pushed while the consumer is busy (writing the
+  previous chunk to its socket) or while a wake-up is on its way just queue, and the consumer's
+  next `get()` takes them all without waiting. Everything one engine step produced crosses
+  threads together (a prefill burst of many logprob positions, every stream of an LMTP
+  connection), which is what lets a protocol write one frame per step instead of one per event.
+
+  Why gate the wake-up on a waiting consumer (issue 43): each wake-up costs the model thread a
+  self-pipe write, during which it lets go of the GIL, and costs the loop an iteration that takes
+  the GIL back (py-spy: ~3.6% of the model thread in `_write_to_self`). Before, a push after the
+  consumer had taken its batch always scheduled one, even while the consumer was still busy and
+  would come back for the items by itself; that wake-up then found nobody waiting.
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ class EventFeed(Generic[T]):
 
 
 class EventChannel(Generic[T]):
-    """Items from any thread to one asyncio loop, in push order, one loop wake-up per batch.
+    """Items from any thread to one asyncio loop, in push order, one loop wake-up per wait.
 
     Consume either with `on_batch` (called on the loop with each batch) or by awaiting `get()` /
     iterating `async for batch in channel` (not both). `close()` drops later pushes and ends the
@@ -73,12 +82,14 @@ class EventChannel(Generic[T]):
         self._on_batch = on_batch
         self._lock = threading.Lock()
         self._pending: list[T] = []
-        self._scheduled = False  # a wake-up is on its way to the loop: later pushes ride along
+        # the consumer is parked, and no wake-up is on its way yet: the next push sends one. An
+        # on_batch consumer is always ready for the next batch; a get() consumer parks in get().
+        self._waiting = on_batch is not None
         self._closed = False
         self._ready = asyncio.Event()
 
     def push(self, item: T) -> None:
-        """Any thread: queue the item; the first push of a batch schedules the loop's wake-up."""
+        """Any thread: queue the item; wake the loop if the consumer is parked waiting for it."""
         self.push_all((item,))
 
     def push_all(self, items: Iterable[T]) -> None:
@@ -86,9 +97,9 @@ class EventChannel(Generic[T]):
             if self._closed:
                 return
             self._pending.extend(items)
-            if self._scheduled or not self._pending:
-                return
-            self._scheduled = True
+            if not self._waiting or not self._pending:
+                return  # the consumer is busy and comes back for these, or a wake-up is on its way
+            self._waiting = False
         self._schedule()
 
     def _schedule(self) -> None:
@@ -105,19 +116,26 @@ class EventChannel(Generic[T]):
             self._on_batch(batch)
 
     def take(self) -> list[T]:
-        """What was pushed since the last take (maybe nothing), without waiting."""
+        """What was pushed since the last take (maybe nothing), without waiting. An on_batch
+        consumer is ready again once it took: the next push wakes the loop."""
         with self._lock:
             batch, self._pending = self._pending, []
-            self._scheduled = False
+            if self._on_batch is not None and not self._closed:
+                self._waiting = True
         return batch
 
     async def get(self) -> list[T]:
-        """The next non-empty batch; [] once the channel is closed and drained."""
+        """The next non-empty batch: what is queued now, else what the first push brings; [] once
+        the channel is closed and drained."""
         while True:
+            with self._lock:
+                batch, self._pending = self._pending, []
+                if batch or self._closed:
+                    return batch
+                self._waiting = True  # parked: the next push (or close) wakes the loop
+            # clear before waiting: a set left from an earlier, abandoned wait must not count.
+            # No wake-up can run in between: it runs on this loop, which runs nothing until we wait.
             self._ready.clear()
-            batch = self.take()
-            if batch or self._closed:
-                return batch
             await self._ready.wait()
 
     async def __aiter__(self) -> AsyncIterator[list[T]]:
@@ -130,4 +148,6 @@ class EventChannel(Generic[T]):
             if self._closed:
                 return
             self._closed = True
-        self._schedule()
+            waiting, self._waiting = self._waiting, False
+        if waiting:
+            self._schedule()
