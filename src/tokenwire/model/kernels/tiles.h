@@ -276,6 +276,11 @@ void tile_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint
     const int64_t rows = std::min<int64_t>(kTileRows, n1 - s);
     const uint8_t* ptrs[kTileRows];
     for (int r = 0; r < kTileRows; ++r) ptrs[r] = w + (s + std::min<int64_t>(r, rows - 1)) * row_bytes;
+    // the next strip into L2 while this one converts: 16 rows read side by side outrun the
+    // hardware's stream prefetchers
+    if (s + kTileRows < n1)
+      for (int64_t o = 0; o < std::min<int64_t>(kTileRows, n1 - s - kTileRows) * row_bytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (s + kTileRows) * row_bytes + o), _MM_HINT_T1);
     Tile<T>::convert(ptrs, nb, buf);
     for (int64_t m = 0; m < M; m += kTileTokens) {
       const int64_t count = std::min<int64_t>(kTileTokens, M - m);
