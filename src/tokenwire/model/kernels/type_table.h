@@ -24,7 +24,7 @@
 #include "types_float.h"
 #include "types_k.h"
 #include "types_k23.h"
-#include "tiles_types.h"
+#include "tiles_decode.h"
 
 namespace tw {
 
@@ -61,7 +61,7 @@ TypeRow with_tiles(TypeRow row) {
 #ifdef TW_AVX2
   if constexpr (Tile<T>::kHas) {
     row.act = &act_format_i8();
-    row.matmul_small_i16 = &tile_matmul<T>;
+    row.matmul_small_i16 = &tiled_matmul<T>;
     row.any_rows = true;
   }
 #endif

@@ -1,0 +1,104 @@
+"""The tiled int8 matmul (kernels/tiles.h) of Q4_0, Q4_1, Q8_0, Q4_K and Q6_K: within its
+rounding bound of an fp32 matmul with the dequantised weight for any number of rows, each row's
+bits independent of the rows beside it, and int8 activations (not fewer bits) on a real-shape
+model. Run under TOKENWIRE_KERNELS_ISA=avx2 as well (the AVX2 build's 8-row strips and
+vpmaddubsw) as natively (AVX-512: 16-row strips, vpdpbusd)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.random_blocks import HALVES, QUANTS, random_blocks
+from tokenwire.model import weight_types
+from tokenwire.model.kernels import compiler_flags, ops
+from tokenwire.model.quant import QuantLinear, quantize
+from tokenwire.model.weight_types import WeightType
+
+AVX2 = "-mavx2" in compiler_flags()
+TILED = [weight_types.Q4_0, weight_types.Q4_1, weight_types.Q8_0, weight_types.Q4_K, weight_types.Q6_K]
+# each type's zero point: the quant bytes that make a weight weigh its block's offset alone
+# (Q4: nibble 8; Q8_0: 0; Q6_K: low nibble 0 with high bits 2 = 32)
+ZERO_BYTES = {"Q4_0": (0x88,), "Q4_1": (0x88,), "Q8_0": (0x00,), "Q4_K": (0x88,), "Q6_K": (0x00, 0xAA)}
+pytestmark = pytest.mark.skipif(not AVX2, reason="the tiled kernels need AVX2 (the portable build takes fp32)")
+
+
+def _packed(wt: WeightType, rows: int, cols: int, seed: int) -> np.ndarray:
+    if wt.name in HALVES:  # K-quants: valid random blocks (gguf-py has no quantiser for them)
+        return random_blocks(rows, cols, wt, seed, magnitude=(1e-4, 1e-1))
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2, (rows, 1))).astype(np.float32)
+    return quantize(torch.from_numpy(w), wt.gguf_id).numpy()
+
+
+def _centre(packed: np.ndarray, wt: WeightType) -> np.ndarray:
+    """What each weight weighs with its quant at the type's zero point: the part of the weight
+    the kernels leave to the exact fp32 block sums (Q4_1's m + 8 d, Q4_K's 8 d sc - dmin m; 0
+    for the others). |w - centre| = |scale * (q - z)| is what meets the activations' rounding."""
+    blocks = packed.reshape(-1, wt.block_bytes).copy()
+    if wt.name == "Q6_K":
+        blocks[:, 0:128], blocks[:, 128:192] = 0x00, 0xAA
+    elif wt.name in QUANTS:
+        start, end = QUANTS[wt.name]
+        blocks[:, start:end] = ZERO_BYTES[wt.name][0]
+    else:  # the 32-weight types: the quants follow the fp16 fields
+        head = wt.block_bytes - (32 if wt.name == "Q8_0" else 16)
+        blocks[:, head:] = ZERO_BYTES[wt.name][0]
+    return wt.dequantize_reference(blocks.reshape(packed.shape))
+
+
+def test_the_tiled_types_take_int8_activations() -> None:
+    for wt in TILED:
+        assert ops().weight_type_info(wt.gguf_id)[1] == "i8_32"
+
+
+@pytest.mark.parametrize("wt", TILED, ids=lambda t: t.name)
+def test_tiled_matmul_is_within_the_int8_rounding_bound(wt: WeightType) -> None:
+    """qmatmul (int8 activations) against x @ W.T in fp64, W dequantised by gguf's rules, for
+    M = 1, 7, 8, 9, 32, 33, 300, 1000 (tiles of 4 / 8 tokens and a short last one), 37 weight
+    rows (strips of 8 / 16 and a short last one) and K not a multiple of 8 blocks (11 blocks of
+    32; 3 super-blocks). Each activation is off by at most max|its block of 32| / 254 (round to
+    nearest, scale max / 127) and meets |w - centre| (the integer part: the centre goes with
+    the exact sums), so |error| <= sum over blocks of that product, plus fp32 rounding: 1e-6 of
+    sum |x| |w|. With one bit fewer (/ 127) the bound would be twice as loose: the test also
+    asserts the error uses more than 1/3 of it somewhere (it is a bound, not slack)."""
+    k = 3 * 256 if wt.block == 256 else 11 * 32
+    packed = _packed(wt, 37, k, seed=3)
+    w = torch.from_numpy(wt.dequantize_reference(packed)).double()
+    integer_part = (w - torch.from_numpy(_centre(packed, wt)).double()).abs()  # [37, k]
+    layer = QuantLinear(torch.from_numpy(packed), wt.gguf_id, k)
+    generator = torch.Generator().manual_seed(7)
+    used = 0.0
+    for rows in (1, 7, 8, 9, 32, 33, 300, 1000):
+        x = torch.randn(rows, k, generator=generator) * torch.rand(rows, k, generator=generator) * 4
+        x[0, :32] = 0  # an all-zero block
+        got, expected = layer(x).double(), x.double() @ w.T
+        step = x.abs().view(rows, -1, 32).amax(-1).double() / 254  # [rows, blocks]
+        per_block = integer_part.view(37, -1, 32).sum(-1)  # [37, blocks]
+        rounding = step @ per_block.T
+        bound = rounding + 1e-6 * (x.abs().double() @ w.abs().T) + 1e-30
+        error = (got - expected).abs()
+        assert (error <= bound).all(), (rows, (error - bound).max().item())
+        used = max(used, (error / bound).max().item())
+    assert used > 1 / 3, used
+
+
+@pytest.mark.parametrize("wt", TILED, ids=lambda t: t.name)
+def test_a_row_has_the_same_bits_alone_in_a_batch_and_in_chunks(wt: WeightType) -> None:
+    """Lanes are weight rows and each token has accumulators of its own: a row alone (decode),
+    in a batch of 32, at any place of a batch of 33 (a short last tile) and in chunks of 5
+    (chunked prefill) gives the same bits; so does one thread against the team (other strips)."""
+    k = 4 * 256 if wt.block == 256 else 24 * 32
+    layer = QuantLinear(torch.from_numpy(_packed(wt, 100, k, seed=5)), wt.gguf_id, k)
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(9))
+    together = layer(x)
+    assert torch.equal(layer(x[:32]), together[:32])
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(33)]), together)
+    assert torch.equal(torch.cat([layer(x[i : i + 5]) for i in range(0, 33, 5)]), together)
+    assert torch.equal(layer(x.flip(0)).flip(0), together)
+    ops().set_team_mode(2)
+    try:
+        assert torch.equal(layer(x), together)
+    finally:
+        ops().set_team_mode(1)
