@@ -269,7 +269,7 @@ void tile_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint
                  float* out, int64_t N) {
   const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBlockBytes, units = K / 32;
   thread_local std::vector<uint8_t> storage;  // the strip's units, 64-byte aligned
-  storage.resize((units * kUnitVecs + 1) * sizeof(TI));
+  storage.resize(units * kUnitVecs * sizeof(TI) + 64);
   TI* buf = reinterpret_cast<TI*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
   alignas(64) float res[kTileTokens * kTileRows];
   for (int64_t s = n0; s < n1; s += kTileRows) {

@@ -164,19 +164,14 @@ struct UnitLanes<Q6_K> {
   static void group(const uint8_t* row, int64_t, int64_t g, int64_t count, __m512i W[8], __m512& s0, __m512& s1) {
     const uint8_t* a = row + 2 * g * Q6_K::kBlockBytes;
     const uint8_t* b = count > 8 ? a + Q6_K::kBlockBytes : a;
-    alignas(16) int8_t even[16], odd[16];
-    for (int i = 0; i < 8; ++i) {
-      even[i] = static_cast<int8_t>(a[192 + 2 * i]);
-      odd[i] = static_cast<int8_t>(a[193 + 2 * i]);
-      even[8 + i] = static_cast<int8_t>(b[192 + 2 * i]);
-      odd[8 + i] = static_cast<int8_t>(b[193 + 2 * i]);
-    }
-    auto bytes16 = [](const int8_t* p) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(p))));
-    };
+    // the 16 int8 scales of each: even ones (first halves of units) and odd ones, a then b
+    const __m128i pick = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m128i sa = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 192)), pick);
+    const __m128i sb = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), pick);
+    auto bytes16 = [](__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); };
     const __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half_to_float(a + 208)), _mm512_set1_ps(half_to_float(b + 208)));
-    s0 = _mm512_mul_ps(d, bytes16(even));
-    s1 = _mm512_mul_ps(d, bytes16(odd));
+    s0 = _mm512_mul_ps(d, bytes16(_mm_unpacklo_epi64(sa, sb)));
+    s1 = _mm512_mul_ps(d, bytes16(_mm_unpackhi_epi64(sa, sb)));
     const __m512i la0 = _mm512_loadu_si512(a), la1 = _mm512_loadu_si512(a + 64), ha = _mm512_loadu_si512(a + 128);
     const __m512i lb0 = _mm512_loadu_si512(b), lb1 = _mm512_loadu_si512(b + 64), hb = _mm512_loadu_si512(b + 128);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -210,7 +205,7 @@ void unit_rows(const UnitActs& ua, int64_t K, const uint8_t* w, int64_t s, int64
   const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBlockBytes, units = K / 32;
   const int64_t fetch = (row_bytes + ua.groups - 1) / ua.groups;
   thread_local std::vector<uint8_t> storage;
-  storage.resize((ua.groups * kPer * 16 + 1) * 64);
+  storage.resize(ua.groups * kPer * 16 * 64 + 64);
   __m512i* kept = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
   auto P = [&](int64_t g, int t, int hh) { return kept + (g * kPer + (t * H + hh)) * 16; };
   auto C = [&](int64_t g, int t, int hh) { return kept + (g * kPer + NT * H + (t * H + hh)) * 16; };
