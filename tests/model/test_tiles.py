@@ -6,6 +6,8 @@ vpmaddubsw) as natively (AVX-512: 16-row strips, vpdpbusd)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -18,10 +20,10 @@ from tokenwire.model.weight_types import WeightType
 
 AVX2 = "-mavx2" in compiler_flags()
 TILED = [weight_types.Q4_0, weight_types.Q4_1, weight_types.Q8_0, weight_types.Q4_K, weight_types.Q6_K]
-# each type's zero point: the quant bytes that make a weight weigh its block's offset alone
-# (Q4: nibble 8; Q8_0: 0; Q6_K: low nibble 0 with high bits 2 = 32)
-ZERO_BYTES = {"Q4_0": (0x88,), "Q4_1": (0x88,), "Q8_0": (0x00,), "Q4_K": (0x88,), "Q6_K": (0x00, 0xAA)}
-pytestmark = pytest.mark.skipif(not AVX2, reason="the tiled kernels need AVX2 (the portable build takes fp32)")
+# each type's zero point: the quant byte that makes a weight weigh its block's offset alone
+# (Q4: nibble 8; Q8_0: 0; Q6_K: ql 0 with qh bits 2 = 32, in _centre)
+ZERO_BYTE = {"Q4_0": 0x88, "Q4_1": 0x88, "Q8_0": 0x00, "Q4_K": 0x88}
+pytestmark = pytest.mark.skipif(not AVX2, reason="the tiled kernels need AVX2 (portable builds take fp32)")
 
 
 def _packed(wt: WeightType, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -41,10 +43,10 @@ def _centre(packed: np.ndarray, wt: WeightType) -> np.ndarray:
         blocks[:, 0:128], blocks[:, 128:192] = 0x00, 0xAA
     elif wt.name in QUANTS:
         start, end = QUANTS[wt.name]
-        blocks[:, start:end] = ZERO_BYTES[wt.name][0]
+        blocks[:, start:end] = ZERO_BYTE[wt.name]
     else:  # the 32-weight types: the quants follow the fp16 fields
         head = wt.block_bytes - (32 if wt.name == "Q8_0" else 16)
-        blocks[:, head:] = ZERO_BYTES[wt.name][0]
+        blocks[:, head:] = ZERO_BYTE[wt.name]
     return wt.dequantize_reference(blocks.reshape(packed.shape))
 
 
@@ -61,15 +63,16 @@ def test_tiled_matmul_is_within_the_int8_rounding_bound(wt: WeightType) -> None:
     32; 3 super-blocks). Each activation is off by at most max|its block of 32| / 254 (round to
     nearest, scale max / 127) and meets |w - centre| (the integer part: the centre goes with
     the exact sums), so |error| <= sum over blocks of that product, plus fp32 rounding: 1e-6 of
-    sum |x| |w|. With one bit fewer (/ 127) the bound would be twice as loose: the test also
-    asserts the error uses more than 1/3 of it somewhere (it is a bound, not slack)."""
+    sum |x| |w|. And the bound is not slack for fewer bits: over all rows the squared error is
+    within [0.5, 2] of its expectation (seen 0.96-0.99) for int8 rounding (uniform in +-step: variance
+    step^2 / 3 times sum (w - centre)^2 per block); int7 activations would give ~4."""
     k = 3 * 256 if wt.block == 256 else 11 * 32
     packed = _packed(wt, 37, k, seed=3)
     w = torch.from_numpy(wt.dequantize_reference(packed)).double()
     integer_part = (w - torch.from_numpy(_centre(packed, wt)).double()).abs()  # [37, k]
     layer = QuantLinear(torch.from_numpy(packed), wt.gguf_id, k)
     generator = torch.Generator().manual_seed(7)
-    used = 0.0
+    squared, expected_squared = 0.0, 0.0
     for rows in (1, 7, 8, 9, 32, 33, 300, 1000):
         x = torch.randn(rows, k, generator=generator) * torch.rand(rows, k, generator=generator) * 4
         x[0, :32] = 0  # an all-zero block
@@ -80,8 +83,9 @@ def test_tiled_matmul_is_within_the_int8_rounding_bound(wt: WeightType) -> None:
         bound = rounding + 1e-6 * (x.abs().double() @ w.abs().T) + 1e-30
         error = (got - expected).abs()
         assert (error <= bound).all(), (rows, (error - bound).max().item())
-        used = max(used, (error / bound).max().item())
-    assert used > 1 / 3, used
+        squared += error.pow(2).sum().item()
+        expected_squared += (step.pow(2) / 3 @ integer_part.pow(2).view(37, -1, 32).sum(-1).T).sum().item()
+    assert 0.5 < squared / expected_squared < 2.0, squared / expected_squared
 
 
 @pytest.mark.parametrize("wt", TILED, ids=lambda t: t.name)
@@ -102,3 +106,54 @@ def test_a_row_has_the_same_bits_alone_in_a_batch_and_in_chunks(wt: WeightType) 
         assert torch.equal(layer(x), together)
     finally:
         ops().set_team_mode(1)
+
+
+PROSE = (
+    "The licenses for most software and other practical works are designed to take away your freedom to "
+    "share and change the works. By contrast, the GNU General Public License is intended to guarantee your "
+    "freedom to share and change all versions of a program, to make sure it remains free software for all "
+    "its users. When we speak of free software, we are referring to freedom, not price."
+)
+
+
+def _decode_logprobs(engine: Any, tokens: list[int], integer: bool) -> torch.Tensor:
+    """[len(tokens) - 1, vocab] log-softmax of each step's logits, one token a step through the
+    fused decode stack (its matmuls all in the shipped file's Q4_1, the head Q8_0)."""
+    from tokenwire.engine.kv_cache import KVCache
+    from tokenwire.model.layers.decoder import PagedDecode
+
+    def run() -> torch.Tensor:
+        model = engine.model
+        ops().set_int16_activations(integer)
+        try:
+            blocks = -(-len(tokens) // 16)
+            kv = KVCache(model.config, blocks, 16, engine.kv.kv_dtype, model.device)
+            table = torch.arange(blocks)[None]
+            rows = []
+            with torch.inference_mode():
+                for p in range(len(tokens) - 1):
+                    pos = torch.tensor([p])
+                    paged = PagedDecode(kv.k, kv.v, pos, table, kv.k_scale, kv.v_scale)
+                    hidden, _ = model(torch.tensor(tokens[p : p + 1]), pos, paged)
+                    rows.append(torch.log_softmax(model.logits(hidden)[0].double(), -1))
+            return torch.stack(rows)
+        finally:
+            ops().set_int16_activations(True)
+
+    return engine.call_on_model_thread(run).result()
+
+
+def test_int8_activations_stay_within_a_kl_bound_of_the_exact_model(smollm2_engine: Any) -> None:
+    """The shipped SmolLM2 (Q4_1 layers, Q8_0 head), decoded token by token: its int8
+    activations against the same weights with fp32 activations (the exact dequantised model up
+    to fp32 summation order). Mean KL(exact || int8) per position <= 1.2e-2 and the greedy
+    token the same at >= 90% of positions: seen mean 5.6e-3 (max 3.2e-2), top-1 0.957 (47
+    positions; SmolLM2's activations have outliers that set their blocks' scales). KL grows with
+    the rounding error's variance, 4x for every bit fewer: int7 activations would land near
+    2.2e-2, twice the bound."""
+    tokens = smollm2_engine.tokenizer.encode(PROSE)[:48]
+    exact = _decode_logprobs(smollm2_engine, tokens, integer=False)
+    int8 = _decode_logprobs(smollm2_engine, tokens, integer=True)
+    kl = (exact.exp() * (exact - int8)).sum(-1)
+    agree = (exact.argmax(-1) == int8.argmax(-1)).double().mean().item()
+    assert kl.mean().item() <= 1.2e-2 and agree >= 0.9, (kl.mean().item(), agree)
