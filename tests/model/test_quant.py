@@ -89,32 +89,6 @@ def test_fp32_activation_path_equals_fp32_matmul(qtype: int, rows: int, fp32_act
     assert layer(x.view(1, rows, 576)).shape == (1, rows, 130)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("blocks", [1, 3, 8, 18, 48])
-def test_int16_rows_stay_within_their_rounding_bound(qtype: int, blocks: int) -> None:
-    """The quantised matmul (int16 activations per 32-value block, integer block dots, groups of
-    8 blocks with a short last one; any number of rows) against fp32 with the dequantised weight.
-    Each activation is off by at most max|block| / 65534 and meets the block's integer part d*q
-    (Q4_1's minimum and Q4_0's -8d go with exact fp32 block sums), so a result is off by at most
-    that times sum d*q."""
-    k = 32 * blocks
-    packed, reference = _blocks(37, k, qtype, seed=blocks)
-    layer = QuantLinear(packed, qtype, k)
-    w = torch.from_numpy(reference)
-    raw = packed.view(37, blocks, -1)
-    d = raw[..., :2].contiguous().view(torch.float16).float()  # [37, blocks, 1]
-    offset = {Q4_0: -8 * d, Q4_1: raw[..., 2:4].contiguous().view(torch.float16).float(), Q8_0: 0 * d}[qtype]
-    integer_part = (w.view(37, blocks, 32) - offset).abs().sum(-1)  # sum |d*q| per block
-    generator = torch.Generator().manual_seed(blocks)
-    for rows in (1, 2, 3, 7, 32, 300):
-        x = torch.randn(rows, k, generator=generator) * torch.rand(rows, k, generator=generator) * 4
-        x[0, :32] = 0  # an all-zero block
-        got, expected = layer(x), x @ w.T
-        block_max = x.abs().view(rows, blocks, 32).amax(-1)
-        bound = block_max @ integer_part.T / 65534 + 1e-5 * expected.abs() + 1e-6
-        assert ((got - expected).abs() <= bound).all(), (rows, (got - expected).abs().max().item())
-
-
 @pytest.mark.parametrize("qtype", K_QTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 32, 300])
 def test_k_quant_matmul_equals_fp32_matmul(qtype: int, rows: int) -> None:
@@ -125,7 +99,8 @@ def test_k_quant_matmul_equals_fp32_matmul(qtype: int, rows: int) -> None:
     for Q2_K, Q3_K, Q6_K, of 16 inside them) times the integer part of the weights (what is left
     with the offset -dmin*m, Q3_K's -4 d*scale or Q6_K's -32 d*scale taken out: those meet the
     exact fp32 block sums), plus the fp32 rounding of the terms, 1e-6 of sum |x| (|w| + |offset|)
-    (seen: 2e-8)."""
+    (seen: 2e-8). Q4_K and Q6_K run tiled (int8 activations) where the build has AVX2: their
+    bound is tests/model/test_tiles.py's."""
     wt = weight_types.weight_type(qtype)
     k = 3 * wt.block
     packed = random_blocks(67, k, wt, seed=rows)
@@ -138,6 +113,8 @@ def test_k_quant_matmul_equals_fp32_matmul(qtype: int, rows: int) -> None:
     expected = x @ w.T
     fp32 = ops().qmatmul(x, split, qtype, False)
     assert ((fp32 - expected).abs() <= 2e-6 * (x.abs() @ w.abs().T)).all()
+    if wt.tiled:
+        return
     got = ops().qmatmul(x, split, qtype, True)
     block_max = x.abs().view(rows, -1, 32).amax(-1)
     integer_part = (w - offset).abs().view(67, -1, 32).sum(-1)

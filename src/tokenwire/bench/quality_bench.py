@@ -86,8 +86,10 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
     try:
         tokens = reference_engine.tokenizer.encode(text)[: args.tokens]
         reference = score_prefill(reference_engine, tokens)
+        gguf = reference_engine.source.source if reference_engine.source is not None else None
     finally:
         reference_engine.shutdown()
+    llamacpp = score_llamacpp(gguf, tokens)
     engine = build_engine(settings)
     kv_types = [kv for kv in args.kv_types.split(",") if kv]
     try:
@@ -105,6 +107,8 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
         "decode": compare(reference, decode),
         "kv_dtype": kv_dtype,
     }
+    if llamacpp is not None:  # llama.cpp on the same file and text, against the same reference
+        result["llamacpp"] = compare(reference, llamacpp)
     if by_kv is not None:
         result["kv_vs_fp32_kv"] = by_kv
     if args.json:
@@ -113,7 +117,9 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
     print(f"tokenwire bench quality — {engine.name}: {weights} vs fp32 (dequantised), {len(tokens)} tokens")
     print(f"{'path':<10}{'top-1 agree':>13}{'mean |dlogp|':>14}{'max |dlogp|':>13}{'perplexity':>12}")
     print(f"{'fp32 ref':<10}{'':>13}{'':>14}{'':>13}{result['reference_perplexity']:>12.3f}")
-    for path in ("prefill", "decode"):
+    for path in ("prefill", "decode", "llamacpp"):
+        if path not in result:
+            continue
         r = result[path]
         print(
             f"{path:<10}{r['top1_agreement'] * 100:>12.2f}%{r['mean_abs_logprob_diff']:>14.2e}"
@@ -136,6 +142,19 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
                 f"{r['max_abs_logprob_diff']:>13.2e}{r['perplexity']:>12.3f}"
             )
     return 0
+
+
+def score_llamacpp(gguf: Path | None, tokens: list[int]) -> Scored | None:
+    """llama.cpp's own teacher-forced scores of the text (its f16 cache, 512-token batches), where
+    the model is a GGUF and the `bench` extra is installed: the peer the quantised path is held
+    to (issue 42: at least as faithful as llama.cpp on the same file)."""
+    if gguf is None or gguf.suffix.lower() != ".gguf" or not llamacpp_baseline.available():
+        return None
+    llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), 1, 512)
+    try:
+        return llama.teacher_forced(tokens, "f16")
+    finally:
+        llama.close()
 
 
 def score_kv_types(engine: Engine, tokens: list[int], kv_types: list[str]) -> dict[str, Any]:
