@@ -23,6 +23,22 @@
 // activation rounding errors meet q - z (|q - 8| <= 8) rather than q (<= 15): the int8 error of
 // a Q4 dot is about half what it would be uncentred. Q4_1's minimum and Q4_K's (with the 8 d sc
 // the centring moved) multiply the exact fp32 block sums.
+//
+// Measured (Zen 5 EPYC VM, 2 threads, 8192x2048, GFLOP/s, min of calls; old = the int16 kernels
+// of the commit before, same sitting; the machine shared with other work):
+//                      M = 1          M = 32          M = 256
+//   AVX-512  Q4_0    72 -> 164      90 -> 424      187 -> 527
+//            Q4_1   130 -> 151     192 -> 477      153 -> 537
+//            Q8_0   121 ->  94     171 -> 398      167 -> 598
+//            Q4_K   116 -> 116     169 -> 380      190 -> 482
+//            Q6_K    98 ->  65     166 -> 372      201 -> 505
+//   AVX2     Q4_0   113 ->  90      88 -> 222       91 -> 268
+//            Q4_1   101 -> 108      96 -> 309      132 -> 318
+//            Q8_0   102 ->  56      99 -> 167      142 -> 177
+//            Q4_K   123 ->  82     145 -> 212      145 -> 219
+//            Q6_K    85 ->  52      94 -> 192       94 -> 230
+// (M = 1 on AVX-512 is tiles_decode.h's; on AVX2 the strips', whose transposes cost decode
+// there.) One core, M = 256: 250-310 GFLOP/s.
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
 #pragma once
 
