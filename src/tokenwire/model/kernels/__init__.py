@@ -76,6 +76,16 @@ def compiler_flags() -> list[str]:
     return flags
 
 
+def kernel_path() -> str:
+    """Which instruction set the kernels are built for, in words (bench engine prints it)."""
+    flags = compiler_flags()
+    if "-mavx512vnni" in flags:
+        return "AVX-512 VNNI (tiled int8: vpdpbusd)"
+    if "-mavx2" in flags:
+        return "AVX2 (tiled int8: vpmaddubsw + vpmaddwd)"
+    return "portable C++ (fp32 activations)"
+
+
 def kernel_dir() -> Path:
     flags = compiler_flags()
     sources = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("*.[ch]*")))
