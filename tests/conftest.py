@@ -14,6 +14,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # (4-8 s each, in a child process) instead of once a test. Set before any server child starts,
 # so theirs share it too; the cold-start test clears it for its own process.
 os.environ.setdefault("TOKENWIRE_TOKENIZER_CACHE", tempfile.mkdtemp(prefix="tokenwire-test-tokenizers-"))
+# `serve` persists sessions under the cache directory by default (--state-dir): the suite's many
+# servers would all restore each other's sessions from the user's cache (coupled tests, slower
+# starts, state left behind). Off for every child server unless a test turns it on with a
+# temporary --state-dir of its own (tests/reliability/test_persistence.py drops this variable).
+os.environ.setdefault("TOKENWIRE_NO_PERSIST", "1")
 
 
 @pytest.fixture(scope="session")

@@ -66,6 +66,7 @@ def benchmarks() -> list[ModuleType]:
         openai_bench,
         salience_bench,
         scale_bench,
+        sessions_bench,
         soak_bench,
         spec_bench,
         vision_bench,
@@ -73,7 +74,7 @@ def benchmarks() -> list[ModuleType]:
 
     return [
         salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
-        vision_bench, scale_bench, fuzz_bench, soak_bench, spec_bench, apis_bench,
+        vision_bench, scale_bench, fuzz_bench, soak_bench, spec_bench, apis_bench, sessions_bench,
     ]  # fmt: skip
 
 

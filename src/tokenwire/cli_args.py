@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from tokenwire.model.cache_dir import default_cache_dir
 from tokenwire.model_spec import check_model_spec
 
 # model/weight_types.py's WEIGHT_TYPES by name, written out: importing it imports torch, which
@@ -115,6 +116,35 @@ def settings_from(args: argparse.Namespace, **extra: object) -> EngineSettings:
         max_queued=getattr(args, "max_queued", None),
         **extra,  # type: ignore[arg-type]
     )
+
+
+def add_state_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sessions on disk (docs/sessions.md)")
+    g.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where sessions and their idle KV persist, so a restart or a crash loses no conversation "
+        "(default: <--cache-dir>/state)",
+    )
+    g.add_argument("--no-persist", dest="persist", action="store_false", help="keep sessions in memory only")
+    g.add_argument(
+        "--state-max-gb",
+        type=float,
+        help="most GiB of KV block files in --state-dir; over it whole idle sessions' KV is evicted, "
+        "least recently used first (their tokens stay: the next turn computes it again); default: no bound",
+    )
+
+
+def state_settings(args: argparse.Namespace) -> dict[str, object]:
+    """EngineSettings' state_dir and state_max_gb from serve's flags (None: --no-persist)."""
+    if args.state_max_gb is not None and args.state_max_gb <= 0:
+        raise ValueError(f"--state-max-gb must be > 0, got {args.state_max_gb}")
+    if not args.persist:
+        return {"state_dir": None, "state_max_gb": None}
+    state_dir = args.state_dir
+    if state_dir is None:
+        state_dir = (args.cache_dir or default_cache_dir()) / "state"
+    return {"state_dir": Path(state_dir).expanduser(), "state_max_gb": args.state_max_gb}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

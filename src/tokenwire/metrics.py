@@ -127,6 +127,8 @@ class EngineCollector:
             "Tokens a step with guesses produced, on average (1 = no guess kept)",
             (stats["spec_accepted"] + verifications) / verifications if verifications else 0.0,
         )
+        if "sessions_persisted" in stats:  # --state-dir (engine/persistence.py)
+            yield from persistence_metrics(stats)
         choice = engine_threads.current()
         if choice is not None:  # source: flag, env, affinity or cgroup (engine/threads.py)
             threads = GaugeMetricFamily(
@@ -134,6 +136,35 @@ class EngineCollector:
             )
             threads.add_metric([choice.source], choice.threads)
             yield threads
+
+
+def persistence_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """Sessions that outlive the process: what is persisted, the KV block files, their traffic."""
+    yield GaugeMetricFamily(
+        "tokenwire_sessions_persisted", "Sessions kept in the session store (--state-dir)",
+        stats["sessions_persisted"],
+    )  # fmt: skip
+    yield GaugeMetricFamily("tokenwire_kv_disk_blocks", "KV blocks in block files", stats["kv_disk_blocks"])
+    yield GaugeMetricFamily("tokenwire_kv_disk_bytes", "Bytes of the KV block files", stats["kv_disk_bytes"])
+    for op, what in (("reads", "read back instead of computed"), ("writes", "written")):
+        yield CounterMetricFamily(f"tokenwire_kv_disk_{op}", f"KV block files {what}", stats[f"kv_disk_{op}"])
+        yield CounterMetricFamily(
+            f"tokenwire_kv_disk_{op[:-1]}_bytes",
+            f"Bytes of KV block files {what}",
+            stats[f"kv_disk_{op[:-1]}_bytes"],
+        )
+    yield CounterMetricFamily(
+        "tokenwire_kv_disk_corrupt", "KV block files that failed their checks (computed again)",
+        stats["kv_disk_corrupt"],
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        "tokenwire_kv_disk_evicted_sessions", "Idle sessions whose KV files went for --state-max-gb",
+        stats["kv_disk_evicted_sessions"],
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        "tokenwire_state_write_errors", "Writes to --state-dir the disk refused (full, read-only)",
+        stats["state_write_errors"],
+    )  # fmt: skip
 
 
 _engine_collector: EngineCollector | None = None
@@ -144,6 +175,8 @@ def observe_request(request: Request, finish: FinishEvent) -> None:
     session = None if request.session.ephemeral else request.session.id
     spec = request.speculator  # its guesses run and kept, where it guessed (engine/speculation.py)
     guesses = {} if spec is None else {"guesses": spec.proposed, "guesses_kept": spec.accepted}
+    if request.disk_tokens:  # prompt positions whose KV was read from the block files (--state-dir)
+        guesses["disk_kv_tokens"] = request.disk_tokens
     record_request(request.options.origin, finish, request.arrived, request.token_times, session, **guesses)
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 
 from tokenwire import plugins
-from tokenwire.cli_args import add_model_args, settings_from
+from tokenwire.cli_args import add_model_args, add_state_args, settings_from, state_settings
 from tokenwire.config import apply_config_defaults
 from tokenwire.heap import freeze_startup_heap
 from tokenwire.metrics import bind_metrics, watch_engine
@@ -45,6 +45,7 @@ def add_serve_args(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         "--shutdown-grace", type=float, default=10.0, help="seconds open streams get to end on SIGTERM"
     )
     g.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics HTTP port (0 = off)")
+    add_state_args(parser)  # --state-dir, --no-persist, --state-max-gb (docs/sessions.md)
     add_scale_args(parser)  # --replicas N: engine replicas on Ray (tokenwire/scale)
     for plugin in plugins.SERVER_PLUGINS:
         plugin.add_serve_args(parser)
@@ -74,7 +75,7 @@ async def _serve(args: argparse.Namespace) -> int:
     check_scale_args(args)
     listeners = await _bind_all(args)
     try:
-        settings = settings_from(args, session_ttl_s=args.session_ttl)
+        settings = settings_from(args, session_ttl_s=args.session_ttl, **state_settings(args))
     except BaseException:
         for listener in listeners:
             listener.close()

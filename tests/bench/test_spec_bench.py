@@ -3,23 +3,15 @@ with speculation off and on, and the counters behind them (llama.cpp is a `make 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from tests.bench.bench_cli import bench_json
 
 
 def test_spec_bench_json_reports_each_workload() -> None:
-    out = subprocess.run(
-        [
-            *(sys.executable, "-m", "tokenwire.cli", "bench", "spec", "--json", "--no-llamacpp"),
-            *("--repeats=1", "--edit-tokens=48", "--chat-tokens=8", "--streams=2", "--kv-cache-mb=64"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = bench_json(
+        "spec",
+        *("--no-llamacpp", "--repeats=1", "--edit-tokens=48", "--chat-tokens=8"),
+        *("--streams=2", "--kv-cache-mb=64"),
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)
     assert 500 < result["edit_prompt_tokens"] < 900
     for workload in ("edit", "chat", "streams_2"):
         row = result[workload]

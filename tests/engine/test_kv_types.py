@@ -103,6 +103,48 @@ def test_attention_over_many_blocks_matches_float64(kv: str, heads: int, kv_head
         assert torch.equal(alone, got[:1])
 
 
+@pytest.mark.parametrize("kv", list(STORED))
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (6, 2, 16), (3, 1, 32)])
+def test_rows_of_one_sequence_read_together_give_each_row_its_bits_alone(
+    kv: str, heads: int, kv_heads: int, d: int
+) -> None:
+    """A decode row and its guesses (issue 45), and 20 rows of a prefill chunk (two groups):
+    rows of one sequence share each chunk's read of the cache (kernels/paged_attention.h); each
+    row's output is the bits it gets alone, and matches float64."""
+    if kv == "q8" and d % Q8_BLOCK:
+        pytest.skip("q8 needs a head size that is a multiple of 32")
+    torch.manual_seed(heads + d)
+    bs, blocks = 16, 160
+    table = torch.randperm(blocks)[:140]
+    n = 2100  # positions stored: rows end past 8 chunks of 256, the last chunk partly
+    slots = table[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+    keys_given, values_given = torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
+    k, ks = _cache(kv, blocks, bs, kv_heads, d, keys_given, slots)
+    v, vs = _cache(kv, blocks, bs, kv_heads, d, values_given, slots)
+    scale = d**-0.5
+    for first, rows in ((2047, 5), (2060, 20)):  # 5 rows across a chunk boundary (2048)
+        q = torch.randn(rows, heads, d)
+        positions = torch.arange(first, first + rows)
+        tables = table.repeat(rows, 1).contiguous()
+        for window in (0, 300):
+            got = kernels.ops().paged_attention(q, k, v, ks, vs, positions, tables, window, scale)
+            flat = (-1, kv_heads, d)
+            stored = _reference(
+                q, _stored(k, ks).view(flat), _stored(v, vs).view(flat), positions, tables, bs, window, scale
+            )
+            assert (got.double() - stored).abs().max() <= BOUND_VS_STORED
+            for split in (0, 1):
+                together = kernels.ops().paged_attention(
+                    q, k, v, ks, vs, positions, tables, window, scale, split
+                )
+                assert torch.equal(together, got)
+            for m in range(rows):
+                alone = kernels.ops().paged_attention(
+                    q[m : m + 1], k, v, ks, vs, positions[m : m + 1], tables[m : m + 1], window, scale
+                )
+                assert torch.equal(alone, got[m : m + 1])
+
+
 @pytest.mark.parametrize("kv", ["fp16", "bf16"])
 def test_the_kernel_stores_what_torch_rounds_to(kv: str) -> None:
     """The eager path writes its cache with torch's .to(), the fused step with the kernel: the

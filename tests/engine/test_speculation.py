@@ -15,7 +15,7 @@ from tests.tiny_models import hf_model
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.grammar import GrammarConstraint
 from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
-from tokenwire.engine.speculation import Speculator, StepCost
+from tokenwire.engine.speculation import Speculator, StepCost, StepShape
 from tokenwire.model.families import build_model, read_config
 from tokenwire.model.layers.weights import quantize_state
 from tokenwire.model.quant import Q4_1
@@ -55,11 +55,37 @@ def test_a_guess_is_made_only_while_its_chance_pays_for_its_row() -> None:
 
 def test_step_cost_fits_fixed_and_per_row_time() -> None:
     cost = StepCost()
-    assert cost.per_row_share(1) == pytest.approx(0.4 / 1.4)  # the prior until rows vary
-    for rows in [1, 2, 3, 5, 9] * 4:
-        cost.observe(rows, 0.003 + 0.00125 * rows)
-    assert cost.per_row_share(1) == pytest.approx(1.25 / 4.25)
-    assert cost.per_row_share(8) == pytest.approx(10 / 13)
+    short = StepShape.decodes([10])
+    f, r, p, k = StepCost.PRIOR  # the prior's shape until steps are observed
+    assert cost.guess_share(short, 10) == pytest.approx((r + p * 10) / (f + r + (p + k) * 10))
+    for rows in [1, 2, 3, 5, 9] * 4:  # short contexts: the attention is a few positions
+        cost.observe(StepShape(rows, rows * 10, 10), 0.003 + 0.00125 * rows)
+    assert cost.guess_share(short, 10) == pytest.approx(1.25 / 4.25, rel=0.02)
+    assert cost.guess_share(StepShape.decodes([10] * 8), 10) == pytest.approx(10 / 13, rel=0.02)
+
+
+def test_step_cost_charges_a_guess_its_attention_over_a_long_context() -> None:
+    """Steps at 100 and 8,000 positions, rows varying (a decode row and its guesses): what a
+    guess costs at 8k is its row and its attention over the 8k, not a short row's cost."""
+    fixed, per_row, per_position, per_read = 0.002, 0.001, 1e-6, 0.4e-6
+
+    def seconds(shape: StepShape) -> float:
+        return fixed + per_row * shape.rows + per_position * shape.positions + per_read * shape.read
+
+    cost = StepCost()
+    for context in [100, 8000] * 10:
+        for guesses in [0, 1, 3]:
+            rows = 1 + guesses  # rows at context-1 .. context+guesses-1: each attends its prefix
+            shape = StepShape(rows, rows * context + rows * (rows - 1) // 2, context + guesses)
+            cost.observe(shape, seconds(shape))
+    at_8k = StepShape.decodes([8000])
+    want_8k = (per_row + per_position * 8000) / seconds(at_8k)  # 9 ms of a 13.2 ms step: 0.68
+    assert cost.guess_share(at_8k, 8000) == pytest.approx(want_8k, rel=0.05)
+    at_100 = StepShape.decodes([100])
+    want_100 = (per_row + per_position * 100) / seconds(at_100)  # 1.1 of 3.14 ms: 0.35
+    assert cost.guess_share(at_100, 100) == pytest.approx(want_100, rel=0.05)
+    # a short row's cost at 8k (attention not counted) would be 1.1 / 13.2 ms: 0.08
+    assert cost.guess_share(at_8k, 8000) > 0.6
 
 
 def _tiny() -> torch.nn.Module:

@@ -5,7 +5,9 @@ streamed by a plain aiohttp client that parses the API's own stream (SSE, named 
 NDJSON) and takes the token count from the API's own usage fields, against the engine called
 directly with the same prompt tokens — interleaved, medians of --repeats:
 
-- time to first token and tokens/s per API, and the ratio to the engine's (target >= 0.97x);
+- time to first token and tokens/s per API, and its ratio to the engine's (target >= 0.97x): the
+  median over rounds of each reading against an engine reading taken just before it; the
+  clients run in a process of their own (bench/api_clients.py), as a user's client does;
 - the texts must be equal (greedy parity: the same conversation, the same tokens), else exit 1;
 - turn 2 of a --history-tokens conversation through Responses: `previous_response_id` (the
   session's KV is reused) against re-sending the whole conversation (a history the server never
@@ -19,12 +21,9 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import aiohttp
-import orjson
-
+from tokenwire.bench.api_clients import APIS, PROMPT, ClientProcess, Reading
 from tokenwire.bench.openai_bench import _words
 from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.engine.engine import Engine
@@ -32,109 +31,7 @@ from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.request import FinishEvent, GenerateOptions, SamplingParams, stream_events
 from tokenwire.protocols.openai.transport import OpenAIServer
 
-PROMPT = "Write a long story about a lighthouse keeper, a storm and a lost ship."
 GREEDY = SamplingParams(temperature=0.0)
-
-
-class Reading:
-    """One streamed answer: its text, token count (from the API's usage), first-token time."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.first = 0.0
-        self.text = ""
-        self.tokens = 0
-        self.seconds = 0.0
-
-    def delta(self, piece: str | None) -> None:
-        if piece:
-            if not self.text:
-                self.first = time.perf_counter() - self.start
-            self.text += piece
-
-    def done(self) -> Reading:
-        self.seconds = time.perf_counter() - self.start
-        return self
-
-
-async def _sse(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[str | None, Any]]:
-    """(event name or None, parsed data) of each server-sent event."""
-    event: str | None = None
-    async for raw in response.content:
-        line = raw.rstrip(b"\r\n")
-        if line.startswith(b"event:"):
-            event = line[6:].strip().decode()
-        elif line.startswith(b"data:"):
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return
-            yield event, orjson.loads(data)
-            event = None
-
-
-async def openai_chat(http: aiohttp.ClientSession, base: str, model: str, tokens: int) -> Reading:
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    r = Reading()
-    async with http.post(f"{base}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for _, chunk in _sse(response):
-            if chunk.get("usage"):
-                r.tokens = chunk["usage"]["completion_tokens"]
-            elif chunk.get("choices"):
-                r.delta(chunk["choices"][0]["delta"].get("content"))
-    return r.done()
-
-
-async def openai_responses(http: aiohttp.ClientSession, base: str, model: str, tokens: int) -> Reading:
-    body = {"model": model, "input": PROMPT, "max_output_tokens": tokens, "temperature": 0,
-            "stream": True, "store": False}  # fmt: skip
-    r = Reading()
-    async with http.post(f"{base}/v1/responses", json=body) as response:
-        response.raise_for_status()
-        async for _, event in _sse(response):
-            if event.get("type") == "response.output_text.delta":
-                r.delta(event["delta"])
-            elif event.get("type") in ("response.completed", "response.incomplete"):  # incomplete: at the cap
-                r.tokens = event["response"]["usage"]["output_tokens"]
-    return r.done()
-
-
-async def anthropic_messages(http: aiohttp.ClientSession, base: str, model: str, tokens: int) -> Reading:
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
-            "temperature": 0, "stream": True}  # fmt: skip
-    r = Reading()
-    async with http.post(f"{base}/v1/messages", json=body) as response:
-        response.raise_for_status()
-        async for name, event in _sse(response):
-            if name == "content_block_delta" and event["delta"].get("type") == "text_delta":
-                r.delta(event["delta"]["text"])
-            elif name == "message_delta":
-                r.tokens = event["usage"]["output_tokens"]
-    return r.done()
-
-
-async def ollama_chat(http: aiohttp.ClientSession, base: str, model: str, tokens: int) -> Reading:
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}],
-            "options": {"temperature": 0, "num_predict": tokens}}  # fmt: skip
-    r = Reading()
-    async with http.post(f"{base}/api/chat", json=body) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            if line.strip():
-                part = orjson.loads(line)
-                r.delta(part.get("message", {}).get("content"))
-                if part.get("done"):
-                    r.tokens = part["eval_count"]
-    return r.done()
-
-
-APIS: dict[str, Callable[..., Any]] = {
-    "openai chat": openai_chat,
-    "openai responses": openai_responses,
-    "anthropic": anthropic_messages,
-    "ollama": ollama_chat,
-}
 
 
 async def _engine(engine: Engine, tokens: int) -> Reading:
@@ -152,39 +49,27 @@ async def _engine(engine: Engine, tokens: int) -> Reading:
     return r.done()
 
 
-async def _turn2(http: aiohttp.ClientSession, base: str, engine: Engine, history: int, repeats: int) -> dict:
+async def _turn2(client: ClientProcess, base: str, engine: Engine, history: int, repeats: int) -> dict:
     model, chained, resent = engine.name, [], []
-
-    async def ttft(body: dict[str, Any]) -> float:
-        r = Reading()
-        async with http.post(f"{base}/v1/responses", json={**body, "stream": True}) as response:
-            response.raise_for_status()
-            async for _, event in _sse(response):
-                if event.get("type") == "response.output_text.delta":
-                    r.delta(event["delta"])
-                    break
-        return r.first or time.perf_counter() - r.start
-
     question = "And what happened next?"
     for i in range(repeats):
         text = _words(engine.tokenizer, history, seed=20 + i)
         first = {"model": model, "input": text, "max_output_tokens": 16, "temperature": 0}
-        async with http.post(f"{base}/v1/responses", json=first) as response:
-            response.raise_for_status()
-            turn1 = await response.json()
-        reply = "".join(
-            part.get("text", "") for item in turn1["output"] for part in item.get("content", []) or []
-        )
+        turn1 = await client.call("responses_first_turn", base, first)
         one = {"model": model, "max_output_tokens": 1, "temperature": 0}
-        chained.append(await ttft({**one, "input": question, "previous_response_id": turn1["id"]}))
+        chained.append(
+            await client.call(
+                "responses_ttft", base, {**one, "input": question, "previous_response_id": turn1["id"]}
+            )
+        )
         unseen = _words(engine.tokenizer, history, seed=2000 + i)  # no prefix-cache help
         conversation = [
             {"role": "user", "content": unseen},
-            {"role": "assistant", "content": reply},
+            {"role": "assistant", "content": turn1["text"]},
             {"role": "user", "content": question},
         ]
-        resent.append(await ttft({**one, "input": conversation}))
-        await http.delete(f"{base}/v1/responses/{turn1['id']}")
+        resent.append(await client.call("responses_ttft", base, {**one, "input": conversation}))
+        await client.call("responses_delete", base, turn1["id"])
     c, s = statistics.median(chained), statistics.median(resent)
     return {"history_tokens": history, "chained_ttft_s": c, "resent_ttft_s": s, "ratio": s / c}
 
@@ -193,19 +78,25 @@ async def _run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     server = await OpenAIServer(engine, "127.0.0.1", 0).start()
     base = server.url.removesuffix("/v1")
     rows: dict[str, list[Reading]] = {"engine": [], **{name: [] for name in APIS}}
+    # each API's reading beside an engine reading taken just before it: the machine is shared,
+    # and a ratio of neighbours cancels the load that moves both (medians of these ratios)
+    pairs: dict[str, list[float]] = {name: [] for name in APIS}
+    client = ClientProcess()
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-            await _engine(engine, 4)  # warm-up: the prompt's prefix cache, every route once
-            for call in APIS.values():
-                await call(http, base, engine.name, 4)
-            for _ in range(args.repeats):
-                rows["engine"].append(await _engine(engine, args.tokens))
-                for name, call in APIS.items():
-                    rows[name].append(await call(http, base, engine.name, args.tokens))
-            turn2 = await _turn2(http, base, engine, args.history_tokens, args.repeats)
+        await _engine(engine, 4)  # warm-up: the prompt's prefix cache, every route once
+        for name in APIS:
+            await client.call(name, base, engine.name, 4)
+        for _ in range(args.repeats):
+            for name in APIS:
+                alone = await _engine(engine, args.tokens)
+                served = await client.call(name, base, engine.name, args.tokens)
+                rows["engine"].append(alone)
+                rows[name].append(served)
+                pairs[name].append((served.tokens / served.seconds) / (alone.tokens / alone.seconds))
+        turn2 = await _turn2(client, base, engine, args.history_tokens, args.repeats)
     finally:
+        client.close()
         await server.stop()
-    base_rate = statistics.median(r.tokens / r.seconds for r in rows["engine"])
     reference = rows["engine"][0].text
     table = {}
     for name, readings in rows.items():
@@ -213,7 +104,7 @@ async def _run(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
         table[name] = {
             "ttft_s": statistics.median(r.first for r in readings),
             "tok_s": rate,
-            "ratio": rate / base_rate,
+            "ratio": statistics.median(pairs[name]) if name in pairs else 1.0,
             "tokens": readings[0].tokens,
             "same_text": all(r.text == reference for r in readings),
         }

@@ -9,7 +9,8 @@ Same model directory, same prompts, same machine, measured side by side:
 - turn2_ttft: time to the first token of a second turn on a long session, reusing the
   session's KV against re-prefilling the whole conversation (prefix cache off);
 - decode_at_4k, decode_at_8k: single-stream decode after a long context, per KV type, beside
-  llama.cpp's matching cache (bench/long_context.py), and kv_bytes_per_token.
+  llama.cpp's matching cache, in-process and served through the OpenAI API, with the KV GB/s
+  each decode step reads (bench/long_context.py), and kv_bytes_per_token.
 Beside each speed, the weight bandwidth it implies (weight_gb_s, GB = 1e9 bytes): the bytes of
 weight matrices one forward step reads (shapes.weight_bytes, from the GGUF's own tensor sizes, the
 same figure for both engines) times forward steps per second: tok/s for a single stream, tok/s
@@ -226,7 +227,9 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
             _median(partial(ours_turn2, engine, args.session_tokens, False), reps),
         )
         long_kv = [kv for kv in args.long_kv.split(",") if kv]
-        long_ctx = run_long_context(engine, llama, long_kv, n, reps) if long_kv else None
+        long_ctx = (
+            run_long_context(engine, llama, long_kv, n, reps, served=args.long_served) if long_kv else None
+        )
         # the engine idles (its threads asleep) while the baseline runs in its own process
         hf = hf_baseline(model_dir, prompts, n, reps, ftz=False) if args.hf else None
         weights, decode, kv_mb = engine.weights, decode_path(engine.model), engine.kv_cache_mb
@@ -410,6 +413,12 @@ def register(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         default="fp16,q8",
         help="KV types of decode_at_4k / decode_at_8k (bench/long_context.py), comma-separated; "
         "empty skips them",
+    )
+    be.add_argument(
+        "--no-long-served",
+        dest="long_served",
+        action="store_false",
+        help="skip the long measures' served variant (the same request through the OpenAI API)",
     )
     be.add_argument(
         "--shape",

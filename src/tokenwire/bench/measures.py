@@ -31,3 +31,19 @@ def ours_streams(engine: Engine, prompts: list[list[int]], n: int) -> float:
     handles = [engine.generate(None, p, greedy(n, use_prefix_cache=False)) for p in prompts]
     total = sum(len(h.result()[0]) for h in handles)
     return total / (time.perf_counter() - start)
+
+
+def ours_single_steps(
+    engine: Engine, prompt: list[int], n: int, use_prefix_cache: bool = False
+) -> tuple[float, float]:
+    """ours_single's tok/s and the model steps per second behind it (a step may yield several
+    tokens where guesses are kept: engine/speculation.py), the first token's step excluded."""
+    stamps = []
+    steps = 0
+    for event in iter_events(engine.generate(None, prompt, greedy(n, use_prefix_cache))):
+        if isinstance(event, TokenEvent):
+            stamps.append(time.perf_counter())
+            if len(stamps) == 1:
+                steps = engine.stats()["steps"]
+    elapsed = stamps[-1] - stamps[0]
+    return (len(stamps) - 1) / elapsed, (engine.stats()["steps"] - steps) / elapsed

@@ -77,6 +77,15 @@ class EngineAPI(Protocol):
 
     def has_session(self, session_id: str) -> bool: ...
 
+    def claim_session(self, session_id: str, protocol: str, owner: str = "") -> None:
+        """A protocol's session by id: it persists across restarts (with --state-dir) and belongs
+        to `owner` (a digest of the key that made it, protocols/security.py owner_of)."""
+        ...
+
+    def session_owner(self, session_id: str) -> str:
+        """The owner claim_session gave it ("" for nobody in particular)."""
+        ...
+
     # ------------------------------------------------------------------ requests
     def check(
         self,

@@ -174,8 +174,7 @@ def plan_drafts(scheduler: Scheduler) -> list[DraftCall]:
     admitted = sorted(scheduler.waiting, key=lambda r: (r.options.priority, r.id))[:room]
     live = [r for r in [*scheduler.running, *admitted] if not r.finished]
     # the scheduler's threshold: what a guess's row costs beside the step's decode rows
-    decoding = sum(1 for r in live if len(r.session.tokens) - r.session.num_computed == 1)
-    threshold = scheduler.step_cost.per_row_share(max(1, decoding))
+    decodes = scheduler.decode_shape(live)
     calls: list[DraftCall] = []
     for request in live:
         speculator = request.speculator
@@ -188,6 +187,7 @@ def plan_drafts(scheduler: Scheduler) -> list[DraftCall]:
         if limit <= 0:
             continue
         # the step's room for guesses is known only in _pack: propose() cuts to it
+        threshold = scheduler.step_cost.guess_share(decodes, length)  # its attention at `length` included
         call = speculator.plan(request.session.tokens, min(limit, MAX_GUESSES), threshold)
         if call is not None:
             calls.append(call)

@@ -35,7 +35,7 @@ from tokenwire.engine.request import EngineHandle, FinishEvent, GenerateOptions,
 from tokenwire.engine.scheduler import Scheduler
 from tokenwire.engine.session import Session
 from tokenwire.engine.session_calls import SessionCalls
-from tokenwire.engine.speculation import SPECULATE, SpecStats, Speculator, StepCost
+from tokenwire.engine.speculation import SPECULATE, SpecStats, Speculator, StepCost, step_shape
 from tokenwire.engine.step import StepItem, run_step
 from tokenwire.engine.step_model import StepModel, check_step_model
 from tokenwire.engine.step_team import StepTeam
@@ -51,7 +51,8 @@ from tokenwire.model.config import ModelConfig
 from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.tokenizer import Tokenizer
 
-if TYPE_CHECKING:  # only a type here: the loader is the factory's
+if TYPE_CHECKING:  # only types here: the loader is the factory's, persistence serve's
+    from tokenwire.engine.persistence import SessionPersistence
     from tokenwire.model.loader import ModelSource
 
 log = logging.getLogger("tokenwire.engine")
@@ -83,10 +84,11 @@ class Engine(SessionCalls, EngineAPI):
         kv_dtype: str = "auto",
         speculate: str = "ngram",
         draft: Engine | None = None,
+        state: SessionPersistence | None = None,
     ) -> None:
         """`model` may be a factory: it then runs on the model thread (see _load). `source` and
         `weights`: where the model came from and the weight format it runs (factory.py), None
-        for a model built in memory."""
+        for a model built in memory. `state`: where sessions persist (--state-dir), None: RAM only."""
         self.tokenizer = tokenizer
         self.name = name
         self.session_ttl_s = session_ttl_s
@@ -126,6 +128,7 @@ class Engine(SessionCalls, EngineAPI):
         # called (model thread, lock held) with each request as it finishes: metrics, access log
         self.on_finish: Callable[[Request, FinishEvent], None] | None = None
         self.lock_holds = LockHolds()  # the model thread's holds of the lock per step (bench spec)
+        self.state = state
         loaded: Future[Loaded] = Future()
         assigned = threading.Event()
         self._thread = threading.Thread(
@@ -176,6 +179,7 @@ class Engine(SessionCalls, EngineAPI):
         self._step_context = StepContext(
             self.kv, self.tokenizer, self.vocab_size, self.max_model_len, self.eos_ids, self.concepts
         )
+        self._open_state()  # persisted sessions back (session_calls.py)
 
     def _run(self, setup: tuple[Any, ...], loaded: Future[Loaded], assigned: threading.Event) -> None:
         torch.set_grad_enabled(False)
@@ -377,7 +381,7 @@ class Engine(SessionCalls, EngineAPI):
                     self._step_over()
                 continue
             if all(item.count == 1 or item.draft for item in items):  # decode rows alone
-                self.step_cost.observe(sum(item.count for item in items), time.perf_counter() - started)
+                self.step_cost.observe(step_shape(items), time.perf_counter() - started)
             with self._lock:
                 taken = now()
                 self._steps += 1
@@ -444,6 +448,8 @@ class Engine(SessionCalls, EngineAPI):
             except Exception:  # observing must never break serving
                 log.exception("on_finish observer failed")
         request.emit(event)
+        if self.state is not None and not session.ephemeral:
+            self.state.commit(session)  # the turn is in the session store (engine/persistence.py)
         if session.ephemeral:
             self._sessions.pop(session.id, None)
             self._release(session)
@@ -470,6 +476,7 @@ class Engine(SessionCalls, EngineAPI):
                 "spec_verifications": self.spec.verifications,
                 "computed_tokens": self.computed_tokens,
                 **({"vision_tower_runs": self.vision.tower_runs} if self.vision is not None else {}),
+                **(self.state.stats(self._sessions.values()) if self.state is not None else {}),
             }
 
     def _window_stats(self) -> dict[str, Any]:
@@ -490,6 +497,7 @@ class Engine(SessionCalls, EngineAPI):
         """Cancel everything and wait up to `timeout_s` for the model thread to leave its step
         (serve passes what is left of --shutdown-grace); whether it did."""
         self.stopping.set()
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             if self._closed:
                 return not self._thread.is_alive()
@@ -500,6 +508,9 @@ class Engine(SessionCalls, EngineAPI):
                 fut.cancel()
             self._wake.notify_all()
         self._thread.join(timeout=timeout_s)
+        if self.state is not None:  # the KV still in RAM to disk, every row committed
+            with self._lock:
+                self.state.flush(list(self._sessions.values()), deadline, not self._thread.is_alive())
         if self.draft is not None:  # after ours: our last step may still be asking it for guesses
             self.draft.shutdown(timeout_s)
         if self._thread.is_alive():

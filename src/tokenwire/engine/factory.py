@@ -14,6 +14,7 @@ from tokenwire.engine.concepts import ConceptSet
 from tokenwire.engine.draft import check_same_vocabulary
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.kv_cache import KVCache, check_kv_dtype, resolve_kv_dtype
+from tokenwire.engine.persistence import SessionPersistence
 from tokenwire.engine.threads import apply_threads
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.families import build_model
@@ -63,6 +64,8 @@ class EngineSettings:
     speculate: str = "ngram"  # SPECULATE (engine/speculation.py): prompt lookup, a draft model, off
     draft_model: str | None = None  # --draft-model: guesses from this model (engine/draft.py)
     compile: bool = True  # fused decode kernels for quantised weights (--no-compile: eager only)
+    state_dir: Path | None = None  # --state-dir: sessions persist there (None: RAM only, --no-persist)
+    state_max_gb: float | None = None  # --state-max-gb: the KV block files' budget (None: unbounded)
 
 
 def pick_device(device: str) -> torch.device:
@@ -202,7 +205,7 @@ def _draft_engine(settings: EngineSettings, device: torch.device) -> Engine | No
     if settings.speculate == "off":
         raise ValueError("--draft-model guesses tokens: it cannot go with --speculate off")
     draft = replace(settings, model=settings.draft_model, model_name=None, draft_model=None, speculate="off",
-                    kv_cache_mb=None, concepts=None)  # fmt: skip
+                    kv_cache_mb=None, concepts=None, state_dir=None)  # fmt: skip
     log.info("loading the draft model %s", settings.draft_model)
     with StartupProgress(["model files", "load + warm-up"], enabled=False) as quiet:  # the bar is ours
         return _build_engine(draft, device, quiet)
@@ -216,6 +219,12 @@ def _build_engine(settings: EngineSettings, device: torch.device, bar: StartupPr
         if draft is not None:
             draft.shutdown()
         raise
+
+
+def _state(settings: EngineSettings) -> SessionPersistence | None:
+    if settings.state_dir is None:
+        return None
+    return SessionPersistence(settings.state_dir, settings.state_max_gb)
 
 
 def _build_target(
@@ -273,6 +282,7 @@ def _build_target(
             kv_dtype=settings.kv_dtype,
             speculate="draft" if draft is not None else settings.speculate,
             draft=draft,
+            state=_state(settings),
         )
     log.info(
         "model %s (%s) loaded in %.1fs: weights %s, device %s, KV cache %.0f MiB = %d tokens "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,6 +32,16 @@ ROOT_HASH = b"tokenwire-kv"
 
 class OutOfBlocksError(RuntimeError):
     pass
+
+
+class LowerTier(Protocol):
+    """Blocks the prefix cache no longer holds, kept elsewhere (engine/persistence.py: on disk)."""
+
+    def prefetch(self, digests: list[bytes]) -> None:
+        """The blocks about to be asked for, in order: start reading them."""
+
+    def load(self, digest: bytes) -> int | None:
+        """The block back in a free block, registered under `digest`, unreferenced; or None."""
 
 
 class BlockAllocator:
@@ -228,6 +238,9 @@ class KVCache:
         places = [self._where[layer] for layer in range(config.num_layers)]
         self.layer_slots = torch.tensor([i if p is pool else -i - 1 for p, i in places], dtype=torch.long)
         self.bytes_per_token = kv_bytes_per_token(config, kv_dtype, len(full))
+        # where a prefix-cache miss looks next: blocks read back from disk (engine/persistence.py;
+        # only without a window pool)
+        self.lower_tier: LowerTier | None = None
         self.window_bytes_per_token = kv_bytes_per_token(config, kv_dtype, len(windowed))
 
     def has_room(self, needed: Sequence[int], extra: Sequence[int] = (0, 0)) -> bool:

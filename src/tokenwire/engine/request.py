@@ -389,6 +389,7 @@ class Request:
         # prompt positions whose KV was reused, not computed (session KV + prefix cache hits),
         # counted at first admission; None until then
         self.cached_tokens: int | None = None
+        self.disk_tokens = 0  # of those, read from the block files (engine/persistence.py)
         # set by admission.prepare
         self.generator: torch.Generator | None = None
         self.decoder: IncrementalDecoder | None = None

@@ -22,7 +22,7 @@ from tokenwire.engine.kv_cache import KVCache
 from tokenwire.engine.positions import ChunkRows
 from tokenwire.engine.request import Request
 from tokenwire.engine.session import Session
-from tokenwire.engine.speculation import StepCost
+from tokenwire.engine.speculation import StepCost, StepShape
 from tokenwire.engine.step import StepItem
 
 FailFn = Callable[[Request, str], None]  # ends a request with finish reason "error"
@@ -57,6 +57,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.idle_sessions = idle_sessions
+        self.spill: Callable[[Session], object] | None = None  # writes an idle session's KV to disk
         self.waiting: list[Request] = []
         self.running: list[Request] = []
 
@@ -94,9 +95,8 @@ class Scheduler:
     def _pack(self) -> list[StepItem]:
         budget = self.max_batch_tokens
         items: list[StepItem] = []
-        decoding = sum(1 for r in self.running if len(r.session.tokens) - r.session.num_computed == 1)
-        # the chance a guess must have of being kept to pay for its row beside the step's decodes
-        threshold = self.step_cost.per_row_share(max(1, decoding))
+        # the step's decode rows: what a guess's row costs beside them (engine/speculation.py)
+        decodes = self.decode_shape(self.running)
         scheduled: set[int] = set()
         for request in self.running:
             session = request.session
@@ -108,6 +108,7 @@ class Scheduler:
                     )
                 if request.cached_tokens is None:
                     request.cached_tokens = session.num_computed
+                    request.disk_tokens = session.from_disk * self.kv.block_size
         # most urgent first, so a request only ever preempts less urgent ones that have not
         # been scheduled in this step; within a priority, decodes before prefills
         order = sorted((r for r in self.running if not r.finished), key=_pack_order)
@@ -125,7 +126,7 @@ class Scheduler:
             end = start + count
             # the request's positions say which rows of the chunk the step keeps
             rows = request.positions.rows(start, end, length)
-            draft, guessed = self._guesses(request, budget - count, threshold) if end == length else ([], 0)
+            draft, guessed = self._guesses(request, budget - count, decodes) if end == length else ([], 0)
             if not self._make_room(session.blocks_needed(end + len(draft), self.kv), request, scheduled):
                 continue
             session.reserve(end + len(draft), self.kv)
@@ -136,7 +137,14 @@ class Scheduler:
             budget -= count + len(draft)
         return items
 
-    def _guesses(self, request: Request, room: int, threshold: float) -> tuple[list[int], int]:
+    @staticmethod
+    def decode_shape(requests: list[Request]) -> StepShape:
+        """The step's decode rows (requests with one token to compute) and their contexts."""
+        return StepShape.decodes(
+            [len(r.session.tokens) for r in requests if len(r.session.tokens) - r.session.num_computed == 1]
+        )
+
+    def _guesses(self, request: Request, room: int, decodes: StepShape) -> tuple[list[int], int]:
         """Guesses of the tokens after a chunk that ends the request's context (a decode step,
         the prompt's last chunk, a forced span; engine/speculation.py), at most `room`: the
         speculator's, cut where the request's constraint would refuse them and followed by what
@@ -150,6 +158,9 @@ class Scheduler:
             limit = min(limit, self.max_model_len - length - 1)
         if limit <= 0:
             return [], 0
+        # the chance a guess must have of being kept to pay for its row, its attention over
+        # the request's context included
+        threshold = self.step_cost.guess_share(decodes, length)
         guesses = speculator.propose(request.session.tokens, limit, threshold)
         constraint = request.options.constraint
         if constraint is None:
@@ -164,6 +175,8 @@ class Scheduler:
         if kv.has_room(needed):
             return True
         for session in self.idle_sessions():
+            if self.spill is not None:  # its KV to disk first (engine/persistence.py)
+                self.spill(session)
             session.release(kv)
             if kv.has_room(needed):
                 return True

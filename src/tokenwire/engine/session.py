@@ -54,6 +54,13 @@ class Session:
     ephemeral: bool = False  # created for one request and closed with it
     # vision models: the attached images (engine/vision.py SessionImage), sorted by position
     images: list[Any] = field(default_factory=list)
+    # persisted sessions (engine/persistence.py): the protocol that claimed it ("" = RAM only),
+    # the digest of the key that owns it, the session it was forked from, the protocol's notes
+    protocol: str = ""
+    owner: str = ""
+    parent: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    from_disk: int = 0  # blocks the last match_prefix read from the block files
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -132,7 +139,8 @@ class Session:
 
     def fork(self, new_id: str, at: int, kv: KVCache) -> Session:
         """A session holding tokens [0, at), sharing this one's blocks (no copy, no compute)."""
-        child = Session(new_id, tokens=self.tokens[:at], ttl_s=self.ttl_s)
+        child = Session(new_id, tokens=self.tokens[:at], ttl_s=self.ttl_s, protocol=self.protocol,
+                        owner=self.owner, parent=self.id, metadata=dict(self.metadata))  # fmt: skip
         child.images = [b for b in self.images if b.end <= at]  # the engine refuses splits
         child.num_computed = min(self.num_computed, at)
         keep = -(-child.num_computed // kv.block_size)
@@ -158,11 +166,18 @@ class Session:
         if self.num_computed % bs or len(self.block_table) * bs != self.num_computed:
             return 0
         pool = kv.window_pool
-        reused = 0
+        reused = self.from_disk = 0
+        tier, prefetched = kv.lower_tier, False
         while self.num_computed + bs <= limit:
             start = self.num_computed
             digest = self._block_hash(start, bs)
             block = kv.allocator.lookup(digest)
+            if block is None and tier is not None:  # the block files (engine/persistence.py)
+                if not prefetched:
+                    tier.prefetch(self._hashes_ahead(digest, start, limit, bs))
+                    prefetched = True
+                block = tier.load(digest)
+                self.from_disk += block is not None
             if block is None:
                 break
             if pool is not None:  # the windowed layers' block too, or the match ends here
@@ -178,6 +193,15 @@ class Session:
             reused += bs
         self._slide_window(kv)
         return reused
+
+    def _hashes_ahead(self, digest: bytes, start: int, limit: int, bs: int) -> list[bytes]:
+        """The prefix hashes of the full blocks from `start` (whose hash is `digest`) below `limit`."""
+        hashes = [digest]
+        if self.images:  # their keys take the images' places: one block at a time
+            return hashes
+        for at in range(start + bs, limit - bs + 1, bs):
+            hashes.append(block_hash(hashes[-1], self.tokens[at : at + bs]))
+        return hashes
 
     def _prefix_hash(self) -> bytes:
         return self.full_hashes[-1] if self.full_hashes else ROOT_HASH

@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tokenwire.engine.admission import check_tokens
 from tokenwire.engine.errors import (
@@ -22,6 +23,10 @@ from tokenwire.engine.postprocess import Finish
 from tokenwire.engine.request import Request
 from tokenwire.engine.session import Session, Ttl
 from tokenwire.engine.vision import SessionImage, check_cut
+
+if TYPE_CHECKING:
+    from tokenwire.engine.persistence import SessionPersistence
+    from tokenwire.engine.scheduler import Scheduler
 
 log = logging.getLogger("tokenwire.engine")
 
@@ -40,6 +45,55 @@ class SessionCalls:
     max_sessions: int | None
     session_ttl_s: float | None
     _finish: Callable[[Request, Finish], None]  # the engine's: a request ends (close cancels it)
+    state: SessionPersistence | None  # --state-dir (engine/persistence.py); None: sessions in RAM only
+    scheduler: Scheduler
+    source: Any
+    weights: str | None
+    device_type: str
+    sessions_outlive_server: bool
+
+    def _open_state(self) -> None:
+        """At start: the persisted sessions of this model back, and the hooks that keep them."""
+        if self.state is None:
+            return
+        rows = self.state.open(self.source, self.weights, self.kv, self.device_type)
+        for session in self.state.restore(rows, self.vocab_size):
+            self._sessions[session.id] = session
+        self.scheduler.spill = self._spill
+        self.state.make_room = self._free_idle
+        self.sessions_outlive_server = True  # a protocol stopping must not close them
+
+    def _spill(self, session: Session) -> None:
+        """Must hold the lock: an idle session's KV leaves RAM, written to disk first."""
+        assert self.state is not None
+        if self.state.spill(session):
+            self.state.enforce_budget(list(self._sessions.values()), set(self._running))
+
+    def _free_idle(self) -> bool:
+        """Must hold the lock, no step running: the least recently used idle session's KV to disk
+        and out of RAM, for a block read back from disk (whether there was one to free)."""
+        for session in self._idle_sessions():
+            self._spill(session)
+            session.release(self.kv)
+            return True
+        return False
+
+    def _commit(self, session: Session) -> None:
+        if self.state is not None:
+            self.state.commit(session)
+
+    def claim_session(self, session_id: str, protocol: str, owner: str = "") -> None:
+        """A protocol's session by id: it persists (with --state-dir) and belongs to `owner`
+        (a digest of the key that made it; "" for none)."""
+        with self._lock:
+            session = self._session(session_id)
+            session.protocol, session.owner = protocol, owner
+            self._commit(session)
+
+    def session_owner(self, session_id: str) -> str:
+        """Who a session belongs to ("" for nobody in particular); SessionNotFoundError if gone."""
+        with self._lock:
+            return self._session(session_id).owner
 
     def _check_open(self) -> None:
         if self._closed:
@@ -73,6 +127,8 @@ class SessionCalls:
             if request is not None:
                 self._finish(request, Finish("cancelled"))
             self._release(session)
+            if self.state is not None:
+                self.state.forget(session)
             return True
 
     def _release(self, session: Session) -> None:
@@ -99,6 +155,7 @@ class SessionCalls:
             check_cut(src.images, at, "fork")
             child = src.fork(uuid.uuid4().hex, at, self.kv)
             self._sessions[child.id] = child
+            self._commit(child)
             return child.id
 
     def truncate_session(self, session_id: str, length: int) -> None:
@@ -109,6 +166,7 @@ class SessionCalls:
                 raise PositionError(f"cannot truncate to {length}: session has {len(session.tokens)} tokens")
             check_cut(session.images, length, "truncate")
             session.truncate(length, self.kv)
+            self._commit(session)
 
     def session_tokens(self, session_id: str) -> list[int]:
         with self._lock:

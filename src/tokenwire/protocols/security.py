@@ -14,10 +14,11 @@ reads the certificate and key before the model loads, so a bad path is a one-lin
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Container
+from collections.abc import Awaitable, Callable, Container, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -76,6 +77,23 @@ def token_matches(expected: str, presented: str | bytes | None) -> bool:
         return False
     given = presented.encode("utf-8", "surrogateescape") if isinstance(presented, str) else presented
     return hmac.compare_digest(given, expected.encode())
+
+
+def owner_of(key: str | bytes | None) -> str:
+    """The owner of what a request stores (a response, a session): a digest of the API key it
+    presented ("" for none), so no key is kept in memory or on disk."""
+    if key is None:
+        return ""
+    raw = key.encode("utf-8", "surrogateescape") if isinstance(key, str) else key
+    return hashlib.sha256(raw).hexdigest()
+
+
+def http_owner(headers: Mapping[str, str]) -> str:
+    """owner_of the key an HTTP request presents: `Authorization: Bearer KEY` or `x-api-key`."""
+    key = bearer(headers.get("authorization"))
+    if key is None and "x-api-key" in headers:
+        key = headers["x-api-key"].strip()
+    return owner_of(key)
 
 
 def bearer(header: str | bytes | None) -> str | bytes | None:

@@ -139,8 +139,15 @@ class ReplicaEngine(EngineAPI):
                 )
             self._remember(session_id, hit)
         replica, incarnation = hit
-        if not self.up[replica] or incarnation != self.incarnations[replica]:
+        if not self.up[replica]:
             raise self._lost_session(session_id, replica)
+        if incarnation != self.incarnations[replica]:
+            # a replica restarted on its own --state-dir has its sessions back (engine/persistence.py)
+            actor = self.replicas[replica]
+            if not self._get(replica, actor.call.remote("has_session", session_id)):
+                raise self._lost_session(session_id, replica)
+            self._assign(session_id, replica)
+            incarnation = self.incarnations[replica]
         return replica, incarnation
 
     def _lost_session(self, session_id: str, replica: int) -> ReplicaLostError:
@@ -217,6 +224,12 @@ class ReplicaEngine(EngineAPI):
             with self._lock:
                 self.router.opened(replica, -1)
         return closed
+
+    def claim_session(self, session_id: str, protocol: str, owner: str = "") -> None:
+        self._session_call(session_id, lambda a: a.call.remote("claim_session", session_id, protocol, owner))
+
+    def session_owner(self, session_id: str) -> str:
+        return self._session_call(session_id, lambda a: a.call.remote("session_owner", session_id))
 
     def truncate_session(self, session_id: str, length: int) -> None:
         self._session_call(session_id, lambda a: a.call.remote("truncate_session", session_id, length))

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenwire.engine.engine import Engine
@@ -94,6 +94,8 @@ class EngineReplica:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.index = index
         self.incarnation = uuid.uuid4().hex[:12]
+        if settings.state_dir is not None:  # each replica its own state dir: a restart recovers it
+            settings = replace(settings, state_dir=settings.state_dir / f"replica-{index}")
         self.engine: Engine = build_engine(settings)
         self._active: dict[str, _Active] = {}
         self._outboxes: dict[str, Outbox] = {}
@@ -279,5 +281,7 @@ _PASSTHROUGH: dict[str, Callable[..., Any]] = {
         Engine.check,
         Engine.session_images,
         Engine.image_tokens,
+        Engine.claim_session,  # persisted sessions (issue 44): each replica its own state dir
+        Engine.session_owner,
     )
 }

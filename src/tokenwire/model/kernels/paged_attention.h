@@ -2,10 +2,11 @@
 // the fused decode stack's (decode_stack.h) and the paged_attention op's, which tests hold
 // against a float64 reference. Row m is a query at position pos[m] of the sequence whose KV
 // blocks block_tables[m] lists; it sees positions [from, pos[m]] (from = 0, or its window's).
-// Tasks are (row, KV head) with all of the row's position chunks, or, when the rows are too few
-// to keep every thread busy (decode of one long sequence), (chunk, KV head) with the partial
-// softmaxes merged after a barrier: attention.h's arithmetic is the same either way, so a row's
-// output does not depend on its company.
+// Rows of one sequence go in groups (a decode row and its guesses, a prefill chunk's rows), and
+// each chunk of positions is read once for the group. Tasks are (group, KV head) with all of the
+// group's position chunks, or, when the groups are too few to keep every thread busy (decode of
+// one long sequence), (group's chunk, KV head) with the partial softmaxes merged after a barrier:
+// attention.h's arithmetic is the same either way, so a row's output does not depend on its company.
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via decode_stack.h).
 #pragma once
 
@@ -16,17 +17,24 @@ namespace tw {
 // thread tid's share [a, b) of n items
 inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) { return {n * tid / nt, n * (tid + 1) / nt}; }
 
+// Rows of one sequence (consecutive rows, positions non-decreasing, the same blocks) go together,
+// at most this many: each chunk of their cache is read once for all of them (attend_chunk_rows).
+// 16 keeps a 512-row prefill chunk at 32 groups, enough tasks for the threads to share evenly.
+constexpr int64_t kAttnGroupRows = 16;
+
 struct PagedAttention {
   int64_t num_heads, num_kv_heads, D, M, max_blocks, bs;
   const int64_t* pos;
   const int64_t* tables;
   bool split;
+  std::vector<uint8_t> joins;  // joins[m]: row m may share row m - 1's group (same blocks, pos not lower)
   std::vector<float> part_o, part_mx, part_sum;  // split: each chunk's partial softmaxes, all heads
 
   // what one thread keeps between layers
   struct Thread {
-    std::vector<int64_t> chunk_first, from, rows = std::vector<int64_t>(kAttnChunk);
+    std::vector<int64_t> chunk_first, from, group_first, group_chunk_first, rows = std::vector<int64_t>(kAttnChunk);
     std::vector<float> o, mx, sum;
+    std::vector<ChunkRow> chunk_rows;
     AttnScratch scratch;
   };
 
@@ -34,10 +42,19 @@ struct PagedAttention {
                  const int64_t* block_tables, int64_t table_width, int64_t block_size, int threads,
                  int split_mode = -1)  // -1: by the rows and threads; 0 / 1: never / always (tests)
       : num_heads(heads), num_kv_heads(kv_heads), D(dim), M(rows), max_blocks(table_width), bs(block_size),
-        pos(positions), tables(block_tables) {
-    int64_t chunks = 0;  // without a window: the most any layer has
-    for (int64_t m = 0; m < M; ++m) chunks += attn_chunks(pos[m] + 1);
-    split = split_mode < 0 ? M * num_kv_heads < 8 * threads && chunks > M : split_mode == 1;
+        pos(positions), tables(block_tables), joins(rows, 0) {
+    int64_t chunks = 0, groups = 0, group_chunks = 0, size = 0;  // without a window: the most any layer has
+    for (int64_t m = 0; m < M; ++m) {
+      chunks += attn_chunks(pos[m] + 1);
+      if (m > 0 && pos[m] >= pos[m - 1])
+        joins[m] = std::equal(tables + m * max_blocks, tables + m * max_blocks + pos[m] / bs + 1,
+                              tables + (m - 1) * max_blocks);
+      if (!joins[m] || size == kAttnGroupRows) ++groups, size = 0;
+      ++size;
+      if (m + 1 == M || !joins[m + 1] || size == kAttnGroupRows) group_chunks += attn_chunks(pos[m] + 1);
+    }
+    // a few groups (decode of one long sequence, with or without guesses): their chunks shared out
+    split = split_mode < 0 ? groups * num_kv_heads < 8 * threads && group_chunks > groups : split_mode == 1;
     if (split) {
       part_o.resize(chunks * num_heads * D);
       part_mx.resize(chunks * num_heads);
@@ -50,59 +67,83 @@ struct PagedAttention {
   void tasks(Thread& th, const KvCacheView& k, const KvCacheView& v, int64_t window, float scale, const float* q,
              int64_t q_stride, float* out, int tid, int nt) {
     const int64_t rep = num_heads / num_kv_heads, q_size = num_heads * D, kv_size = num_kv_heads * D;
+    if (M == 0) return;
     th.chunk_first.assign(M + 1, 0);
     th.from.resize(M);
+    th.group_first.clear();
+    th.group_chunk_first.assign(1, 0);
     for (int64_t m = 0; m < M; ++m) {
       th.from[m] = window > 0 ? std::max<int64_t>(0, pos[m] + 1 - window) : 0;
       th.chunk_first[m + 1] = th.chunk_first[m] + attn_chunks(pos[m] + 1 - th.from[m]);
-    }
-    // chunks [c0, c1) of row m for the rep query heads of KV head u: partial softmaxes at o
-    // (chunk stride o_stride, head stride D), mx and sums (chunk stride s_stride)
-    auto attend = [&](int64_t m, int64_t u, int64_t c0, int64_t c1, float* o, int64_t o_stride, float* mx,
-                      float* sums, int64_t s_stride) {
-      const int64_t* table = tables + m * max_blocks;
-      const float* qm = q + m * q_stride + u * rep * D;
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t a = th.from[m] + c * kAttnChunk, b = std::min(pos[m] + 1, a + kAttnChunk);
-        // where each position's row starts, stepping through the blocks (a division per
-        // position was a third of the attention's time at 4k positions)
-        int64_t block = a / bs, offset = a % bs;
-        for (int64_t t = a; t < b; ++t) {
-          th.rows[t - a] = (table[block] * bs + offset) * kv_size + u * D;
-          if (++offset == bs) ++block, offset = 0;
-        }
-        const int64_t* rows = th.rows.data() - a;
-        with_kv_reader(k.type, [&](auto reader) {
-          using R = decltype(reader);
-          auto key = [&](int64_t t) { return R::at(k.data, k.scales, rows[t]); };
-          auto value = [&](int64_t t) { return R::at(v.data, v.scales, rows[t]); };
-          attend_chunk(D, qm, rep, key, value, a, b, scale, th.scratch, o + (c - c0) * o_stride,
-                       mx + (c - c0) * s_stride, sums + (c - c0) * s_stride);
-        });
+      // a group's rows start their chunks at one position (a window moves it with the row)
+      if (m == 0 || !joins[m] || th.from[m] != th.from[m - 1] || m - th.group_first.back() == kAttnGroupRows) {
+        if (m > 0) th.group_chunk_first.push_back(th.group_chunk_first.back() + th.chunk_first[m] - th.chunk_first[m - 1]);
+        th.group_first.push_back(m);
       }
+    }
+    th.group_first.push_back(M);  // a group's last row has its most chunks (positions non-decreasing)
+    th.group_chunk_first.push_back(th.group_chunk_first.back() + th.chunk_first[M] - th.chunk_first[M - 1]);
+    const int64_t groups = static_cast<int64_t>(th.group_first.size()) - 1;
+    // chunk c of group g's rows for the rep query heads of KV head u: row m's partial softmaxes at
+    // o + index(m) * o_stride (head stride D), mx and sums + index(m) * s_stride
+    auto attend = [&](int64_t g, int64_t u, int64_t c, float* o, int64_t o_stride, float* mx, float* sums,
+                      int64_t s_stride, auto index) {
+      const int64_t r0 = th.group_first[g], r1 = th.group_first[g + 1], last = r1 - 1;
+      const int64_t* table = tables + last * max_blocks;  // every row's blocks (joins)
+      const int64_t a = th.from[r0] + c * kAttnChunk, b = std::min(pos[last] + 1, a + kAttnChunk);
+      th.chunk_rows.clear();
+      for (int64_t m = r0; m < r1; ++m)
+        if (pos[m] >= a) {
+          const int64_t i = index(m);
+          th.chunk_rows.push_back({q + m * q_stride + u * rep * D, std::min(pos[m] + 1, b), o + i * o_stride,
+                                   mx + i * s_stride, sums + i * s_stride});
+        }
+      // where each position's row starts, stepping through the blocks (a division per
+      // position was a third of the attention's time at 4k positions)
+      int64_t block = a / bs, offset = a % bs;
+      for (int64_t t = a; t < b; ++t) {
+        th.rows[t - a] = (table[block] * bs + offset) * kv_size + u * D;
+        if (++offset == bs) ++block, offset = 0;
+      }
+      const int64_t* rows = th.rows.data() - a;
+      with_kv_reader(k.type, [&](auto reader) {
+        using R = decltype(reader);
+        auto key = [&](int64_t t) { return R::at(k.data, k.scales, rows[t]); };
+        auto value = [&](int64_t t) { return R::at(v.data, v.scales, rows[t]); };
+        attend_chunk_rows(D, rep, th.chunk_rows.data(), static_cast<int64_t>(th.chunk_rows.size()), key, value, a,
+                          scale, th.scratch);
+      });
     };
-    if (!split) {  // (row, KV head): every chunk here, merged here
-      const auto [t0, t1] = share(M * num_kv_heads, tid, nt);
+    if (!split) {  // (group, KV head): every chunk here, merged here
+      const auto [t0, t1] = share(groups * num_kv_heads, tid, nt);
       for (int64_t task = t0; task < t1; ++task) {
-        const int64_t m = task / num_kv_heads, u = task % num_kv_heads, n = th.chunk_first[m + 1] - th.chunk_first[m];
+        const int64_t g = task / num_kv_heads, u = task % num_kv_heads;
+        const int64_t r0 = th.group_first[g], r1 = th.group_first[g + 1], base = th.chunk_first[r0];
+        const int64_t n = th.chunk_first[r1] - base;  // every row's chunks
         th.o.resize(n * rep * D);
         th.mx.resize(n * rep);
         th.sum.resize(n * rep);
-        attend(m, u, 0, n, th.o.data(), rep * D, th.mx.data(), th.sum.data(), rep);
-        for (int64_t g = 0; g < rep; ++g)
-          merge_partials(th.o.data() + g * D, rep * D, th.mx.data() + g, th.sum.data() + g, rep, n, D,
-                         out + m * q_size + (u * rep + g) * D);
+        for (int64_t c = 0; c < th.group_chunk_first[g + 1] - th.group_chunk_first[g]; ++c)
+          attend(g, u, c, th.o.data(), rep * D, th.mx.data(), th.sum.data(), rep,
+                 [&](int64_t m) { return th.chunk_first[m] - base + c; });
+        for (int64_t m = r0; m < r1; ++m)
+          for (int64_t h = 0; h < rep; ++h) {
+            const int64_t first = th.chunk_first[m] - base;
+            merge_partials(th.o.data() + first * rep * D + h * D, rep * D, th.mx.data() + first * rep + h,
+                           th.sum.data() + first * rep + h, rep, th.chunk_first[m + 1] - th.chunk_first[m], D,
+                           out + m * q_size + (u * rep + h) * D);
+          }
       }
       return;
     }
-    const auto [t0, t1] = share(th.chunk_first[M] * num_kv_heads, tid, nt);  // (chunk, KV head)
-    int64_t m = 0;
+    const auto [t0, t1] = share(th.group_chunk_first[groups] * num_kv_heads, tid, nt);  // (group's chunk, KV head)
+    int64_t g = 0;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t chunk = task / num_kv_heads, u = task % num_kv_heads;
-      while (th.chunk_first[m + 1] <= chunk) ++m;
-      const int64_t c = chunk - th.chunk_first[m];
-      attend(m, u, c, c + 1, part_o.data() + chunk * q_size + u * rep * D, q_size,
-             part_mx.data() + chunk * num_heads + u * rep, part_sum.data() + chunk * num_heads + u * rep, num_heads);
+      while (th.group_chunk_first[g + 1] <= chunk) ++g;
+      const int64_t c = chunk - th.group_chunk_first[g];
+      attend(g, u, c, part_o.data() + u * rep * D, q_size, part_mx.data() + u * rep, part_sum.data() + u * rep,
+             num_heads, [&](int64_t m) { return th.chunk_first[m] + c; });
     }
   }
 

@@ -88,4 +88,3 @@ def add_embedding_routes(
             watcher.cancel()
             work.cancel()
         return _json(wire.response(result, plan, limits.name))
-

@@ -107,4 +107,3 @@ async def run_embed(engine: EngineAPI, req: EmbedRequest, request: Request, star
         watcher.cancel()
         work.cancel()
     return embed_response(req, result.vectors, result.prompt_tokens, time.perf_counter_ns() - started)
-

@@ -50,9 +50,20 @@ def stats_of(engine: EngineAPI) -> dict[str, Any]:
         "max_model_len": engine.max_model_len,
         # finished requests per API / protocol (OpenAI, Anthropic, Ollama, LMTP, ...), as /metrics counts them
         "requests_by_protocol": metrics.requests_by_protocol(),
+        # sessions that outlive the process (engine/persistence.py); None with --no-persist
+        "persistence": {k: s[k] for k in PERSISTENCE_STATS} if "sessions_persisted" in s else None,
         "concepts": list(concepts.names) if concepts is not None else [],
         "layers": list(concepts.layers) if concepts is not None else [],
     }
+
+
+PERSISTENCE_STATS = (
+    "sessions_persisted",
+    "kv_disk_blocks",
+    "kv_disk_bytes",
+    "kv_disk_reads",
+    "kv_disk_writes",
+)
 
 
 def add_playground_routes(app: FastAPI, engine: EngineAPI) -> None:

@@ -38,7 +38,7 @@ from tokenwire.protocols.openai.images import vision_of
 from tokenwire.protocols.openai.playground import add_playground_routes
 from tokenwire.protocols.openai.runner import Execution, watch_disconnect
 from tokenwire.protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
-from tokenwire.protocols.openai.sessions import add_session_routes
+from tokenwire.protocols.openai.sessions import add_session_routes, check_owner
 from tokenwire.protocols.responses.routes import add_responses_routes
 from tokenwire.protocols.security import auth_token, tls_files
 
@@ -225,6 +225,7 @@ class OpenAIApp:
         tokens = None
         if session is not None:
             try:
+                check_owner(self.engine, session, request)  # another key's session: unknown
                 tokens = self.engine.session_tokens(session)
             except EngineError as exc:
                 raise from_engine(exc) from exc

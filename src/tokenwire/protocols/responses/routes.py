@@ -27,8 +27,8 @@ from tokenwire.protocols.openai.runner import Execution, watch_disconnect
 from tokenwire.protocols.responses.core import Turn, finish, plan_turn, response_object
 from tokenwire.protocols.responses.events import EventStream, sse
 from tokenwire.protocols.responses.schemas import ResponseCreate
-from tokenwire.protocols.responses.store import DEFAULT_CAPACITY, ResponseStore, Stored, not_found, owner_of
-from tokenwire.protocols.security import bearer
+from tokenwire.protocols.responses.store import DEFAULT_CAPACITY, ResponseStore, Stored, not_found
+from tokenwire.protocols.security import http_owner
 
 if TYPE_CHECKING:
     from tokenwire.engine.api import EngineAPI
@@ -55,10 +55,7 @@ def _json(obj: Any) -> Response:
 
 
 def _owner(request: Request) -> str:
-    key = bearer(request.headers.get("authorization"))
-    if key is None and "x-api-key" in request.headers:
-        key = request.headers["x-api-key"].strip()
-    return owner_of(key)
+    return http_owner(request.headers)
 
 
 def store_for(api: OpenAIApp) -> ResponseStore:

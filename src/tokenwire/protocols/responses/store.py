@@ -10,7 +10,6 @@ another key reads as absent: the same 404 as an unknown id.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -18,16 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenwire.protocols.openai.errors import OpenAIError
+from tokenwire.protocols.security import owner_of as owner_of  # the owner digest, shared
 
 DEFAULT_CAPACITY = 1024
-
-
-def owner_of(key: str | bytes | None) -> str:
-    """The owner of what a request stores: a digest of the API key it presented ("" for none)."""
-    if key is None:
-        return ""
-    raw = key.encode("utf-8", "surrogateescape") if isinstance(key, str) else key
-    return hashlib.sha256(raw).hexdigest()
 
 
 @dataclass

@@ -29,7 +29,7 @@ from tokenwire.protocols.salience.gen import salience_pb2 as pb
 from tokenwire.protocols.salience.gen import salience_pb2_grpc as pb_grpc
 from tokenwire.protocols.salience.images import ImageBlock, VisionTokens
 from tokenwire.protocols.salience.status import SalienceStatus, status_for
-from tokenwire.protocols.security import bearer, token_matches
+from tokenwire.protocols.security import bearer, owner_of, token_matches
 
 log = logging.getLogger("tokenwire.salience")
 
@@ -121,6 +121,11 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self._opened: set[str] = set()  # sessions this servicer created (closed on shutdown)
 
     # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _owner(context: grpc.aio.ServicerContext) -> str:
+        given = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        return owner_of(bearer(given))
+
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         """The server's interceptor checks every call first (grpc_server.py); this servicer checks
         again by the same rule (security.py: the scheme is case-insensitive, RFC 9110) for a
@@ -155,6 +160,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
             self._forget_gone_sessions()
             ttl = Ttl.DEFAULT if self.session_ttl_s is None else self.session_ttl_s
             sid = self.engine.create_session((), ttl_s=ttl)
+            self.engine.claim_session(sid, "salience", self._owner(context))  # persists (--state-dir)
         except (SalienceStatus, EngineError) as exc:
             await self._abort(context, exc)
         self._opened.add(sid)

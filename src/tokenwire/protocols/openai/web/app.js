@@ -490,6 +490,13 @@ async function pollEngine() {
     }
     const apis = Object.entries(s.requests_by_protocol || {});
     if (apis.length) $("by-protocol").textContent = apis.map(([name, n]) => `${name} ${n}`).join(" · ");
+    // sessions that outlive the process (--state-dir): persisted sessions, KV block files, reads
+    if (s.persistence) {
+      const p = s.persistence;
+      $("on-disk").textContent = `${p.sessions_persisted} sessions · ${p.kv_disk_blocks} KV blocks (${(p.kv_disk_bytes / 2 ** 20).toFixed(1)} MiB) · ${p.kv_disk_reads} read`;
+    } else {
+      $("on-disk").textContent = "off (--no-persist)";
+    }
     last = s;
     $("updated").textContent = new Date(s.time * 1000).toLocaleTimeString();
     $("engine").dataset.polls = String(polls);
