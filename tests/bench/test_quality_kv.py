@@ -22,3 +22,29 @@ def test_each_kv_type_is_scored_against_an_fp32_cache(smollm2_engine) -> None:
     assert result["fp16"]["mean_abs_logprob_diff"] < result["q8"]["mean_abs_logprob_diff"]
     peer = result.get("llamacpp_q8_0_vs_f16")  # only where the bench extra is installed
     assert peer is None or 0 <= peer["top1_agreement"] <= 1
+
+
+def test_decode_pass_scores_the_kl_divergence_from_the_reference_rows(smollm2_engine) -> None:
+    """score_decode keeps a pass's log-softmax rows and scores another pass's KL against them:
+    a pass against its own rows gives 0 (up to their float32 storage), the fp32-activation path
+    against the int8 one a positive KL that compare() averages."""
+    import numpy as np
+
+    from tokenwire.bench.quality_bench import compare, score_decode
+    from tokenwire.model.kernels import ops
+
+    engine = smollm2_engine
+    tokens = engine.tokenizer.encode("The licenses for most software are designed to take away your freedom.")
+    rows = np.zeros((len(tokens) - 1, engine.model.config.vocab_size), dtype=np.float32)
+    mine = score_decode(engine, tokens, rows_into=rows)
+    assert np.isfinite(rows).all() and np.allclose(np.exp(rows.astype(np.float64)).sum(-1), 1, atol=1e-4)
+    again = score_decode(engine, tokens, reference=rows)
+    assert max(kl for _, _, kl in again) < 1e-5
+    ops().set_int16_activations(False)
+    try:
+        exact = score_decode(engine, tokens, reference=rows)
+    finally:
+        ops().set_int16_activations(True)
+    kls = [kl for _, _, kl in exact]
+    assert min(kls) >= -1e-6 and max(kls) > 1e-5, kls
+    assert compare(mine, exact)["mean_kl"] == sum(kls) / len(kls)
