@@ -3,8 +3,8 @@
 Both run the same GGUF: the reference dequantises it to fp32 (`--weights fp32`); the candidate
 keeps its blocks (`--weights gguf`, or what --weights names). The text is teacher-forced: every
 position's logprob of the true next token and the top-1 token are compared, and (decode, and
-llama.cpp) the KL divergence of the whole next-token distribution from the reference's, whose
-rows come from its own decode pass (one token a step, fp32 weights and activations). The candidate is
+llama.cpp) the KL divergence of the whole next-token distribution from the reference's (its
+rows from one dense pass over the text, fp32 weights and activations). The candidate is
 measured twice, because the two paths differ: prefill (512-token chunks) and decode (one token
 per step through the fused decode kernel, as generation runs). Both with the engine's KV type
 (--kv-dtype). Then each KV type of --kv-types against an fp32 cache, with the candidate's
@@ -33,6 +33,7 @@ from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.kv_cache import KVCache, kv_bytes_per_token
 from tokenwire.engine.request import GenerateOptions, TokenEvent
 from tokenwire.model import kernels
+from tokenwire.model.layers.attention import DenseCausalAttention
 from tokenwire.model.layers.decoder import PagedDecode
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")  # plain English prose on every Debian machine
@@ -50,16 +51,32 @@ def score_prefill(engine: Engine, tokens: list[int]) -> Scored:
     return [(e.logprob, e.top_logprobs[0][0], math.nan) for e in events if isinstance(e, TokenEvent)]
 
 
-def score_decode(
-    engine: Engine,
-    tokens: list[int],
-    reference: np.ndarray | None = None,
-    rows_into: np.ndarray | None = None,
-) -> Scored:
+def score_reference(engine: Engine, tokens: list[int], rows_into: np.ndarray) -> Scored:
+    """The reference pass: the whole text through the model at once (dense causal attention,
+    keys and values rounded as its cache stores them), every position's log-softmax row kept
+    in `rows_into` [positions, vocab] for the candidates' KL divergence."""
+
+    def run() -> Scored:
+        model = engine.model
+        ids = torch.tensor(tokens[:-1])
+        attention = DenseCausalAttention(1, len(ids), round_kv=engine.kv.as_stored)
+        out: Scored = []
+        with torch.inference_mode():
+            hidden, _ = model(ids, torch.arange(len(ids)), attention)
+            for start in range(0, len(ids), 256):
+                logp = torch.log_softmax(model.logits(hidden[start : start + 256]).double(), -1).numpy()
+                rows_into[start : start + len(logp)] = logp
+                for i, row in enumerate(logp):
+                    out.append((float(row[tokens[start + i + 1]]), int(row.argmax()), math.nan))
+        return out
+
+    return engine.call_on_model_thread(run).result()
+
+
+def score_decode(engine: Engine, tokens: list[int], reference: np.ndarray | None = None) -> Scored:
     """One token per model step, as generation runs: each step is a PagedDecode batch of one row
     (the fused decode kernel when the model has it) over a KV cache of its own. `reference`:
-    the reference's log-softmax rows [positions, vocab], for each position's KL divergence;
-    `rows_into`: where to keep this pass's own rows (the reference's pass)."""
+    the reference's log-softmax rows [positions, vocab], for each position's KL divergence."""
 
     def run() -> Scored:
         model = engine.model
@@ -77,8 +94,6 @@ def score_decode(
                     PagedDecode(kv.k, kv.v, pos, table, kv.k_scale, kv.v_scale),
                 )
                 logp = torch.log_softmax(model.logits(hidden)[0].double(), -1).numpy()
-                if rows_into is not None:
-                    rows_into[p] = logp
                 kl = math.nan if reference is None else kl_divergence(reference[p], logp)
                 out.append((float(logp[tokens[p + 1]]), int(logp.argmax()), kl))
         return out
@@ -111,7 +126,7 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
             tokens = reference_engine.tokenizer.encode(text)[: args.tokens]
             shape = (len(tokens) - 1, reference_engine.model.config.vocab_size)
             rows = np.lib.format.open_memmap(rows_path, mode="w+", dtype=np.float32, shape=shape)
-            reference = score_decode(reference_engine, tokens, rows_into=rows)
+            reference = score_reference(reference_engine, tokens, rows)
             rows.flush()
             gguf = reference_engine.source.source if reference_engine.source is not None else None
         finally:
@@ -156,7 +171,7 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
             f"{r['max_abs_logprob_diff']:>13.2e}{kl:>11}{r['perplexity']:>12.3f}"
         )
     print(f"text: {args.text}, teacher-forced; decode = one token per step through the fused kernel")
-    print("reference: fp32 weights and activations, decode pass; KL(reference || path) per position")
+    print("reference: fp32 weights and activations, the text in one pass; KL(reference || path) per position")
     print(f"KV cache: {kv_dtype} in the rows above")
     if by_kv is not None:
         print(
