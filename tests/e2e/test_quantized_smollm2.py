@@ -47,9 +47,11 @@ def test_default_engine_runs_the_gguf_blocks(smollm2_engine) -> None:
 
 # Where two runs' greedy texts part, the exact (fp32) model must have been torn: its two
 # candidates' logprobs within this of each other. The tiled types' int8 activations (a scale
-# per 32, kernels/tiles.h) move SmolLM2's logprobs by up to ~0.1 (bench quality: mean |dlogp|
-# ~1e-2, KL 5.6e-3 in tests/model/test_tiles.py); partings were seen at gaps 0.08-0.20
-NEAR_TIE = 0.3
+# per 32, kernels/tiles.h) move SmolLM2's logprobs against the exact model's by 5.6e-2 on average
+# and 1.39 at most over 2,000 tokens (`tokenwire bench quality`: llama.cpp on the same file
+# 6.0e-2 and 0.87); the eager layers' int8 path and the fused one each part from the exact
+# greedy text at gaps seen from 0.08 to 0.37. A parting at a clear choice (> 0.5) still fails.
+NEAR_TIE = 0.5
 
 
 def _agree_or_part_at_a_tie(engines, text: str, ours: list[int], other: list[int]) -> None:
