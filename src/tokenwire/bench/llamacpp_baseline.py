@@ -69,7 +69,9 @@ class LlamaCpp:
         self.high_level: dict[bool, Any] = {}  # lookup_decode's llama_cpp.Llama, with and without lookup
         # (KV type, prompt length) -> (context, its prompt, the first token after it)
         self.long: dict[tuple[str, int], tuple[Any, list[int], int]] = {}
-        self.single = self._context(seqs=1, n_ctx=2048)
+        # room for bench engine's --prefill-tokens 4096 (issue 42's prefill 4k): llama.cpp keeps
+        # only the positions in use in its attention, so a larger context costs memory, not time
+        self.single = self._context(seqs=1, n_ctx=8192)
         self.multi = self._context(seqs=streams, n_ctx=streams * stream_ctx)
         self.batch = lc.llama_batch_init(512, 0, max(streams, 1))
         # what Llama(...) does: the model (mmap'd: its pages are read by the first steps) and contexts
