@@ -138,6 +138,21 @@ def test_the_heads_wide_activations_are_finer_and_keep_a_rows_bits(wt: WeightTyp
     assert wide_squared < int8_squared / 1000, wide_squared / int8_squared
 
 
+@pytest.mark.parametrize("wt", TILED, ids=lambda t: t.name)
+def test_decode_rows_have_the_strips_bits(wt: WeightType) -> None:
+    """Decode rows (M = 1, 2, 3: tiles_decode.h's 8-row lanes, folding each row's partial dots)
+    against the strips (M >= 4) on the same rows: the same bits, with K an odd number of units
+    that is not a multiple of 8 (the 32-weight types' last group short, its last unit alone in
+    a two-unit load) and 45 weight rows (a short last strip of 8 and of 16)."""
+    k = 5 * 256 if wt.block == 256 else 13 * 32
+    layer = QuantLinear(torch.from_numpy(_packed(wt, 45, k, seed=11)), wt.gguf_id, k)
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(13)) * 3
+    together = layer(x)  # strips: 12 rows
+    for size in (1, 2, 3):
+        chunks = [layer(x[i : i + size]) for i in range(0, 12, size)]
+        assert torch.equal(torch.cat(chunks), together), size
+
+
 PROSE = (
     "The licenses for most software and other practical works are designed to take away your freedom to "
     "share and change the works. By contrast, the GNU General Public License is intended to guarantee your "

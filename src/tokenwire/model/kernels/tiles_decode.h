@@ -1,12 +1,27 @@
-// The tiled types' decode rows (M < kUnitTokens) on AVX-512: the same bits as tiles.h's strips,
-// without their transposition of every weight. A strip's conversion moves each weight once
-// through a 16-row transpose, which the tokens of a prefill share but one token does not
-// (measured, one core, 8192x2048, M = 1: Q4_1 72 -> 48 GFLOP/s, Q6_K 47 -> 16 against the
-// int16 lanes). Here a row's 16 consecutive units are unpacked from its own contiguous bytes
-// (a few permutes, lane = unit), the integer dots run in unit lanes, and only the results are
-// transposed (16 x 16 per 16 rows and 16 units, 32x fewer values than the weights): per row r
-// and unit u the same integer dot, the same product wscale * xscale, and the same fma chain
-// over u with lanes = rows as the strips, so a row's bits do not depend on the path.
+// The tiled types' decode rows (M < kDecodeTokens) in row lanes, on AVX2 and AVX-512 alike: the
+// same bits as tiles.h's strips without transposing a single weight. Eight weight rows at a
+// time, each read in its own byte order (a 32-byte load is one or two whole units of a row); the
+// activations meet it in that order, so vpmaddubsw + vpmaddwd (AVX-512: vpdpbusd on ymm) give 8
+// partial sums of one row, and unpack-and-add steps fold the 8 rows' partials into lanes = rows,
+// one vector per unit (Q6_K: per half unit), exact in int32 whatever the order of the adds. From
+// there on it is the strips' arithmetic: per unit acc = fma(float(idot + bias), wscale * xscale,
+// acc), the per-row scales made by the strips' own conversion steps (16 bytes of every row
+// transposed, here in 8-row ymm form), so a row's bits do not depend on the path, the strip
+// height (8 or 16) or the rows beside it (tests/model/test_tiles.py, both builds).
+//
+// Why: a strip moves every weight byte through an 8- or 16-row transpose and an L1 buffer, which
+// the tokens of a prefill share but one token does not (AVX2 M = 1 lost 20-45 % to the int16
+// kernels); here only the scales and the int32 results cross lanes. The AVX-512 unit lanes this
+// replaces (a row's 16 units unpacked by vpermt2d, results transposed 16 x 16) measured at or
+// below it on every type (M = 1: Q4_0 158 vs 188, Q4_1 147 vs 158, Q8_0 100 vs 148, Q4_K 113 vs
+// 166, Q6_K 83 vs 82). vphaddd for the folds measured 3-9 % slower than unpack + add (Q6_K AVX2
+// 74.7 vs 76.9, AVX-512 79.5 vs 81.9; Zen 5); prefetching the next strip won on Q4_0 / Q6_K by
+// 2-3 % and lost 10 % on Q8_0: left to the hardware.
+//
+// Measured (Zen 5 EPYC VM, 2 threads, 8192x2048, GFLOP/s, best of 3 rounds of the min of 300
+// calls; int16 = main's kernels before issue 42, strips = this branch before this file; same
+// sitting, the machine shared with other work):
+//   (table below)
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
 #pragma once
 
@@ -14,283 +29,308 @@
 
 namespace tw {
 
+#ifdef TW_AVX2
+constexpr int64_t kDecodeTokens = 4;  // fewer activation rows than this take row lanes
+
+namespace rows8 {
+
+using I = __m256i;
+using F = __m256;
+
+inline I load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline I load16(const void* p) {  // 16 bytes, the upper half zero
+  return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline I nibbles_lo(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+inline I nibbles_hi(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+
+// per dword lane the dot of 4 unsigned weight bytes w (<= 63) and 4 signed activation bytes x
+inline I dot(I w, I x) {
 #ifdef TW_AVX512
-constexpr int64_t kUnitTokens = 4;  // fewer activation rows than this take the unit lanes
-
-inline __mmask16 first_lanes(int64_t count) {
-  return count >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1);
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+// the same of two pairs, summed (4-bit weights: two vpmaddubsw add in int16, |sum| <= 4 * 15 * 127)
+inline I dot2(I w0, I x0, I w1, I x1) {
+#ifdef TW_AVX512
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w0, x0), w1, x1);
+#else
+  const I s = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+  return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+}
+// Q8_0's signed weights: AVX-512 takes q + 128 (its bias, -128 sum x, is ActI8's 4th; the
+// strips' choice, Tile<Q8_0>::kBias); AVX2 |q| times x with q's sign
+inline I dot_q8(I w, I x) {
+#ifdef TW_AVX512
+  return dot(_mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))), x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+#endif
 }
 
-// r[i] lane j -> r[j] lane i
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512i x0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), x1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
-    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), y1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
-    r[j] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
-    r[4 + j] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
-  }
+// Folding 8 rows' partial sums into lanes = rows. pair(v_r, v_r+1) is the first level, taken
+// as each pair of rows is done (the tokens' partials stay few); fold2 then takes the 4 pairs of
+// vectors whose lanes 0-3 summed give one value A and 4-7 another B -> A and B, lanes = rows
+// (vphaddd adds within 128-bit halves: two levels leave rows 0-3 of A low, of B high)
+inline I pair(I v0, I v1) { return _mm256_add_epi32(_mm256_unpacklo_epi32(v0, v1), _mm256_unpackhi_epi32(v0, v1)); }
+inline I pair64(I v0, I v1) { return _mm256_add_epi32(_mm256_unpacklo_epi64(v0, v1), _mm256_unpackhi_epi64(v0, v1)); }
+inline void fold2(const I h[4], I& a, I& b) {
+  const I q0 = pair64(h[0], h[1]), q1 = pair64(h[2], h[3]);
+  a = _mm256_permute2x128_si256(q0, q1, 0x20);
+  b = _mm256_permute2x128_si256(q0, q1, 0x31);
+}
+// all 8 lanes of each row's partials -> one value, lanes = rows
+inline I fold1(const I h[4]) {
+  I a, b;
+  fold2(h, a, b);
+  return _mm256_add_epi32(a, b);
 }
 
-// the activations of a few rows in unit lanes: per token and group of 16 units, 8 vectors (lane
-// u: bytes 4k .. 4k + 3 of unit u), ActI8's 4 integer sums, scales and exact sums by lane
-struct UnitActs {
-  std::vector<int32_t> x, bias;
-  std::vector<float> xs, xsum;
-  int64_t groups = 0;
-  void fill(const QuantizedActivations& a, int64_t M) {
-    const int64_t units = a.nb;
-    groups = (units + 15) / 16;
-    x.assign(M * groups * 128, 0);
-    bias.assign(M * groups * 64, 0);
-    xs.assign(M * groups * 16, 0.0f);
-    xsum.assign(M * groups * 16, 0.0f);
-    for (int64_t t = 0; t < M; ++t) {
-      const int8_t* row = reinterpret_cast<const int8_t*>(a.q.data()) + t * a.stride * 2;
-      for (int64_t u = 0; u < units; ++u) {
-        const int64_t g = u / 16, lane = u % 16, base = t * groups + g;
-        for (int k = 0; k < 8; ++k) std::memcpy(&x[(base * 8 + k) * 16 + lane], row + 32 * u + 4 * k, 4);
-        for (int b = 0; b < 4; ++b) bias[(base * 4 + b) * 16 + lane] = a.bias[(t * units + u) * 4 + b];
-        xs[base * 16 + lane] = a.scale[t * units + u];
-        xsum[base * 16 + lane] = a.sum[t * units + u];
-      }
-    }
+// 16 bytes at offset `off` of 8 rows -> out[k] lane r = dword k of row r (tiles.h's AVX2 transpose)
+inline void transpose(const uint8_t* const* rows, int64_t off, I out[4]) {
+  I v[4];
+  for (int p = 0; p < 4; ++p) {
+    auto ld = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + off)); };
+    v[p] = _mm256_inserti128_si256(_mm256_castsi128_si256(ld(p)), ld(4 + p), 1);
   }
-};
-
-inline __m512i dwords_from_pairs(__m512i a0, __m512i a1, __m512i b0, __m512i b1, __m512i idx) {
-  // lanes 0-7 from (a0, a1), 8-15 from (b0, b1), the same index vector
-  return _mm512_mask_blend_epi32(0xff00, _mm512_permutex2var_epi32(a0, idx, a1), _mm512_permutex2var_epi32(b0, idx, b1));
+  const I t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+  const I t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
 }
+inline F half_lo(I a) {  // the fp16 in each dword's low half (exact, as tiles.h's)
+  const I lo = _mm256_and_si256(a, _mm256_set1_epi32(0xffff));
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08)));
+}
+inline F half_hi(I a) { return half_lo(_mm256_srli_epi32(a, 16)); }
+template <int B>
+inline F byte_u(I v) { return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * B), _mm256_set1_epi32(0xff))); }
+template <int B>
+inline F byte_s(I v) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * B), 24)); }
 
-// A type's unit lanes: group g (units 16 g .. 16 g + count - 1) of a row -> W[k] lane u the
-// unsigned bytes 4k .. 4k + 3 of unit u, s0 / s1 its two floats (tiles_types.h's u[8], u[9])
+}  // namespace rows8
+
+// A type's group of up to 8 units (32-weight types: units j .. j + count - 1; K-quants: the
+// super-block j / 8) for 8 rows and NT activation rows x[t] (the unit j's bytes): d[t][u][h]
+// the integer dots (no bias yet), s0[u] / s1[u] the strips' two per-row floats (tiles_types.h's
+// u[8], u[9]).
 template <class T>
-struct UnitLanes;
+struct RowDots;
 
 template <class T>
-struct UnitLanes32 {
-  static void group(const uint8_t* row, int64_t nb, int64_t g, int64_t count, __m512i W[8], __m512& s0, __m512& s1) {
-    using V = TileIsa;
-    const int64_t j = 16 * g;
-    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(count), row + nb * T::part_offset(T::kScalePart) + 2 * j));
-    s0 = d;
-    if constexpr (T::kId == Q4_1::kId) {
-      const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(count), row + nb * T::part_offset(T::kMinPart) + 2 * j));
-      s1 = V::add(m, V::mul(V::setf(8.0f), d));
-    } else {
-      s1 = _mm512_setzero_ps();
-    }
-    const uint8_t* q = row + nb * T::part_offset(T::kQuantPart);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    if constexpr (T::kId == Q8_0::kId) {  // 32 bytes a unit: 8 vectors of 2 units
-      __m512i z[8];
-      for (int i = 0; i < 8; ++i)
-        z[i] = _mm512_maskz_loadu_epi32(first_lanes(std::clamp<int64_t>(8 * count - 16 * i, 0, 16)), q + 32 * j + 64 * i);
-      const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));
-      for (int k = 0; k < 8; ++k) {  // lane u: dword 8 (u % 4) + k of pair u / 4
-        const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(3)), 3), _mm512_set1_epi32(k));
-        const __m512i lo = dwords_from_pairs(z[0], z[1], z[4], z[5], idx), hi = dwords_from_pairs(z[2], z[3], z[6], z[7], idx);
-        W[k] = _mm512_xor_si512(_mm512_mask_blend_epi32(0xf0f0, lo, hi), flip);
-      }
-    } else {  // 16 bytes a unit: 4 vectors of 4 units
-      __m512i z[4];
-      for (int i = 0; i < 4; ++i)
-        z[i] = _mm512_maskz_loadu_epi32(first_lanes(std::clamp<int64_t>(4 * count - 16 * i, 0, 16)), q + 16 * j + 64 * i);
-      const __m512i low = _mm512_set1_epi32(0x0f0f0f0f);
-      for (int k = 0; k < 4; ++k) {  // lane u: dword 4 (u % 8) + k of (z0, z1) or (z2, z3)
-        const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(7)), 2), _mm512_set1_epi32(k));
-        const __m512i v = dwords_from_pairs(z[0], z[1], z[2], z[3], idx);
-        W[k] = _mm512_and_si512(v, low);
-        W[4 + k] = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
+struct RowDots32 {
+  template <int NT>
+  static void group(const uint8_t* const* rows, int64_t nb, int64_t j, int64_t count, const int8_t* const* x,
+                    rows8::I d[][8][1], rows8::F s0[8], rows8::F s1[8]) {
+    using namespace rows8;
+    I d2[4], m2[4];
+    transpose(rows, nb * T::part_offset(T::kScalePart) + 2 * j, d2);
+    if constexpr (T::kId == Q4_1::kId) transpose(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
+    for (int e = 0; e < 8; ++e) {
+      s0[e] = e % 2 ? half_hi(d2[e / 2]) : half_lo(d2[e / 2]);
+      if constexpr (T::kId == Q4_1::kId) {  // d q + m = d (q - 8) + (m + 8 d)
+        const F m = e % 2 ? half_hi(m2[e / 2]) : half_lo(m2[e / 2]);
+        s1[e] = _mm256_add_ps(m, _mm256_mul_ps(_mm256_set1_ps(8.0f), s0[e]));
       }
     }
-  }
-};
-template <>
-struct UnitLanes<Q4_0> : UnitLanes32<Q4_0> {};
-template <>
-struct UnitLanes<Q4_1> : UnitLanes32<Q4_1> {};
-template <>
-struct UnitLanes<Q8_0> : UnitLanes32<Q8_0> {};
-
-// Q4_K: a group is two super-blocks (the second absent where count is 8)
-template <>
-struct UnitLanes<Q4_K> {
-  static void group(const uint8_t* row, int64_t, int64_t g, int64_t count, __m512i W[8], __m512& s0, __m512& s1) {
-    using V = TileIsa;
-    const uint8_t* a = row + 2 * g * Q4_K::kBlockBytes;
-    const uint8_t* b = count > 8 ? a + Q4_K::kBlockBytes : a;
-    alignas(16) uint8_t sc[16], mn[16];
-    k4_scales(a + 4, sc, mn);
-    k4_scales(b + 4, sc + 8, mn + 8);
-    auto bytes16 = [](const uint8_t* p) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(p))));
-    };
-    const __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half_to_float(a)), _mm512_set1_ps(half_to_float(b)));
-    const __m512 dmin = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half_to_float(a + 2)), _mm512_set1_ps(half_to_float(b + 2)));
-    s0 = V::mul(d, bytes16(sc));
-    s1 = V::sub(V::mul(V::setf(8.0f), s0), V::mul(dmin, bytes16(mn)));
-    const __m512i qa0 = _mm512_loadu_si512(a + 16), qa1 = _mm512_loadu_si512(a + 80);
-    const __m512i qb0 = _mm512_loadu_si512(b + 16), qb1 = _mm512_loadu_si512(b + 80);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    // unit u of a super-block: chunk u / 2 (dwords 8 (u / 2) ..), nibble u % 2
-    const __m512i chunk = _mm512_slli_epi32(_mm512_srli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(7)), 1), 3);
-    const __m512i shift = _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(1)), 2);
-    const __m512i low = _mm512_set1_epi32(0x0f0f0f0f);
-    for (int k = 0; k < 8; ++k) {
-      const __m512i v = dwords_from_pairs(qa0, qa1, qb0, qb1, _mm512_add_epi32(chunk, _mm512_set1_epi32(k)));
-      W[k] = _mm512_and_si512(_mm512_srlv_epi32(v, shift), low);
+    const int64_t q_off = nb * T::part_offset(T::kQuantPart);
+    if constexpr (T::kId == Q8_0::kId) {
+      for (int64_t u = 0; u < count; ++u) {
+        I xu[NT], h[NT][4];
+        for (int t = 0; t < NT; ++t) xu[t] = load(x[t] + 32 * u);
+        for (int r = 0; r < 8; r += 2) {
+          const I w0 = load(rows[r] + q_off + 32 * (j + u)), w1 = load(rows[r + 1] + q_off + 32 * (j + u));
+          for (int t = 0; t < NT; ++t) h[t][r / 2] = pair(dot_q8(w0, xu[t]), dot_q8(w1, xu[t]));
+        }
+        for (int t = 0; t < NT; ++t) d[t][u][0] = fold1(h[t]);
+      }
+    } else {  // two units a load: byte i of unit a, then of unit b (values i, i + 16 of each)
+      for (int64_t u = 0; u < count; u += 2) {
+        const bool both = u + 1 < count;
+        I xlo[NT], xhi[NT], h[NT][4];
+        for (int t = 0; t < NT; ++t) {
+          const I xa = load(x[t] + 32 * u), xb = both ? load(x[t] + 32 * u + 32) : _mm256_setzero_si256();
+          xlo[t] = _mm256_permute2x128_si256(xa, xb, 0x20);
+          xhi[t] = _mm256_permute2x128_si256(xa, xb, 0x31);
+        }
+        for (int r = 0; r < 8; r += 2) {
+          const uint8_t* q0 = rows[r] + q_off + 16 * (j + u);
+          const uint8_t* q1 = rows[r + 1] + q_off + 16 * (j + u);
+          const I w0 = both ? load(q0) : load16(q0), w1 = both ? load(q1) : load16(q1);
+          const I l0 = nibbles_lo(w0), h0 = nibbles_hi(w0), l1 = nibbles_lo(w1), h1 = nibbles_hi(w1);
+          for (int t = 0; t < NT; ++t) h[t][r / 2] = pair(dot2(l0, xlo[t], h0, xhi[t]), dot2(l1, xlo[t], h1, xhi[t]));
+        }
+        for (int t = 0; t < NT; ++t) fold2(h[t], d[t][u][0], d[t][u + 1][0]);
+      }
     }
   }
 };
-
-// Q6_K: two super-blocks a group; unit u = 4 h + t of one: ql dword 16 h + 8 (t % 2) + k,
-// nibble t / 2; qh dword 8 h + k, bits 2 t
 template <>
-struct UnitLanes<Q6_K> {
-  static void group(const uint8_t* row, int64_t, int64_t g, int64_t count, __m512i W[8], __m512& s0, __m512& s1) {
-    const uint8_t* a = row + 2 * g * Q6_K::kBlockBytes;
-    const uint8_t* b = count > 8 ? a + Q6_K::kBlockBytes : a;
-    // the 16 int8 scales of each: even ones (first halves of units) and odd ones, a then b
-    const __m128i pick = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m128i sa = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 192)), pick);
-    const __m128i sb = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), pick);
-    auto bytes16 = [](__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); };
-    const __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half_to_float(a + 208)), _mm512_set1_ps(half_to_float(b + 208)));
-    s0 = _mm512_mul_ps(d, bytes16(_mm_unpacklo_epi64(sa, sb)));
-    s1 = _mm512_mul_ps(d, bytes16(_mm_unpackhi_epi64(sa, sb)));
-    const __m512i la0 = _mm512_loadu_si512(a), la1 = _mm512_loadu_si512(a + 64), ha = _mm512_loadu_si512(a + 128);
-    const __m512i lb0 = _mm512_loadu_si512(b), lb1 = _mm512_loadu_si512(b + 64), hb = _mm512_loadu_si512(b + 128);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i u = _mm512_and_si512(lane, _mm512_set1_epi32(7));
-    const __m512i h = _mm512_srli_epi32(u, 2), t = _mm512_and_si512(u, _mm512_set1_epi32(3));
-    const __m512i ql_idx = _mm512_add_epi32(_mm512_slli_epi32(h, 4), _mm512_slli_epi32(_mm512_and_si512(t, _mm512_set1_epi32(1)), 3));
-    const __m512i qh_idx = _mm512_slli_epi32(h, 3);
-    const __m512i ql_shift = _mm512_slli_epi32(_mm512_srli_epi32(t, 1), 2), qh_shift = _mm512_slli_epi32(t, 1);
-    const __m512i low = _mm512_set1_epi32(0x0f0f0f0f), two = _mm512_set1_epi32(0x30303030);
-    for (int k = 0; k < 8; ++k) {
-      const __m512i kk = _mm512_set1_epi32(k);
-      const __m512i l = dwords_from_pairs(la0, la1, lb0, lb1, _mm512_add_epi32(ql_idx, kk));
-      const __m512i hi_idx = _mm512_add_epi32(qh_idx, kk);
-      const __m512i hv = _mm512_mask_blend_epi32(0xff00, _mm512_permutexvar_epi32(hi_idx, ha), _mm512_permutexvar_epi32(hi_idx, hb));
-      W[k] = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(l, ql_shift), low),
-                             _mm512_and_si512(_mm512_slli_epi32(_mm512_srlv_epi32(hv, qh_shift), 4), two));
-    }
-  }
-};
+struct RowDots<Q4_0> : RowDots32<Q4_0> {};
+template <>
+struct RowDots<Q4_1> : RowDots32<Q4_1> {};
+template <>
+struct RowDots<Q8_0> : RowDots32<Q8_0> {};
 
-// rows [s, s + rows) (rows <= 16) for NT tokens: res[t * 16 + r]. Each row is read start to
-// end (the strip is one contiguous run of memory: the hardware's prefetcher follows it; 16 rows
-// side by side a group at a time stalled on loads, measured Q6_K 8192x2048 M = 1 2.5 ms), its
-// results kept per group until the strip's 16 rows are in; then per group the transposes and
-// the fma chain over the group's units.
-template <class T, int NT>
-void unit_rows(const UnitActs& ua, int64_t K, const uint8_t* w, int64_t s, int64_t rows, float* res) {
-  using Tr = Tile<T>;
-  constexpr int H = Tr::kHalves;
-  constexpr int kPer = 2 * NT * H + 1;  // P and C per token and half, S1: 16 vectors each
-  const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBlockBytes, units = K / 32;
-  const int64_t fetch = (row_bytes + ua.groups - 1) / ua.groups;
-  thread_local std::vector<uint8_t> storage;
-  storage.resize(ua.groups * kPer * 16 * 64 + 64);
-  __m512i* kept = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
-  auto P = [&](int64_t g, int t, int hh) { return kept + (g * kPer + (t * H + hh)) * 16; };
-  auto C = [&](int64_t g, int t, int hh) { return kept + (g * kPer + NT * H + (t * H + hh)) * 16; };
-  auto S1 = [&](int64_t g) { return kept + (g * kPer + 2 * NT * H) * 16; };
-  for (int r = 0; r < 16; ++r) {
-    const uint8_t* row = w + (s + std::min<int64_t>(r, rows - 1)) * row_bytes;
-    for (int64_t g = 0; g < ua.groups; ++g) {
-      const int64_t count = std::min<int64_t>(16, units - 16 * g);
-      // the next row, a group's share at a time (lanes_avx512.h measured why: the split rows'
-      // parts stall without it, one core 8192x8192 Q8_0 6.37 -> 1.91 ms)
-      for (int64_t o = g * fetch; o < std::min(row_bytes, (g + 1) * fetch); o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row + row_bytes + o), _MM_HINT_T0);
-      __m512i W[8];
-      __m512 s0, s1;
-      UnitLanes<T>::group(row, nb, g, count, W, s0, s1);
-      S1(g)[r] = _mm512_castps_si512(s1);
-#pragma GCC unroll 4
+// Q4_K: chunk c of a super-block's quants (32 bytes) is unit 2 c in its low nibbles, 2 c + 1 in
+// its high ones, each in value order; the scales as Tile<Q4_K>::convert takes them
+template <>
+struct RowDots<Q4_K> {
+  template <int NT>
+  static void group(const uint8_t* const* rows, int64_t, int64_t j, int64_t, const int8_t* const* x,
+                    rows8::I d[][8][1], rows8::F s0[8], rows8::F s1[8]) {
+    using namespace rows8;
+    const int64_t base = (j / 8) * Q4_K::kBlockBytes;
+    const I low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f), top2 = _mm256_set1_epi32(0x30303030);
+    I h[4];
+    transpose(rows, base, h);
+    const F dd = half_lo(h[0]), dmin = half_hi(h[0]);
+    const I sc_lo = _mm256_and_si256(h[1], low6), m_lo = _mm256_and_si256(h[2], low6);
+    const I sc_hi = _mm256_or_si256(_mm256_and_si256(h[3], low4), _mm256_and_si256(_mm256_srli_epi32(h[1], 2), top2));
+    const I m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(h[3], 4), low4), _mm256_and_si256(_mm256_srli_epi32(h[2], 2), top2));
+    const F sc[8] = {rows8::byte_u<0>(sc_lo), rows8::byte_u<1>(sc_lo), rows8::byte_u<2>(sc_lo), rows8::byte_u<3>(sc_lo),
+                     rows8::byte_u<0>(sc_hi), rows8::byte_u<1>(sc_hi), rows8::byte_u<2>(sc_hi), rows8::byte_u<3>(sc_hi)};
+    const F mn[8] = {rows8::byte_u<0>(m_lo), rows8::byte_u<1>(m_lo), rows8::byte_u<2>(m_lo), rows8::byte_u<3>(m_lo),
+                     rows8::byte_u<0>(m_hi), rows8::byte_u<1>(m_hi), rows8::byte_u<2>(m_hi), rows8::byte_u<3>(m_hi)};
+    for (int sub = 0; sub < 8; ++sub) {
+      s0[sub] = _mm256_mul_ps(dd, sc[sub]);
+      s1[sub] = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), s0[sub]), _mm256_mul_ps(dmin, mn[sub]));
+    }
+    for (int c = 0; c < 4; ++c) {
+      I xa[NT], xb[NT], ha[NT][4], hb[NT][4];
       for (int t = 0; t < NT; ++t) {
-        const int64_t base = t * ua.groups + g;
-        const int32_t* bias = ua.bias.data() + base * 64;
-        const int32_t* x = ua.x.data() + base * 128;
-        __m512i ia[H];
-        for (int hh = 0; hh < H; ++hh) ia[hh] = _mm512_loadu_si512(bias + 16 * (H == 2 ? 1 + hh : Tr::kBias));
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k)
-          ia[H == 2 ? k / 4 : 0] = _mm512_dpbusd_epi32(ia[H == 2 ? k / 4 : 0], W[k], _mm512_loadu_si512(x + 16 * k));
-        const __m512 xs = _mm512_loadu_ps(ua.xs.data() + base * 16);
-        P(g, t, 0)[r] = _mm512_castps_si512(_mm512_cvtepi32_ps(ia[0]));
-        C(g, t, 0)[r] = _mm512_castps_si512(_mm512_mul_ps(s0, xs));
-        if constexpr (H == 2) {
-          P(g, t, H - 1)[r] = _mm512_castps_si512(_mm512_cvtepi32_ps(ia[H - 1]));
-          C(g, t, H - 1)[r] = _mm512_castps_si512(_mm512_mul_ps(s1, xs));
+        xa[t] = load(x[t] + 64 * c);
+        xb[t] = load(x[t] + 64 * c + 32);
+      }
+      for (int r = 0; r < 8; r += 2) {
+        const I w0 = load(rows[r] + base + 16 + 32 * c), w1 = load(rows[r + 1] + base + 16 + 32 * c);
+        const I l0 = nibbles_lo(w0), h0 = nibbles_hi(w0), l1 = nibbles_lo(w1), h1 = nibbles_hi(w1);
+        for (int t = 0; t < NT; ++t) {
+          ha[t][r / 2] = pair(dot(l0, xa[t]), dot(l1, xa[t]));
+          hb[t][r / 2] = pair(dot(h0, xb[t]), dot(h1, xb[t]));
         }
       }
+      for (int t = 0; t < NT; ++t) {
+        d[t][2 * c][0] = fold1(ha[t]);
+        d[t][2 * c + 1][0] = fold1(hb[t]);
+      }
     }
   }
-  __m512 acc[NT], off[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = off[t] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < ua.groups; ++g) {
-    const int64_t count = std::min<int64_t>(16, units - 16 * g);
-    for (int t = 0; t < NT; ++t)
-      for (int hh = 0; hh < H; ++hh) {
-        transpose16(P(g, t, hh));
-        transpose16(C(g, t, hh));
+};
+
+// Q6_K: unit t of half h (values 32 t + i) is nibble t / 2 of ql byte 64 h + 32 (t % 2) + i
+// with bits 2 t of qh byte 128 + 32 h + i above it: one 32-byte load of each in value order.
+// Its two halves' dots fold out of one vector (lanes 0-3: values 0-15, 4-7: 16-31).
+template <>
+struct RowDots<Q6_K> {
+  template <int NT>
+  static void group(const uint8_t* const* rows, int64_t, int64_t j, int64_t, const int8_t* const* x,
+                    rows8::I d[][8][2], rows8::F s0[8], rows8::F s1[8]) {
+    using namespace rows8;
+    const int64_t base = (j / 8) * Q6_K::kBlockBytes;
+    I sv[4], dv[4];
+    transpose(rows, base + 192, sv);
+    transpose(rows, base + 194, dv);  // ends at the block's end: d is dword 3's high half
+    const F dd = half_hi(dv[3]);
+    F scale[16];
+    for (int i = 0; i < 4; ++i) {
+      scale[4 * i] = _mm256_mul_ps(dd, rows8::byte_s<0>(sv[i]));
+      scale[4 * i + 1] = _mm256_mul_ps(dd, rows8::byte_s<1>(sv[i]));
+      scale[4 * i + 2] = _mm256_mul_ps(dd, rows8::byte_s<2>(sv[i]));
+      scale[4 * i + 3] = _mm256_mul_ps(dd, rows8::byte_s<3>(sv[i]));
+    }
+    for (int u = 0; u < 8; ++u) {
+      s0[u] = scale[2 * u];
+      s1[u] = scale[2 * u + 1];
+    }
+    const I two = _mm256_set1_epi8(0x30);
+    for (int hf = 0; hf < 2; ++hf)
+      for (int t4 = 0; t4 < 4; ++t4) {
+        I xu[NT], h[NT][4];
+        for (int t = 0; t < NT; ++t) xu[t] = load(x[t] + 32 * (4 * hf + t4));
+        auto weights = [&](const uint8_t* row) {
+          const I l = load(row + base + 64 * hf + 32 * (t4 % 2)), qh = load(row + base + 128 + 32 * hf);
+          I hi;
+          switch (t4) {  // bits 2 t, 2 t + 1 of each qh byte to bits 4, 5
+            case 0: hi = _mm256_slli_epi16(qh, 4); break;
+            case 1: hi = _mm256_slli_epi16(qh, 2); break;
+            case 2: hi = qh; break;
+            default: hi = _mm256_srli_epi16(qh, 2); break;
+          }
+          return _mm256_or_si256(t4 / 2 ? nibbles_hi(l) : nibbles_lo(l), _mm256_and_si256(hi, two));
+        };
+        for (int r = 0; r < 8; r += 2) {
+          const I w0 = weights(rows[r]), w1 = weights(rows[r + 1]);
+          for (int t = 0; t < NT; ++t) h[t][r / 2] = pair(dot(w0, xu[t]), dot(w1, xu[t]));
+        }
+        for (int t = 0; t < NT; ++t) fold2(h[t], d[t][4 * hf + t4][0], d[t][4 * hf + t4][1]);
       }
-    if constexpr (Tr::kOffset) transpose16(S1(g));
+  }
+};
+
+// 8 rows (pointers; a short strip repeats its last) for NT activation rows: res[t * 8 + r]
+template <class T, int NT>
+void row_strip(const QuantizedActivations& a, int64_t K, const uint8_t* const* rows, float* res) {
+  using Tr = Tile<T>;
+  constexpr int H = Tr::kHalves;
+  const int64_t nb = K / T::kBlock, units = K / 32;
+  const int8_t* x0 = reinterpret_cast<const int8_t*>(a.q.data());
+  const int64_t xstride = a.stride * 2;
+  rows8::F acc[NT], off[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = off[t] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < units; j += 8) {
+    const int64_t count = std::min<int64_t>(8, units - j);
+    const int8_t* x[NT];
+    for (int t = 0; t < NT; ++t) x[t] = x0 + t * xstride + 32 * j;
+    rows8::I d[NT][8][H];
+    rows8::F s0[8], s1[8];
+    RowDots<T>::template group<NT>(rows, nb, j, count, x, d, s0, s1);
     for (int64_t u = 0; u < count; ++u)
       for (int t = 0; t < NT; ++t) {
-        acc[t] = _mm512_fmadd_ps(_mm512_castsi512_ps(P(g, t, 0)[u]), _mm512_castsi512_ps(C(g, t, 0)[u]), acc[t]);
-        if constexpr (H == 2)
-          acc[t] = _mm512_fmadd_ps(_mm512_castsi512_ps(P(g, t, H - 1)[u]), _mm512_castsi512_ps(C(g, t, H - 1)[u]), acc[t]);
-        if constexpr (Tr::kOffset)
-          off[t] = _mm512_fmadd_ps(_mm512_castsi512_ps(S1(g)[u]), _mm512_set1_ps(ua.xsum[(t * ua.groups + g) * 16 + u]), off[t]);
+        const int64_t b = t * units + j + u;
+        const rows8::F xs = _mm256_set1_ps(a.scale[b]);
+        for (int h = 0; h < H; ++h) {
+          rows8::I ia = d[t][u][h];
+          if constexpr (Tr::kBias >= 0)
+            ia = _mm256_add_epi32(ia, _mm256_set1_epi32(a.bias[b * ActI8::kBias + (H == 2 ? 1 + h : Tr::kBias)]));
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(h ? s1[u] : s0[u], xs), acc[t]);
+        }
+        if constexpr (Tr::kOffset) off[t] = _mm256_fmadd_ps(s1[u], _mm256_set1_ps(a.sum[b]), off[t]);
       }
   }
-  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(res + 16 * t, Tr::kOffset ? _mm512_add_ps(acc[t], off[t]) : acc[t]);
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(res + 8 * t, Tr::kOffset ? _mm256_add_ps(acc[t], off[t]) : acc[t]);
 }
 
+// out[m, n] = x[m] . W[n] for n in [n0, n1), M < kDecodeTokens (8-row strips, 1-3 tokens)
 template <class T>
-void unit_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
-                 float* out, int64_t N) {
-  thread_local UnitActs ua;
-  ua.fill(a, M);
-  alignas(64) float res[kUnitTokens * 16];
-  for (int64_t s = n0; s < n1; s += 16) {
-    const int64_t rows = std::min<int64_t>(16, n1 - s);
+void row_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                float* out, int64_t N) {
+  const int64_t row_bytes = K / T::kBlock * T::kBlockBytes;
+  alignas(32) float res[3 * 8];
+  for (int64_t s = n0; s < n1; s += 8) {
+    const int64_t rows = std::min<int64_t>(8, n1 - s);
+    const uint8_t* ptrs[8];
+    for (int r = 0; r < 8; ++r) ptrs[r] = w + (s + std::min<int64_t>(r, rows - 1)) * row_bytes;
     switch (M) {
-      case 1: unit_rows<T, 1>(ua, K, w, s, rows, res); break;
-      case 2: unit_rows<T, 2>(ua, K, w, s, rows, res); break;
-      default: unit_rows<T, 3>(ua, K, w, s, rows, res); break;
+      case 1: row_strip<T, 1>(a, K, ptrs, res); break;
+      case 2: row_strip<T, 2>(a, K, ptrs, res); break;
+      default: row_strip<T, 3>(a, K, ptrs, res); break;
     }
     for (int64_t t = 0; t < M; ++t)
-      for (int64_t r = 0; r < rows; ++r) out[t * N + s + r] = res[t * 16 + r];
+      for (int64_t r = 0; r < rows; ++r) out[t * N + s + r] = res[t * 8 + r];
   }
 }
-#endif
 
-#ifdef TW_AVX2
-// a tiled type's matmul: unit lanes for decode rows where the CPU has AVX-512, strips otherwise
+// a tiled type's matmul: row lanes for decode rows, strips otherwise
 template <class T>
 void tiled_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
                   float* out, int64_t N) {
-#ifdef TW_AVX512
-  if (M < kUnitTokens) return unit_matmul<T>(a, M, K, w, n0, n1, out, N);
-#endif
+  if (M < kDecodeTokens) return row_matmul<T>(a, M, K, w, n0, n1, out, N);
   tile_matmul<T>(a, M, K, w, n0, n1, out, N);
 }
 #endif
