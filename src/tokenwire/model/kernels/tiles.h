@@ -37,8 +37,9 @@
 //            Q8_0   102 ->  56      99 -> 167      142 -> 177
 //            Q4_K   123 ->  82     145 -> 212      145 -> 219
 //            Q6_K    85 ->  52      94 -> 192       94 -> 230
-// (M = 1 on AVX-512 is tiles_decode.h's; on AVX2 the strips', whose transposes cost decode
-// there.) One core, M = 256: 250-310 GFLOP/s.
+// (M = 1: the strips on AVX2, the unit lanes on AVX-512; decode rows, M < 4, now take
+// tiles_decode.h's row lanes on both builds, its header has their figures.) One core, M = 256:
+// 250-310 GFLOP/s.
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
 #pragma once
 

@@ -13,15 +13,27 @@
 // the tokens of a prefill share but one token does not (AVX2 M = 1 lost 20-45 % to the int16
 // kernels); here only the scales and the int32 results cross lanes. The AVX-512 unit lanes this
 // replaces (a row's 16 units unpacked by vpermt2d, results transposed 16 x 16) measured at or
-// below it on every type (M = 1: Q4_0 158 vs 188, Q4_1 147 vs 158, Q8_0 100 vs 148, Q4_K 113 vs
-// 166, Q6_K 83 vs 82). vphaddd for the folds measured 3-9 % slower than unpack + add (Q6_K AVX2
-// 74.7 vs 76.9, AVX-512 79.5 vs 81.9; Zen 5); prefetching the next strip won on Q4_0 / Q6_K by
-// 2-3 % and lost 10 % on Q8_0: left to the hardware.
+// below it on every type (the table's strips* column). Two rows a zmm (AVX-512) measured slower
+// than one a ymm (Q4_K M = 1 148 vs 163, Q6_K M = 3 142 vs 156); vphaddd for the folds 3-9 %
+// slower than unpack + add (Q6_K AVX2 74.7 vs 76.9, AVX-512 79.5 vs 81.9). The next strip is
+// prefetched: in these cache-warm figures it won 2-3 % on Q4_0 / Q6_K and lost 10 % on Q8_0, but
+// a real model streams its weights from DRAM, where 8 rows read side by side outrun the stream
+// prefetchers: llama-1b Q4_K_M single-stream decode without it 18.9 tok/s (AVX-512) and 17.9
+// (AVX2) against the strips' / unit lanes' 28.9 and 19.4; with it 27.3 and 25.5 (against 29.8 and
+// 20.0, same sitting; greedy, 64 tokens, median of 5).
 //
-// Measured (Zen 5 EPYC VM, 2 threads, 8192x2048, GFLOP/s, best of 3 rounds of the min of 300
-// calls; int16 = main's kernels before issue 42, strips = this branch before this file; same
+// Measured (Zen 5 EPYC VM, 2 threads, 8192x2048, GFLOP/s, best of 3 rounds of the min of 200
+// calls; int16 = main's kernels before issue 42, strips = this branch before these lanes; one
 // sitting, the machine shared with other work):
-//   (table below)
+//                int16     strips*    rows       (* AVX-512: the unit lanes this replaces)
+//   AVX-512 M=1  Q4_0 136 162 188, Q4_1 138 152 159, Q8_0 131 104 145, Q4_K 116 112 165, Q6_K 98 83 84
+//           M=2  Q4_0 206 216 283, Q4_1 171 216 236, Q8_0 194 163 229, Q4_K 183 164 217, Q6_K 157 121 122
+//           M=3  Q4_0 234 252 315, Q4_1 230 206 264, Q8_0 222 195 238, Q4_K 214 180 240, Q6_K 188 143 152
+//   AVX2    M=1  Q4_0 139 122 174, Q4_1 126 107 146, Q8_0 129  85 132, Q4_K 122 114 141, Q6_K 85 74 77
+//           M=2  Q4_0 147 183 229, Q4_1 144 163 200, Q8_0 143 129 152, Q4_K 137 170 185, Q6_K 92 123 111
+//           M=3  Q4_0 133 229 253, Q4_1 133 209 222, Q8_0 151 153 174, Q4_K 152 215 198, Q6_K 99 160 126
+// Q6_K M = 1 stays 0.86-0.91x the int16 kernels (its 6-bit unpacking and a fold per unit against
+// their one sum a row); on AVX2 the strips beat these lanes for Q6_K at M = 2-3 and Q4_K at M = 3.
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
 #pragma once
 
@@ -275,7 +287,8 @@ struct RowDots<Q6_K> {
 
 // 8 rows (pointers; a short strip repeats its last) for NT activation rows: res[t * 8 + r]
 template <class T, int NT>
-void row_strip(const QuantizedActivations& a, int64_t K, const uint8_t* const* rows, float* res) {
+void row_strip(const QuantizedActivations& a, int64_t K, const uint8_t* const* rows, float* res, const uint8_t* next,
+               int64_t next_bytes) {
   using Tr = Tile<T>;
   constexpr int H = Tr::kHalves;
   const int64_t nb = K / T::kBlock, units = K / 32;
@@ -285,6 +298,11 @@ void row_strip(const QuantizedActivations& a, int64_t K, const uint8_t* const* r
   for (int t = 0; t < NT; ++t) acc[t] = off[t] = _mm256_setzero_ps();
   for (int64_t j = 0; j < units; j += 8) {
     const int64_t count = std::min<int64_t>(8, units - j);
+    if (next_bytes > 0) {  // the next strip, a group's share at a time: 8 rows read side by side
+      const int64_t share = (next_bytes * 8 + units - 1) / units;  // outrun the stream prefetchers
+      for (int64_t o = share * (j / 8); o < std::min(next_bytes, share * (j / 8 + 1)); o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+    }
     const int8_t* x[NT];
     for (int t = 0; t < NT; ++t) x[t] = x0 + t * xstride + 32 * j;
     rows8::I d[NT][8][H];
@@ -316,10 +334,12 @@ void row_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8
     const int64_t rows = std::min<int64_t>(8, n1 - s);
     const uint8_t* ptrs[8];
     for (int r = 0; r < 8; ++r) ptrs[r] = w + (s + std::min<int64_t>(r, rows - 1)) * row_bytes;
+    const int64_t next_bytes = std::min<int64_t>(8, std::max<int64_t>(0, n1 - s - 8)) * row_bytes;
+    const uint8_t* next = w + (s + 8) * row_bytes;
     switch (M) {
-      case 1: row_strip<T, 1>(a, K, ptrs, res); break;
-      case 2: row_strip<T, 2>(a, K, ptrs, res); break;
-      default: row_strip<T, 3>(a, K, ptrs, res); break;
+      case 1: row_strip<T, 1>(a, K, ptrs, res, next, next_bytes); break;
+      case 2: row_strip<T, 2>(a, K, ptrs, res, next, next_bytes); break;
+      default: row_strip<T, 3>(a, K, ptrs, res, next, next_bytes); break;
     }
     for (int64_t t = 0; t < M; ++t)
       for (int64_t r = 0; r < rows; ++r) out[t * N + s + r] = res[t * 8 + r];
