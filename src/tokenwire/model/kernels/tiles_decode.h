@@ -1,5 +1,7 @@
-// The tiled types' decode rows (M < kDecodeTokens) in row lanes, on AVX2 and AVX-512 alike: the
-// same bits as tiles.h's strips without transposing a single weight. Eight weight rows at a
+// The tiled types' decode rows (M < kDecodeTokens) in row lanes: the same bits as tiles.h's strips
+// without transposing a single weight. The AVX2 build's decode path; an AVX-512 build takes
+// tiles_units.h's unit lanes instead, which stream a real model's weights from DRAM faster (that
+// header says by how much; the vpdpbusd branches below are what these lanes measured with there). Eight weight rows at a
 // time, each read in its own byte order (a 32-byte load is one or two whole units of a row); the
 // activations meet it in that order, so vpmaddubsw + vpmaddwd (AVX-512: vpdpbusd on ymm) give 8
 // partial sums of one row, and unpack-and-add steps fold the 8 rows' partials into lanes = rows,
@@ -38,6 +40,7 @@
 #pragma once
 
 #include "tiles_types.h"
+#include "tiles_units.h"
 
 namespace tw {
 
@@ -346,11 +349,16 @@ void row_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8
   }
 }
 
-// a tiled type's matmul: row lanes for decode rows, strips otherwise
+// a tiled type's matmul: decode rows in unit lanes (AVX-512, tiles_units.h) or row lanes (AVX2),
+// strips otherwise; all three the same bits
 template <class T>
 void tiled_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
                   float* out, int64_t N) {
+#ifdef TW_AVX512
+  if (M < kUnitTokens) return unit_matmul<T>(a, M, K, w, n0, n1, out, N);
+#else
   if (M < kDecodeTokens) return row_matmul<T>(a, M, K, w, n0, n1, out, N);
+#endif
   tile_matmul<T>(a, M, K, w, n0, n1, out, N);
 }
 #endif
