@@ -146,14 +146,14 @@ def test_the_weight_types_table_is_the_weight_type_table() -> None:
     for row in rows:
         name = code_in(row[0])
         assert len(name) == 1, f"row without one `type`: {row}"
-        assert row[4] in ("yes", ""), f"{name[0]}: the lane kernel column is 'yes' or empty, got {row[4]!r}"
+        assert row[4] in ("yes", ""), f"{name[0]}: the tiled kernel column is 'yes' or empty, got {row[4]!r}"
         listed[name[0]] = (int(row[1]), int(row[2]), int(row[3]), row[4] == "yes")
-    in_code = {t.name: (t.gguf_id, t.block, t.block_bytes, bool(t.lanes_activation)) for t in WEIGHT_TYPES}
+    in_code = {t.name: (t.gguf_id, t.block, t.block_bytes, t.tiled) for t in WEIGHT_TYPES}
     problems = differences("weight types", set(in_code), set(listed))
     for name in sorted(set(in_code) & set(listed)):
         if in_code[name] != listed[name]:
             problems.append(
-                f"{name}: (GGUF id, block, bytes, lanes) are {in_code[name]} in WEIGHT_TYPES, "
+                f"{name}: (GGUF id, block, bytes, tiled) are {in_code[name]} in WEIGHT_TYPES, "
                 f"{listed[name]} in README.md"
             )
     assert not problems, "\n".join(problems)

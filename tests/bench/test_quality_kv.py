@@ -22,3 +22,29 @@ def test_each_kv_type_is_scored_against_an_fp32_cache(smollm2_engine) -> None:
     assert result["fp16"]["mean_abs_logprob_diff"] < result["q8"]["mean_abs_logprob_diff"]
     peer = result.get("llamacpp_q8_0_vs_f16")  # only where the bench extra is installed
     assert peer is None or 0 <= peer["top1_agreement"] <= 1
+
+
+def test_the_decode_pass_scores_its_kl_divergence_from_the_reference_rows(smollm2_engine) -> None:
+    """score_reference keeps the dense pass's log-softmax rows; score_decode scores each decode
+    step's KL against them: the fp32-activation decode pass (the same arithmetic up to fp32
+    order) near 0, the int8 one a larger KL that compare() averages."""
+    import numpy as np
+
+    from tokenwire.bench.quality_bench import compare, score_decode, score_reference
+    from tokenwire.model.kernels import ops
+
+    engine = smollm2_engine
+    tokens = engine.tokenizer.encode("The licenses for most software are designed to take away your freedom.")
+    rows = np.zeros((len(tokens) - 1, engine.model.config.vocab_size), dtype=np.float32)
+    ops().set_int16_activations(False)  # the file's weights with exact activations: the reference
+    try:
+        reference = score_reference(engine, tokens, rows)
+        exact = score_decode(engine, tokens, reference=rows)
+    finally:
+        ops().set_int16_activations(True)
+    int8 = score_decode(engine, tokens, reference=rows)
+    exact_kl, int8_kl = compare(reference, exact)["mean_kl"], compare(reference, int8)["mean_kl"]
+    assert exact_kl is not None and int8_kl is not None
+    assert -1e-6 <= exact_kl < 1e-4 and int8_kl > 10 * exact_kl, (exact_kl, int8_kl)
+    assert [top for _, top, _ in exact] == [top for _, top, _ in reference]
+    assert np.allclose(np.exp(rows.astype(np.float64)).sum(-1), 1, atol=1e-4)

@@ -46,9 +46,12 @@ def test_default_engine_runs_the_gguf_blocks(smollm2_engine) -> None:
 
 
 # Where two runs' greedy texts part, the exact (fp32) model must have been torn: its two
-# candidates' logprobs within this of each other (int16 activations move a logprob by ~1e-3,
-# INT16_DECODE_LOGPROB_TOL in tests/model/test_quant.py)
-NEAR_TIE = 0.05
+# candidates' logprobs within this of each other. The tiled types' int8 activations (a scale
+# per 32, kernels/tiles.h) move SmolLM2's logprobs against the exact model's by 5.6e-2 on average
+# and 1.39 at most over 2,000 tokens (`tokenwire bench quality`: llama.cpp on the same file
+# 6.0e-2 and 0.87); the eager layers' int8 path and the fused one each part from the exact
+# greedy text at gaps seen from 0.08 to 0.37. A parting at a clear choice (> 0.5) still fails.
+NEAR_TIE = 0.5
 
 
 def _agree_or_part_at_a_tie(engines, text: str, ours: list[int], other: list[int]) -> None:
@@ -89,11 +92,14 @@ def fp32_kv(smollm2_engine):
 
 
 @pytest.mark.parametrize("text", PROMPTS)
-def test_greedy_32_tokens_with_the_default_fp16_kv_equal_fp32_kv(smollm2_engine, fp32_kv, text: str) -> None:
+def test_greedy_32_tokens_with_the_default_fp16_kv_equal_fp32_kv(
+    engines, smollm2_engine, fp32_kv, text: str
+) -> None:
     """Storing keys and values in fp16 (the default for quantised weights, --kv-dtype auto)
-    changes no greedy token of the fixed prompts against an fp32 cache."""
+    changes no greedy token of the fixed prompts against an fp32 cache but at near ties (the
+    int8 activations turn the cache's rounding into whole rounding steps now and then)."""
     assert smollm2_engine.kv.kv_dtype == "fp16" and fp32_kv.kv.kv_dtype == "fp32"
-    assert _greedy(smollm2_engine, text) == _greedy(fp32_kv, text)
+    _agree_or_part_at_a_tie(engines, text, _greedy(smollm2_engine, text), _greedy(fp32_kv, text))
 
 
 def test_quantised_weights_are_the_files_own_blocks(smollm2_source) -> None:

@@ -98,8 +98,26 @@ def assert_loads_as(hf: torch.nn.Module, path: Path, quant: str, cache_dir: Path
         dense = load_model(source, "fp32", torch.device("cpu"), None)
         with torch.inference_mode():
             assert (dense_logits(dense, ids) - reference(ids).logits).abs().max() <= 1e-4
-        assert (dense_logits(quantised, ids) - dense_logits(dense, ids)).abs().max() <= 1e-3
-    assert engine_greedy(quantised, source.tokenizer, prompt, 24) == hf_greedy(reference, prompt, 24)
+        # int8 activations (a scale per 32) in the tiled types' matmuls: seen 8.6e-3 (int16: 1e-3)
+        assert (dense_logits(quantised, ids) - dense_logits(dense, ids)).abs().max() <= 3e-2
+    ours, theirs = engine_greedy(quantised, source.tokenizer, prompt, 24), hf_greedy(reference, prompt, 24)
+    if quant == "F32":
+        assert ours == theirs
+    else:  # the int8 activations may part from the exact model only where it is torn (a random model's top
+        # two logits can be closer than the rounding above): at the first difference, within 2 x 3e-2
+        assert parts_only_at_a_near_tie(reference, prompt, ours, theirs, 6e-2), (ours, theirs)
+
+
+def parts_only_at_a_near_tie(
+    reference: torch.nn.Module, prompt: list[int], ours: list[int], theirs: list[int], gap: float
+) -> bool:
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+    if first is None:
+        return True
+    with torch.inference_mode():
+        logits = reference(torch.tensor([prompt + theirs[:first]])).logits[0, -1]
+    top = logits.topk(2).values
+    return bool(top[0] - top[1] <= gap) and logits[ours[first]] >= top[0] - gap
 
 
 def test_a_turn_end_the_chat_template_writes_ends_generation(tmp_path: Path) -> None:

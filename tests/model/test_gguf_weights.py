@@ -163,14 +163,16 @@ TINY_K_QUANT = Path(__file__).parent.parent / "data" / "tiny-llama-Q4_K_M.gguf" 
 # int16 activations against fp32 ones on that model: the logits' largest gap over their largest
 # magnitude (measured 2.1e-4 through its 4 random layers; each activation is rounded to 1/65534
 # of its block's largest value)
-INT16_LOGIT_RTOL = 1e-3
+# the tiled types' int8 activations (a scale per 32; kernels/tiles.h): seen 2.7e-2 of the scale
+# on this tiny random file (int16 activations had stayed under 1e-3)
+INTEGER_LOGIT_RTOL = 6e-2
 
 
 def test_a_k_quant_mix_written_by_llama_cpp_runs_as_its_blocks(tmp_path: Path) -> None:
     """llama.cpp's Q4_K_M recipe on a tiny random Llama: Q4_K, and Q6_K for v and down in the
     last layers and for the output. Every tensor stays in its type (v beside q/k: a stacked
     projection), resident like the file, and the logits are the fp32 model's of the same values:
-    to 1e-5 of their scale with fp32 activations, to INT16_LOGIT_RTOL with the int16 ones."""
+    to 1e-5 of their scale with fp32 activations, to INTEGER_LOGIT_RTOL with the integer ones."""
     from tokenwire.model.kernels import ops
     from tokenwire.model.quant import resident_bytes
 
@@ -195,4 +197,4 @@ def test_a_k_quant_mix_written_by_llama_cpp_runs_as_its_blocks(tmp_path: Path) -
             ops().set_int16_activations(True)
     scale = exact.abs().max()
     assert (fp32 - exact).abs().max() <= 1e-5 * scale
-    assert (int16 - exact).abs().max() <= INT16_LOGIT_RTOL * scale
+    assert (int16 - exact).abs().max() <= INTEGER_LOGIT_RTOL * scale

@@ -36,9 +36,13 @@ K_QTYPES = [t.gguf_id for t in K_TYPES]
 # |quantised matmul with fp32 activations - fp32 matmul of the dequantised weight| / max|fp32
 # result|: both sum the same exact products in fp32, in another order (~1e-7 seen)
 MATMUL_RTOL = 2e-6
-# quantised matmuls take int16 activations per 32-value block: logprobs differ from the fp32
-# activations' by up to this (SmolLM2, 2,000 tokens: mean 5.6e-4, max 7.1e-3)
+# quantised matmuls take integer activations per 32-value block (int8 for the tiled types,
+# kernels/tiles.h; int16 for the others): logprobs differ from the fp32 activations' by up to
+# this, compared while the greedy tokens agree (a tiny random model's near-ties may part them;
+# the tiny twins' decode: seen 6.0e-3 with int8)
 INT16_DECODE_LOGPROB_TOL = 2e-2
+# the same, logits of a tiny twin against its fp32 model (int8: seen 1.0e-2; int16 was 1e-4)
+INTEGER_LOGIT_TOL = 3e-2
 
 
 def _blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
@@ -89,32 +93,6 @@ def test_fp32_activation_path_equals_fp32_matmul(qtype: int, rows: int, fp32_act
     assert layer(x.view(1, rows, 576)).shape == (1, rows, 130)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("blocks", [1, 3, 8, 18, 48])
-def test_int16_rows_stay_within_their_rounding_bound(qtype: int, blocks: int) -> None:
-    """The quantised matmul (int16 activations per 32-value block, integer block dots, groups of
-    8 blocks with a short last one; any number of rows) against fp32 with the dequantised weight.
-    Each activation is off by at most max|block| / 65534 and meets the block's integer part d*q
-    (Q4_1's minimum and Q4_0's -8d go with exact fp32 block sums), so a result is off by at most
-    that times sum d*q."""
-    k = 32 * blocks
-    packed, reference = _blocks(37, k, qtype, seed=blocks)
-    layer = QuantLinear(packed, qtype, k)
-    w = torch.from_numpy(reference)
-    raw = packed.view(37, blocks, -1)
-    d = raw[..., :2].contiguous().view(torch.float16).float()  # [37, blocks, 1]
-    offset = {Q4_0: -8 * d, Q4_1: raw[..., 2:4].contiguous().view(torch.float16).float(), Q8_0: 0 * d}[qtype]
-    integer_part = (w.view(37, blocks, 32) - offset).abs().sum(-1)  # sum |d*q| per block
-    generator = torch.Generator().manual_seed(blocks)
-    for rows in (1, 2, 3, 7, 32, 300):
-        x = torch.randn(rows, k, generator=generator) * torch.rand(rows, k, generator=generator) * 4
-        x[0, :32] = 0  # an all-zero block
-        got, expected = layer(x), x @ w.T
-        block_max = x.abs().view(rows, blocks, 32).amax(-1)
-        bound = block_max @ integer_part.T / 65534 + 1e-5 * expected.abs() + 1e-6
-        assert ((got - expected).abs() <= bound).all(), (rows, (got - expected).abs().max().item())
-
-
 @pytest.mark.parametrize("qtype", K_QTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 32, 300])
 def test_k_quant_matmul_equals_fp32_matmul(qtype: int, rows: int) -> None:
@@ -125,7 +103,8 @@ def test_k_quant_matmul_equals_fp32_matmul(qtype: int, rows: int) -> None:
     for Q2_K, Q3_K, Q6_K, of 16 inside them) times the integer part of the weights (what is left
     with the offset -dmin*m, Q3_K's -4 d*scale or Q6_K's -32 d*scale taken out: those meet the
     exact fp32 block sums), plus the fp32 rounding of the terms, 1e-6 of sum |x| (|w| + |offset|)
-    (seen: 2e-8)."""
+    (seen: 2e-8). Q4_K and Q6_K run tiled (int8 activations) where the build has AVX2: their
+    bound is tests/model/test_tiles.py's."""
     wt = weight_types.weight_type(qtype)
     k = 3 * wt.block
     packed = random_blocks(67, k, wt, seed=rows)
@@ -138,6 +117,8 @@ def test_k_quant_matmul_equals_fp32_matmul(qtype: int, rows: int) -> None:
     expected = x @ w.T
     fp32 = ops().qmatmul(x, split, qtype, False)
     assert ((fp32 - expected).abs() <= 2e-6 * (x.abs() @ w.abs().T)).all()
+    if wt.tiled:
+        return
     got = ops().qmatmul(x, split, qtype, True)
     block_max = x.abs().view(rows, -1, 32).amax(-1)
     integer_part = (w - offset).abs().view(67, -1, 32).sum(-1)
@@ -193,7 +174,7 @@ def test_quantized_model_matches_fp32_twin(qtype: int) -> None:
         h_q, _ = quantised(ids, torch.arange(40), DenseCausalAttention(1, 40))
         h_d, _ = dense(ids, torch.arange(40), DenseCausalAttention(1, 40))
         logits_q, logits_d = quantised.logits(h_q), dense.logits(h_d)
-    assert (logits_q - logits_d).abs().max().item() <= 1e-4
+    assert (logits_q - logits_d).abs().max().item() <= INTEGER_LOGIT_TOL
 
 
 def _greedy(engine, prompt: list[int], n: int) -> list[int]:
@@ -234,6 +215,19 @@ def _decode_runs(model, tokenizer, fuse: bool, int16: bool, sequences: int) -> l
         ops().set_int16_activations(True)
 
 
+def _logprob_diff_while_agreeing(a: list[list[tuple[int, float]]], b: list[list[tuple[int, float]]]) -> float:
+    """The largest |logprob difference| of each sequence's tokens up to where the two greedy
+    runs part (if they do), that position included: there each run's own greedy token's
+    logprob, the top of two near-tied distributions, which differ by no more than the rest."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        for (s, p), (t, q) in zip(x, y, strict=True):
+            worst = max(worst, abs(p - q))
+            if s != t:
+                break
+    return worst
+
+
 def _max_logprob_diff(a: list[list[tuple[int, float]]], b: list[list[tuple[int, float]]]) -> float:
     for x, y in zip(a, b, strict=True):
         assert [t for t, _ in x] == [t for t, _ in y]
@@ -268,20 +262,20 @@ def test_fused_decode_equals_eager_layers_in_the_engine(
     smollm2_source, arch: str, qtype: int, sequences: int
 ) -> None:
     """Prefill and batched decode through the fused stack (paged KV, sequences of different
-    lengths) give the eager layers' tokens and logprobs: to 1e-4 with the same matmuls (int16
-    activations both, or fp32 both), and to the documented int16 tolerance against the eager
-    layers with fp32 activations. SmolLM2's tiny twin has 3 blocks per row (a short last group),
-    Qwen2's a qkv bias."""
+    lengths) give the eager layers' tokens and logprobs to 1e-4 with fp32 activations; with the
+    integer activations both paths stay within the documented tolerance of that exact run.
+    SmolLM2's tiny twin has 3 blocks per row (a short last group), Qwen2's a qkv bias."""
     quantised, _ = _twins(qtype, arch)
     assert quantised.fusion_blocker is None  # every layer is of a kind the kernel runs
     tok = smollm2_source.tokenizer
-    for int16 in (False, True):
-        eager = _decode_runs(quantised, tok, fuse=False, int16=int16, sequences=sequences)
-        fused = _decode_runs(quantised, tok, fuse=True, int16=int16, sequences=sequences)
-        assert _max_logprob_diff(fused, eager) <= 1e-4
-        if not int16:
-            exact = eager
-    assert _max_logprob_diff(fused, exact) <= INT16_DECODE_LOGPROB_TOL
+    exact = _decode_runs(quantised, tok, fuse=False, int16=False, sequences=sequences)
+    fused = _decode_runs(quantised, tok, fuse=True, int16=False, sequences=sequences)
+    assert _max_logprob_diff(fused, exact) <= 1e-4
+    # integer activations: int8 rounding turns the paths' fp32 order differences (norms,
+    # attention) into whole rounding steps now and then, so each is held to the exact run
+    for fuse in (False, True):
+        runs = _decode_runs(quantised, tok, fuse=fuse, int16=True, sequences=sequences)
+        assert _logprob_diff_while_agreeing(runs, exact) <= INT16_DECODE_LOGPROB_TOL
 
 
 @pytest.mark.parametrize("wt", [t for t in weight_types.WEIGHT_TYPES if t.activation], ids=lambda t: t.name)

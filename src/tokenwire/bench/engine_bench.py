@@ -63,6 +63,7 @@ from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.request import TokenEvent, iter_events
 from tokenwire.heap import freeze_startup_heap
+from tokenwire.model.kernels import isa_choice, kernel_path
 from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.loader import cache_key, default_cache_dir, default_model_path
 from tokenwire.model.quant import resident_bytes
@@ -269,6 +270,7 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     result["kv_dtype"] = kv_dtype
     result["weights"] = weights
     result["decode"] = decode
+    result["kernels"] = kernel_path()
     if args.neighbours:
         result["neighbours"] = describe(args.neighbours, own_session=not args.neighbours_same_session)
     result["resident_weight_mb"] = resident_mb
@@ -311,7 +313,7 @@ def _print_table(
     print(
         f"tokenwire bench engine — {name}, weights {result['weights']}, {threads} threads, median of {reps}"
     )
-    print(f"decode steps: {result['decode']}")
+    print(f"decode steps: {result['decode']}; kernels: {result['kernels']} ({isa_choice()} build)")
     print(f"{'measure':<24}{'tokenwire':>12}{'llama.cpp':>12}{'ratio':>8}{'transformers':>14}{'ratio':>8}")
 
     def cell(row: dict[str, float], value: str, ratio: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import subprocess
 import sys
 import time
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tokenwire.bench.divergence import kl_divergence
 
 KV_TYPES = {"f16": 1, "q8_0": 8}  # llama.cpp's cache types: their ggml_type numbers
 
@@ -66,7 +69,9 @@ class LlamaCpp:
         self.high_level: dict[bool, Any] = {}  # lookup_decode's llama_cpp.Llama, with and without lookup
         # (KV type, prompt length) -> (context, its prompt, the first token after it)
         self.long: dict[tuple[str, int], tuple[Any, list[int], int]] = {}
-        self.single = self._context(seqs=1, n_ctx=2048)
+        # room for bench engine's --prefill-tokens 4096 (issue 42's prefill 4k): llama.cpp keeps
+        # only the positions in use in its attention, so a larger context costs memory, not time
+        self.single = self._context(seqs=1, n_ctx=8192)
         self.multi = self._context(seqs=streams, n_ctx=streams * stream_ctx)
         self.batch = lc.llama_batch_init(512, 0, max(streams, 1))
         # what Llama(...) does: the model (mmap'd: its pages are read by the first steps) and contexts
@@ -137,11 +142,16 @@ class LlamaCpp:
             stamps.append(time.perf_counter())
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
-    def teacher_forced(self, tokens: list[int], kv_type: str) -> list[tuple[float, int]]:
-        """Each position p >= 1's (logprob of tokens[p], top-1 id) from the logits before it,
-        the text prefilled in 512-token batches with the cache in `kv_type` (bench quality)."""
+    def teacher_forced(
+        self, tokens: list[int], kv_type: str, reference_rows: str | None = None
+    ) -> list[tuple[float, int, float]]:
+        """Each position p >= 1's (logprob of tokens[p], top-1 id, KL divergence) from the
+        logits before it, the text prefilled in 512-token batches with the cache in `kv_type`
+        (bench quality). KL(reference || llama.cpp) where `reference_rows` names a .npy of the
+        reference's log-softmax rows (nan otherwise)."""
         ctx = self._context(seqs=1, n_ctx=len(tokens) + 16, kv_type=kv_type)
-        out: list[tuple[float, int]] = []
+        reference = None if reference_rows is None else np.load(reference_rows, mmap_mode="r")
+        out: list[tuple[float, int, float]] = []
         try:
             for start in range(0, len(tokens) - 1, 512):
                 chunk = tokens[start : min(start + 512, len(tokens) - 1)]
@@ -150,8 +160,9 @@ class LlamaCpp:
                     ptr = self.lc.llama_get_logits_ith(ctx, i)
                     row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
                     top = row.max()
-                    lse = top + np.log(np.exp(row - top).sum())
-                    out.append((float(row[tokens[start + i + 1]] - lse), int(row.argmax())))
+                    logp = row - (top + np.log(np.exp(row - top).sum()))
+                    kl = math.nan if reference is None else kl_divergence(reference[start + i], logp)
+                    out.append((float(logp[tokens[start + i + 1]]), int(row.argmax()), kl))
         finally:
             self.lc.llama_free(ctx)
         return out
@@ -252,8 +263,12 @@ class LlamaCppProcess:
     def lookup_decode(self, prompt: list[int], n: int, lookup: bool) -> float:
         return float(self._call("lookup_decode", prompt, n, lookup))
 
-    def teacher_forced(self, tokens: list[int], kv_type: str) -> list[tuple[float, int]]:
-        return [(float(lp), int(top)) for lp, top in self._call("teacher_forced", tokens, kv_type)]
+    def teacher_forced(
+        self, tokens: list[int], kv_type: str, reference_rows: Path | None = None
+    ) -> list[tuple[float, int, float]]:
+        rows = None if reference_rows is None else str(reference_rows)
+        reply = self._call("teacher_forced", tokens, kv_type, rows)
+        return [(float(lp), int(top), math.nan if kl is None else float(kl)) for lp, top, kl in reply]
 
     def close(self) -> None:
         if self.proc.poll() is None:

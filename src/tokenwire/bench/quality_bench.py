@@ -2,7 +2,9 @@
 
 Both run the same GGUF: the reference dequantises it to fp32 (`--weights fp32`); the candidate
 keeps its blocks (`--weights gguf`, or what --weights names). The text is teacher-forced: every
-position's logprob of the true next token and the top-1 token are compared. The candidate is
+position's logprob of the true next token and the top-1 token are compared, and (decode, and
+llama.cpp) the KL divergence of the whole next-token distribution from the reference's (its
+rows from one dense pass over the text, fp32 weights and activations). The candidate is
 measured twice, because the two paths differ: prefill (512-token chunks) and decode (one token
 per step through the fused decode kernel, as generation runs). Both with the engine's KV type
 (--kv-dtype). Then each KV type of --kv-types against an fp32 cache, with the candidate's
@@ -15,23 +17,30 @@ import argparse
 import json
 import math
 import statistics
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenwire.bench import llamacpp_baseline
+from tokenwire.bench.divergence import kl_divergence
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
 from tokenwire.engine.kv_cache import KVCache, kv_bytes_per_token
 from tokenwire.engine.request import GenerateOptions, TokenEvent
+from tokenwire.model import kernels
+from tokenwire.model.layers.attention import DenseCausalAttention
 from tokenwire.model.layers.decoder import PagedDecode
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")  # plain English prose on every Debian machine
 
-Scored = list[tuple[float, int]]  # per position p >= 1: (logprob of token p, top-1 token id)
+# per position p >= 1: (logprob of token p, top-1 token id, KL(reference || this) of the
+# distribution of token p; nan where not measured)
+Scored = list[tuple[float, int, float]]
 
 
 def score_prefill(engine: Engine, tokens: list[int]) -> Scored:
@@ -39,12 +48,35 @@ def score_prefill(engine: Engine, tokens: list[int]) -> Scored:
         max_tokens=0, logprob_ranges=[(1, len(tokens))], top_logprobs=1, use_prefix_cache=False
     )
     events, _ = engine.generate(None, tokens, opts).result()
-    return [(e.logprob, e.top_logprobs[0][0]) for e in events if isinstance(e, TokenEvent)]
+    return [(e.logprob, e.top_logprobs[0][0], math.nan) for e in events if isinstance(e, TokenEvent)]
 
 
-def score_decode(engine: Engine, tokens: list[int]) -> Scored:
+def score_reference(engine: Engine, tokens: list[int], rows_into: np.ndarray) -> Scored:
+    """The reference pass: the whole text through the model at once (dense causal attention,
+    keys and values rounded as its cache stores them), every position's log-softmax row kept
+    in `rows_into` [positions, vocab] for the candidates' KL divergence."""
+
+    def run() -> Scored:
+        model = engine.model
+        ids = torch.tensor(tokens[:-1])
+        attention = DenseCausalAttention(1, len(ids), round_kv=engine.kv.as_stored)
+        out: Scored = []
+        with torch.inference_mode():
+            hidden, _ = model(ids, torch.arange(len(ids)), attention)
+            for start in range(0, len(ids), 256):
+                logp = torch.log_softmax(model.logits(hidden[start : start + 256]).double(), -1).numpy()
+                rows_into[start : start + len(logp)] = logp
+                for i, row in enumerate(logp):
+                    out.append((float(row[tokens[start + i + 1]]), int(row.argmax()), math.nan))
+        return out
+
+    return engine.call_on_model_thread(run).result()
+
+
+def score_decode(engine: Engine, tokens: list[int], reference: np.ndarray | None = None) -> Scored:
     """One token per model step, as generation runs: each step is a PagedDecode batch of one row
-    (the fused decode kernel when the model has it) over a KV cache of its own."""
+    (the fused decode kernel when the model has it) over a KV cache of its own. `reference`:
+    the reference's log-softmax rows [positions, vocab], for each position's KL divergence."""
 
     def run() -> Scored:
         model = engine.model
@@ -61,65 +93,85 @@ def score_decode(engine: Engine, tokens: list[int]) -> Scored:
                     pos,
                     PagedDecode(kv.k, kv.v, pos, table, kv.k_scale, kv.v_scale),
                 )
-                logp = torch.log_softmax(model.logits(hidden)[0], -1)
-                out.append((float(logp[tokens[p + 1]]), int(logp.argmax())))
+                logp = torch.log_softmax(model.logits(hidden)[0].double(), -1).numpy()
+                kl = math.nan if reference is None else kl_divergence(reference[p], logp)
+                out.append((float(logp[tokens[p + 1]]), int(logp.argmax()), kl))
         return out
 
     return engine.call_on_model_thread(run).result()
 
 
-def compare(reference: Scored, candidate: Scored) -> dict[str, float]:
-    diffs = [abs(a - b) for (a, _), (b, _) in zip(reference, candidate, strict=True)]
-    agree = sum(ra == ca for (_, ra), (_, ca) in zip(reference, candidate, strict=True))
+def compare(reference: Scored, candidate: Scored) -> dict[str, float | None]:
+    pairs = list(zip(reference, candidate, strict=True))
+    diffs = [abs(r[0] - c[0]) for r, c in pairs]
+    kls = [c[2] for c in candidate if not math.isnan(c[2])]
     return {
-        "top1_agreement": agree / len(reference),
+        "top1_agreement": sum(r[1] == c[1] for r, c in pairs) / len(pairs),
         "mean_abs_logprob_diff": statistics.fmean(diffs),
         "max_abs_logprob_diff": max(diffs),
-        "perplexity": math.exp(-statistics.fmean(lp for lp, _ in candidate)),
+        "mean_kl": statistics.fmean(kls) if kls else None,
+        "perplexity": math.exp(-statistics.fmean(c[0] for c in candidate)),
     }
 
 
 def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     settings.progress = False
     text = Path(args.text).read_text(encoding="utf-8", errors="replace")
-    reference_engine = build_engine(replace(settings, weights="fp32"))
-    try:
-        tokens = reference_engine.tokenizer.encode(text)[: args.tokens]
-        reference = score_prefill(reference_engine, tokens)
-    finally:
-        reference_engine.shutdown()
-    engine = build_engine(settings)
-    kv_types = [kv for kv in args.kv_types.split(",") if kv]
-    try:
-        weights, kv_dtype = engine.weights, engine.kv.kv_dtype
-        prefill = score_prefill(engine, tokens)
-        decode = score_decode(engine, tokens)
-        by_kv = score_kv_types(engine, tokens, kv_types) if kv_types else None
-    finally:
-        engine.shutdown()
+    with tempfile.TemporaryDirectory(prefix="tokenwire-quality-") as tmp:
+        # the reference's log-softmax rows, on disk (positions x vocab float32: 0.4 GB for 2,000
+        # tokens of a 49k vocabulary), read by the candidate's pass and llama.cpp's child process
+        rows_path = Path(tmp) / "reference.npy"
+        reference_engine = build_engine(replace(settings, weights="fp32"))
+        try:
+            tokens = reference_engine.tokenizer.encode(text)[: args.tokens]
+            shape = (len(tokens) - 1, reference_engine.model.config.vocab_size)
+            rows = np.lib.format.open_memmap(rows_path, mode="w+", dtype=np.float32, shape=shape)
+            reference = score_reference(reference_engine, tokens, rows)
+            rows.flush()
+            gguf = reference_engine.source.source if reference_engine.source is not None else None
+        finally:
+            reference_engine.shutdown()
+        llamacpp = score_llamacpp(gguf, tokens, rows_path)
+        engine = build_engine(settings)
+        kv_types = [kv for kv in args.kv_types.split(",") if kv]
+        try:
+            weights, kv_dtype = engine.weights, engine.kv.kv_dtype
+            prefill = score_prefill(engine, tokens)
+            decode = score_decode(engine, tokens, reference=rows)
+            by_kv = score_kv_types(engine, tokens, kv_types) if kv_types else None
+        finally:
+            engine.shutdown()
+        del rows
     result = {
         "weights": weights,
         "tokens": len(tokens),
-        "reference_perplexity": math.exp(-statistics.fmean(lp for lp, _ in reference)),
+        "reference_perplexity": math.exp(-statistics.fmean(r[0] for r in reference)),
         "prefill": compare(reference, prefill),
         "decode": compare(reference, decode),
         "kv_dtype": kv_dtype,
     }
+    if llamacpp is not None:  # llama.cpp on the same file and text, against the same reference
+        result["llamacpp"] = compare(reference, llamacpp)
     if by_kv is not None:
         result["kv_vs_fp32_kv"] = by_kv
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"tokenwire bench quality — {engine.name}: {weights} vs fp32 (dequantised), {len(tokens)} tokens")
-    print(f"{'path':<10}{'top-1 agree':>13}{'mean |dlogp|':>14}{'max |dlogp|':>13}{'perplexity':>12}")
-    print(f"{'fp32 ref':<10}{'':>13}{'':>14}{'':>13}{result['reference_perplexity']:>12.3f}")
-    for path in ("prefill", "decode"):
+    columns = [("top-1 agree", 13), ("mean |dlogp|", 14), ("max |dlogp|", 13), ("mean KL", 11)]
+    print(f"{'path':<10}" + "".join(f"{name:>{width}}" for name, width in columns) + f"{'perplexity':>12}")
+    print(f"{'fp32 ref':<10}{'':>13}{'':>14}{'':>13}{'':>11}{result['reference_perplexity']:>12.3f}")
+    for path in ("prefill", "decode", "llamacpp"):
+        if path not in result:
+            continue
         r = result[path]
+        kl = "" if r["mean_kl"] is None else f"{r['mean_kl']:.2e}"
         print(
             f"{path:<10}{r['top1_agreement'] * 100:>12.2f}%{r['mean_abs_logprob_diff']:>14.2e}"
-            f"{r['max_abs_logprob_diff']:>13.2e}{r['perplexity']:>12.3f}"
+            f"{r['max_abs_logprob_diff']:>13.2e}{kl:>11}{r['perplexity']:>12.3f}"
         )
     print(f"text: {args.text}, teacher-forced; decode = one token per step through the fused kernel")
+    print("reference: fp32 weights and activations, the text in one pass; KL(reference || path) per position")
     print(f"KV cache: {kv_dtype} in the rows above")
     if by_kv is not None:
         print(
@@ -138,20 +190,38 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
     return 0
 
 
+def score_llamacpp(gguf: Path | None, tokens: list[int], reference_rows: Path) -> Scored | None:
+    """llama.cpp's own teacher-forced scores of the text (its f16 cache, 512-token batches), where
+    the model is a GGUF and the `bench` extra is installed: the peer the quantised path is held
+    to (issue 42: at least as faithful as llama.cpp on the same file)."""
+    if gguf is None or gguf.suffix.lower() != ".gguf" or not llamacpp_baseline.available():
+        return None
+    llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), 1, 512)
+    try:
+        return llama.teacher_forced(tokens, "f16", reference_rows)
+    finally:
+        llama.close()
+
+
 def score_kv_types(engine: Engine, tokens: list[int], kv_types: list[str]) -> dict[str, Any]:
     """The text prefilled with the engine's weights and each KV type, against an fp32 cache:
-    every position's attention reads the keys and values as the cache stores them."""
+    every position's attention reads the keys and values as the cache stores them. With fp32
+    activations, so the rows show the cache's rounding alone: with int8 ones a cache's last bits
+    move activations across their rounding steps, and those flips (up to 0.22 in a logprob on
+    the shipped SmolLM2, fp16 against fp32 cache) would be counted as the cache's."""
     mb = 2 * len(tokens) * kv_bytes_per_token(engine.model.config, "fp32") / 2**20
 
     def scored(kv: str) -> Scored:
         other = Engine(engine.model, engine.tokenizer, name=engine.name, kv_cache_mb=mb, kv_dtype=kv)
+        kernels.ops().set_int16_activations(False)
         try:
             return score_prefill(other, tokens)
         finally:
+            kernels.ops().set_int16_activations(True)
             other.shutdown()
 
     reference = scored("fp32")
-    out: dict[str, Any] = {"fp32_kv_perplexity": math.exp(-statistics.fmean(lp for lp, _ in reference))}
+    out: dict[str, Any] = {"fp32_kv_perplexity": math.exp(-statistics.fmean(r[0] for r in reference))}
     for kv in kv_types:
         out[kv] = compare(reference, scored(kv))
     gguf = engine.source.source if engine.source is not None else None

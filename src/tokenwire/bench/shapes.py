@@ -90,6 +90,11 @@ SHAPES = {
     # Llama-3.2-1B and 3B (issue 24's "1B shape", and a second point on the curve): tied heads
     "llama-1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192),
     "llama-3b": Shape(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192),
+    # Qwen2.5-1.5B (issue 42's real-file comparison): GQA 12/2 heads of 128, an untied head
+    # (its 151,936-token vocabulary is SmolLM2's 49,152 here, as every shape's), Qwen's RoPE base
+    "qwen2.5-1.5b": Shape(
+        hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, rope_theta=1000000.0, tied=False,
+    ),
     # Llama-3.1-8B: an output matrix of its own
     "llama-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, tied=False),
     # OLMoE-1B-7B (issue 25's mixture of experts): 64 experts of width 1024, 8 used a token

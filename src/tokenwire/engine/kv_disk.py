@@ -27,7 +27,8 @@ log = logging.getLogger("tokenwire.state")
 
 # Bump when the arithmetic that produces keys and values changes (kernels, RoPE, rounding of
 # stored values): files written by another version are in another namespace and never read.
-ENGINE_ARITHMETIC = 1
+# 2: the tiled types' int8 activations (tiles.h, issue 42) replaced int16 ones.
+ENGINE_ARITHMETIC = 2
 MAGIC = b"TWKVBLK1"
 HEADER = struct.Struct("<8sQI16s")  # magic, payload bytes, CRC32 of the payload, block hash
 SUFFIX = ".kv"

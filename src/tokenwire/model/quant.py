@@ -156,14 +156,17 @@ class QuantLinear(nn.Module):
         """The dequantised weight (for inspection and tests; the forward never builds it)."""
         return _dequantize_split(self.packed, self.qtype, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One arithmetic for any number of rows (kernels/matvec.h): int16 activations per block
-        and integer block dots, each row summed in the same order alone or in a batch, so a
-        token's logits do not depend on the batch or prefill chunk it ran in. (fp32 activations
-        instead when the kernels' int16 activations are switched off, or the type has none.)"""
+    def forward(self, x: torch.Tensor, *, wide: bool = False) -> torch.Tensor:
+        """One arithmetic for any number of rows (kernels/matvec.h, tiles.h): integer
+        activations per block (int8 for the tiled types, int16 for the others) and integer block
+        dots, each row summed in the same order alone or in a batch, so a token's logits do not
+        depend on the batch or prefill chunk it ran in. `wide` (the lm_head): ~15-bit
+        activations where the type takes int8 ones (quant_cpu.cpp's qmatmul_into says why).
+        (fp32 activations instead when the kernels' integer activations are switched off, or the
+        type has none.)"""
         if x.dtype != torch.float32:
             raise TypeError(f"quantised linear layers take float32 activations, got {x.dtype}")
-        y = _ops().qmatmul(x, self.packed, self.qtype, True)
+        y = _ops().qmatmul(x, self.packed, self.qtype, True, wide)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -180,8 +180,8 @@ class WeightType:
     parts: tuple[tuple[str, int], ...]
     activation: str  # the activation format its integer dot takes (type_table.h's row; "": none)
     reference: Callable[[np.ndarray], np.ndarray]  # GGUF blocks [n, bytes] -> float32 [n, block]
-    # the format of its AVX-512 lane kernel where the CPU has one (lanes_avx512.h; "": none)
-    lanes_activation: str = ""
+    # runs in tiles.h's register-tiled int8 kernels (AVX2 and AVX-512, every number of rows)
+    tiled: bool = False
 
     @property
     def block_bytes(self) -> int:
@@ -221,9 +221,9 @@ class WeightType:
         return self.reference(blocks).reshape(n, -1)
 
 
-Q4_0 = WeightType("Q4_0", 2, 32, (("d", 2), ("qs", 16)), "i16_q4_pairs", _q4_0, "i16_lane_halves")
-Q4_1 = WeightType("Q4_1", 3, 32, (("d", 2), ("m", 2), ("qs", 16)), "i16_q4_pairs", _q4_1, "i16_lane_halves")
-Q8_0 = WeightType("Q8_0", 8, 32, (("d", 2), ("qs", 32)), "i16_q8_even_odd", _q8_0, "i16_lane_halves")
+Q4_0 = WeightType("Q4_0", 2, 32, (("d", 2), ("qs", 16)), "i8_32", _q4_0, tiled=True)
+Q4_1 = WeightType("Q4_1", 3, 32, (("d", 2), ("m", 2), ("qs", 16)), "i8_32", _q4_1, tiled=True)
+Q8_0 = WeightType("Q8_0", 8, 32, (("d", 2), ("qs", 32)), "i8_32", _q8_0, tiled=True)
 # Q5's high bits and nibbles stay together in the split row: the pair dot reads both (types_q5_iq4.h)
 Q5_0 = WeightType("Q5_0", 6, 32, (("d", 2), ("qh_qs", 20)), "i16_byte_pairs", _q5_0)
 Q5_1 = WeightType("Q5_1", 7, 32, (("d", 2), ("m", 2), ("qh_qs", 20)), "i16_byte_pairs", _q5_1)
@@ -236,8 +236,8 @@ F16 = WeightType("F16", 1, 1, (("value", 2),), "", _f16)
 BF16 = WeightType("BF16", 30, 1, (("value", 2),), "", _bf16)
 
 # K-quants: 256-weight super-blocks, kept as the file's blocks (one part; types_k.h measures why)
-Q4_K = WeightType("Q4_K", 12, 256, (("block", 144),), "i16_k_pairs", _q4_k, "i16_lane_halves")
-Q6_K = WeightType("Q6_K", 14, 256, (("block", 210),), "i16_k_quads", _q6_k, "i16_lanes16")
+Q4_K = WeightType("Q4_K", 12, 256, (("block", 144),), "i8_32", _q4_k, tiled=True)
+Q6_K = WeightType("Q6_K", 14, 256, (("block", 210),), "i8_32", _q6_k, tiled=True)
 Q5_K = WeightType("Q5_K", 13, 256, (("block", 176),), "i16_k_pairs", _q5_k)
 
 Q3_K = WeightType("Q3_K", 11, 256, (("block", 110),), "i16_even_odd16", _q3_k)

@@ -71,9 +71,19 @@ def compiler_flags() -> list[str]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
         if "avx_vnni" in cpu:  # vpdpwssd: the integer dots' multiply and add in one (blocks.h)
             flags.append("-mavxvnni")
-        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu:  # lanes_avx512.h
+        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu:  # tiles.h / tiles_decode.h: vpdpbusd
             flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
     return flags
+
+
+def kernel_path() -> str:
+    """Which instruction set the kernels are built for, in words (bench engine prints it)."""
+    flags = compiler_flags()
+    if "-mavx512vnni" in flags:
+        return "AVX-512 VNNI (tiled int8: vpdpbusd)"
+    if "-mavx2" in flags:
+        return "AVX2 (tiled int8: vpmaddubsw + vpmaddwd)"
+    return "portable C++ (fp32 activations)"
 
 
 def kernel_dir() -> Path:

@@ -16,7 +16,7 @@
 #include <immintrin.h>
 #define TW_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define TW_AVX512 1  // lanes_avx512.h
+#define TW_AVX512 1  // tiles.h, tiles_decode.h
 #endif
 #endif
 
@@ -148,8 +148,10 @@ struct ActFormat {
   const char* name;
   int64_t block;                  // values per scale
   int64_t (*stride)(int64_t K);   // int16 slots per row of K values
-  // block j of a row from its `block` fp32 values: int16 values into the row, its scale and sum
-  void (*quantize_block)(const float* xb, int16_t* row, int64_t j, float* scale, float* sum);
+  // block j of a row from its `block` fp32 values: its values into the row (int16, or int8 for
+  // tiles.h's format), its scale and sum, and (int8) its `bias` integer sums
+  void (*quantize_block)(const float* xb, int16_t* row, int64_t j, float* scale, float* sum, int32_t* bias);
+  int64_t bias = 0;  // int32 values per block in QuantizedActivations::bias
 };
 
 // The maximum and the rounding in vectors; the sum stays one serial chain in value order (an
@@ -157,7 +159,7 @@ struct ActFormat {
 // model on an AVX2-only build went 1.0e-4 over). Rounding: nearest even, as nearbyint and
 // vcvtps2dq in the default mode.
 template <class F>
-void quantize_block_i16(const float* xb, int16_t* row, int64_t j, float* scale, float* sum) {
+void quantize_block_i16(const float* xb, int16_t* row, int64_t j, float* scale, float* sum, int32_t*) {
   float mx = 0, total = 0;
   for (int i = 0; i < F::kBlock; ++i) total += xb[i];
   int32_t q[F::kBlock];
@@ -195,6 +197,7 @@ struct QuantizedActivations {
   std::vector<int16_t> q;    // [M, stride], in the format's slot order
   std::vector<float> scale;  // [M, nb]
   std::vector<float> sum;    // [M, nb], fp32 sums of the original values
+  std::vector<int32_t> bias;  // [M, nb, format->bias]: the int8 format's integer sums
   int64_t stride = 0, nb = 0;
   const ActFormat* format = nullptr;
 
@@ -205,11 +208,13 @@ struct QuantizedActivations {
     q.resize(M * stride);
     scale.resize(M * nb + 8);  // + 8: a row's last group of blocks loads 8 lanes
     sum.resize(M * nb + 8);
+    bias.resize(M * nb * f.bias);
   }
 
   // block j of row m from its fp32 values
   void quantize_block(const float* xb, int64_t m, int64_t j) {
-    format->quantize_block(xb, q.data() + m * stride, j, &scale[m * nb + j], &sum[m * nb + j]);
+    format->quantize_block(xb, q.data() + m * stride, j, &scale[m * nb + j], &sum[m * nb + j],
+                           bias.data() + (m * nb + j) * format->bias);
   }
 
   // all of x [M, K] (contiguous)
@@ -227,6 +232,8 @@ struct QuantizedActivations {
     q.assign(from.q.begin() + m0 * stride, from.q.begin() + (m0 + count) * stride);
     scale.assign(from.scale.begin() + m0 * nb, from.scale.begin() + (m0 + count) * nb);
     sum.assign(from.sum.begin() + m0 * nb, from.sum.begin() + (m0 + count) * nb);
+    const int64_t nbias = nb * format->bias;
+    bias.assign(from.bias.begin() + m0 * nbias, from.bias.begin() + (m0 + count) * nbias);
     scale.resize(count * nb + 8);  // the padding reset() gives
     sum.resize(count * nb + 8);
   }

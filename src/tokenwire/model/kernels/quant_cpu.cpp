@@ -31,13 +31,28 @@ inline int64_t rows_per_task(int64_t K, int64_t M) {
   return std::max<int64_t>(16, kMinParallelWeights / std::max<int64_t>(1, K * M));
 }
 
-// x [M, K] fp32 contiguous -> [M, N]
-void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& out, bool int16_rows) {
+// x [M, K] fp32 contiguous -> [M, N]. `wide`: a type whose integer dot takes int8 activations
+// gets ~15-bit ones as two int8 rows (tiles.h's quantize_rows_i8_pair); the others' int16 are
+// already as fine.
+void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& out, bool int16_rows,
+                  bool wide) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const ActFormat* format = type_row(qtype).act;
   const bool int16 = kInt16Rows && int16_rows && format != nullptr;
+  if (int16 && wide && format == &act_format_i8()) {
+    QuantizedActivations acts;
+    quantize_rows_i8_pair(xp, M, K, *format, acts);
+    std::vector<float> halves(2 * M * N);
+    const int64_t grain = 2 * M < 4 ? rows_per_task(K, 2 * M) : (N + at::get_num_threads() - 1) / at::get_num_threads();
+    at::parallel_for(0, N, g_team.solo() ? N : grain, [&](int64_t a, int64_t b) {
+      matvec_rows(xp, &acts, 2 * M, K, w, qtype, a, b, halves.data());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = a; n < b; ++n) op[m * N + n] = halves[m * N + n] + halves[(M + m) * N + n];
+    });
+    return;
+  }
   if (M < 4 || int16) {
     QuantizedActivations acts;
     if (int16) acts.quantize(xp, M, K, *format);
@@ -56,18 +71,18 @@ void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::T
 
 // int16_rows: take int16 activations (when set_int16_activations is on), for any number of rows;
 // the lm_head of a fused decode step: SmolLM2 5.4 -> 3.4 ms (min of 60, one thread, loaded machine)
-at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, bool int16_rows) {
+at::Tensor qmatmul(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, bool int16_rows, bool wide) {
   TORCH_CHECK(x_in.dtype() == at::kFloat, "activations must be float32");
   const at::Tensor x = x_in.reshape({-1, x_in.size(-1)}).contiguous();
   check_weight(w, qtype, x.size(1));
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
-  if (x.size(0) > 0) qmatmul_into(x, w, qtype, out, int16_rows && g_int16_activations);
+  if (x.size(0) > 0) qmatmul_into(x, w, qtype, out, int16_rows && g_int16_activations, wide);
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = w.size(0);
   return out.view(shape);
 }
 
-at::Tensor qmatmul_meta(const at::Tensor& x, const at::Tensor& w, int64_t, bool) {
+at::Tensor qmatmul_meta(const at::Tensor& x, const at::Tensor& w, int64_t, bool, bool) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = w.size(0);
   return at::empty(shape, x.options());
@@ -299,7 +314,7 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("step_team(int threads) -> int");
   m.def("step_team_report(int waited_ns, int team, int threads, int wall_ns, int units) -> ()");
   m.def("barrier_probe(int participants, int rounds, float sleep_ms) -> Tensor");
-  m.def("qmatmul(Tensor x, Tensor w, int qtype, bool int16_rows=False) -> Tensor");
+  m.def("qmatmul(Tensor x, Tensor w, int qtype, bool int16_rows=False, bool wide=False) -> Tensor");
   m.def("dequantize(Tensor w, int qtype, int k, Tensor rows) -> Tensor");
   m.def("weight_type_ids() -> int[]");
   m.def("weight_type_info(int id) -> (str, str, int[])");

@@ -24,7 +24,7 @@
 #include "types_float.h"
 #include "types_k.h"
 #include "types_k23.h"
-#include "lanes_avx512.h"
+#include "tiles_decode.h"
 
 namespace tw {
 
@@ -48,14 +48,20 @@ struct TypeRow {
   bool any_rows = false;
 };
 
-// Where the CPU has AVX-512, a type with lane kernels (lanes_avx512.h) takes them for every
-// number of rows, with their activation format, in place of its AVX2 integer rows.
+// the int8 activation format of tiles.h (one row for every tiled type)
+inline const ActFormat& act_format_i8() {
+  static const ActFormat row{ActI8::kName, ActI8::kBlock, &ActI8::stride, &quantize_block_i8, ActI8::kBias};
+  return row;
+}
+
+// Where the CPU has AVX2, a type with tile kernels (tiles_types.h) takes them for every number
+// of rows, decode included, with int8 activations, in place of its int16 rows.
 template <class T>
-TypeRow with_lanes(TypeRow row) {
-#ifdef TW_AVX512
-  if constexpr (Lanes<T>::kHas) {
-    row.act = &act_format<typename Lanes<T>::Act>();
-    row.matmul_small_i16 = &lanes_matmul<T>;
+TypeRow with_tiles(TypeRow row) {
+#ifdef TW_AVX2
+  if constexpr (Tile<T>::kHas) {
+    row.act = &act_format_i8();
+    row.matmul_small_i16 = &tiled_matmul<T>;
     row.any_rows = true;
   }
 #endif
@@ -71,7 +77,7 @@ TypeRow make_row() {
   const ActFormat* act = nullptr;
   decltype(TypeRow::matmul_small_i16) i16 = nullptr;
 #endif
-  return with_lanes<T>({T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
+  return with_tiles<T>({T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
                         act, &dequant_row_t<T>, &matmul_small_t<T>, i16});
 }
 
@@ -102,7 +108,7 @@ TypeRow make_k_row() {
   const ActFormat* act = nullptr;
   decltype(TypeRow::matmul_small_i16) i16 = nullptr;
 #endif
-  return with_lanes<T>({T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
+  return with_tiles<T>({T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
                         act, &k_dequant_row<T>, &k_matmul_small<T>, i16});
 }
 

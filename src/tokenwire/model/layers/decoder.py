@@ -15,6 +15,7 @@ from tokenwire.model.layers.attention import AttentionBackend
 from tokenwire.model.layers.block import DecoderLayer
 from tokenwire.model.layers.norm import RMSNorm
 from tokenwire.model.layers.rotary import RopeSpec, Rotary, make_rotary
+from tokenwire.model.quant import QuantLinear
 
 
 @dataclass
@@ -204,7 +205,9 @@ class DecoderModel(nn.Module):
         return fusion.build_stack(list(self.layers), self.rotaries, self.norm.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.lm_head(hidden).float()
+        # the head's input takes the finer activations (QuantLinear.forward's `wide`)
+        head = self.lm_head
+        out = (head(hidden, wide=True) if isinstance(head, QuantLinear) else head(hidden)).float()
         if self.logit_softcap is not None:
             out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
         return out

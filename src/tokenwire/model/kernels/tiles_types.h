@@ -1,0 +1,195 @@
+// Each tiled type's conversion of a strip of kTileRows weight rows into tiles.h's units: 8
+// vectors of unsigned weight bytes (vector k, lane r: weights 4k .. 4k + 3 of the unit in row r)
+// and two of per-row floats. All reads go through TileIsa::transpose (16 bytes of every row of
+// the strip into 4 vectors of dword lanes), so a type adds only its bit unpacking here.
+// Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
+#pragma once
+
+#include "tiles.h"
+#include "types_k.h"
+#include "types_q4.h"
+#include "types_q8.h"
+
+namespace tw {
+
+#ifdef TW_AVX2
+// 32 unsigned values a unit from 16 bytes of nibbles (byte i: values i, i + 16): low nibbles
+// are values 0-15, high ones 16-31
+inline void q4_unit(const TI q[4], TI* u) {
+  using V = TileIsa;
+  const TI low = V::set1(0x0f0f0f0f);
+  for (int k = 0; k < 4; ++k) {
+    u[k] = V::and_(q[k], low);
+    u[4 + k] = V::and_(V::srli<4>(q[k]), low);
+  }
+}
+
+// Q4_0, Q4_1, Q8_0: groups of 8 blocks (16 bytes of fp16 scales a row, one transpose); a
+// scale's 16 bytes may run past its part into the next one of the same row (only the first
+// nb - j of them are used)
+template <class T>
+struct Tile32 {
+  static constexpr bool kHas = true;
+  static constexpr int kHalves = 1;
+  static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
+    using V = TileIsa;
+    const int64_t d_off = nb * T::part_offset(T::kScalePart), q_off = nb * T::part_offset(T::kQuantPart);
+    for (int64_t j = 0; j < nb; j += 8) {
+      TI d2[4], m2[4];
+      V::transpose(rows, d_off + 2 * j, d2);
+      if constexpr (T::kId == Q4_1::kId) V::transpose(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
+      for (int64_t e = 0; e < std::min<int64_t>(8, nb - j); ++e) {
+        TI* u = buf + (j + e) * kUnitVecs;
+        const TF d = e % 2 ? V::half_hi(d2[e / 2]) : V::half_lo(d2[e / 2]);
+        TI q[4];
+        if constexpr (T::kId == Q8_0::kId) {
+          V::transpose(rows, q_off + 32 * (j + e), q);
+          TI r[4];
+          V::transpose(rows, q_off + 32 * (j + e) + 16, r);
+          const TI flip = V::set1(V::kSignedQ8 ? 0 : static_cast<int>(0x80808080u));  // q + 128
+          for (int k = 0; k < 4; ++k) {
+            u[k] = V::xor_(q[k], flip);
+            u[4 + k] = V::xor_(r[k], flip);
+          }
+        } else {
+          V::transpose(rows, q_off + 16 * (j + e), q);
+          q4_unit(q, u);
+        }
+        u[8] = V::as_i(d);
+        if constexpr (T::kId == Q4_1::kId) {  // d q + m = d (q - 8) + (m + 8 d)
+          const TF m = e % 2 ? V::half_hi(m2[e / 2]) : V::half_lo(m2[e / 2]);
+          u[9] = V::as_i(V::add(m, V::mul(V::setf(8.0f), d)));
+        } else {
+          u[9] = V::as_i(V::zerof());
+        }
+      }
+    }
+  }
+};
+
+template <>
+struct Tile<Q4_0> : Tile32<Q4_0> {
+  static constexpr bool kOffset = false, kSigned = false;
+  static constexpr int kBias = 0;
+};
+template <>
+struct Tile<Q4_1> : Tile32<Q4_1> {
+  static constexpr bool kOffset = true, kSigned = false;
+  static constexpr int kBias = 0;
+};
+template <>
+struct Tile<Q8_0> : Tile32<Q8_0> {
+  static constexpr bool kOffset = false, kSigned = TileIsa::kSignedQ8;
+  static constexpr int kBias = kSigned ? -1 : 3;
+};
+
+// byte b of each dword as a float (unsigned / signed)
+template <int B>
+inline TF byte_u(TI v) {
+  using V = TileIsa;
+  return V::cvt(V::and_(V::srli<8 * B>(v), V::set1(0xff)));
+}
+template <int B>
+inline TF byte_s(TI v) {
+  using V = TileIsa;
+  return V::cvt(V::srai<24>(V::slli<24 - 8 * B>(v)));
+}
+
+// Q4_K: per super-block its first 16 bytes (d, dmin, the 12 scale bytes: k4_scales' bit
+// layout, here on all rows' dwords at once), then 4 chunks of 32 quant bytes, chunk c holding
+// sub-block 2 c in its low nibbles and 2 c + 1 in its high ones. Weight d sc q - dmin m =
+// d sc (q - 8) + (8 d sc - dmin m): d sc, 8 d sc and dmin m are exact in fp32 (11- by 6-bit),
+// the offset rounds once.
+template <>
+struct Tile<Q4_K> {
+  static constexpr bool kHas = true, kOffset = true, kSigned = false;
+  static constexpr int kHalves = 1, kBias = 0;
+  static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
+    using V = TileIsa;
+    const TI low6 = V::set1(0x3f3f3f3f), low4 = V::set1(0x0f0f0f0f), top2 = V::set1(0x30303030);
+    for (int64_t s = 0; s < nb; ++s) {
+      const int64_t base = s * Q4_K::kBlockBytes;
+      TI h[4];
+      V::transpose(rows, base, h);
+      const TF d = V::half_lo(h[0]), dmin = V::half_hi(h[0]);
+      const TI sc_lo = V::and_(h[1], low6), m_lo = V::and_(h[2], low6);
+      const TI sc_hi = V::or_(V::and_(h[3], low4), V::and_(V::srli<2>(h[1]), top2));
+      const TI m_hi = V::or_(V::and_(V::srli<4>(h[3]), low4), V::and_(V::srli<2>(h[2]), top2));
+      TF sc[8] = {byte_u<0>(sc_lo), byte_u<1>(sc_lo), byte_u<2>(sc_lo), byte_u<3>(sc_lo),
+                  byte_u<0>(sc_hi), byte_u<1>(sc_hi), byte_u<2>(sc_hi), byte_u<3>(sc_hi)};
+      TF mn[8] = {byte_u<0>(m_lo), byte_u<1>(m_lo), byte_u<2>(m_lo), byte_u<3>(m_lo),
+                  byte_u<0>(m_hi), byte_u<1>(m_hi), byte_u<2>(m_hi), byte_u<3>(m_hi)};
+      for (int c = 0; c < 4; ++c) {
+        TI q[8];
+        V::transpose(rows, base + 16 + 32 * c, q);
+        V::transpose(rows, base + 32 + 32 * c, q + 4);
+        for (int half = 0; half < 2; ++half) {
+          const int sub = 2 * c + half;
+          TI* u = buf + (8 * s + sub) * kUnitVecs;
+          for (int k = 0; k < 8; ++k) u[k] = V::and_(half ? V::srli<4>(q[k]) : q[k], low4);
+          const TF ds = V::mul(d, sc[sub]);
+          u[8] = V::as_i(ds);
+          u[9] = V::as_i(V::sub(V::mul(V::setf(8.0f), ds), V::mul(dmin, mn[sub])));
+        }
+      }
+    }
+  }
+};
+
+// Q6_K: per half of 128 weights, value r = 32 t + i (unit t) is nibble t / 2 of ql byte
+// 32 (t % 2) + i with bits 2 t of qh byte i above it; each 16 its int8 scale. Units keep q
+// (0..63) with z = 32 by halves (ActI8's sums of values 0-15 and 16-31), and the two halves'
+// d * scale (exact) as the two float vectors.
+template <>
+struct Tile<Q6_K> {
+  static constexpr bool kHas = true, kOffset = false, kSigned = false;
+  static constexpr int kHalves = 2, kBias = 1;
+  static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
+    using V = TileIsa;
+    const TI low4 = V::set1(0x0f0f0f0f), two = V::set1(0x30303030);
+    for (int64_t s = 0; s < nb; ++s) {
+      const int64_t base = s * Q6_K::kBlockBytes;
+      TI sv[4], dv[4];
+      V::transpose(rows, base + 192, sv);
+      V::transpose(rows, base + 194, dv);  // ends at the block's end: d is dword 3's high half
+      const TF d = V::half_hi(dv[3]);
+      TF scale[16];
+      for (int i = 0; i < 4; ++i) {
+        scale[4 * i] = V::mul(d, byte_s<0>(sv[i]));
+        scale[4 * i + 1] = V::mul(d, byte_s<1>(sv[i]));
+        scale[4 * i + 2] = V::mul(d, byte_s<2>(sv[i]));
+        scale[4 * i + 3] = V::mul(d, byte_s<3>(sv[i]));
+      }
+      for (int h = 0; h < 2; ++h) {
+        TI l0[8], l1[8], hb[8];
+        V::transpose(rows, base + 64 * h, l0);
+        V::transpose(rows, base + 64 * h + 16, l0 + 4);
+        V::transpose(rows, base + 64 * h + 32, l1);
+        V::transpose(rows, base + 64 * h + 48, l1 + 4);
+        V::transpose(rows, base + 128 + 32 * h, hb);
+        V::transpose(rows, base + 144 + 32 * h, hb + 4);
+        for (int t = 0; t < 4; ++t) {
+          const int unit = 4 * h + t;
+          TI* u = buf + (8 * s + unit) * kUnitVecs;
+          const TI* l = t % 2 ? l1 : l0;
+          for (int k = 0; k < 8; ++k) {
+            const TI lo = V::and_(t / 2 ? V::srli<4>(l[k]) : l[k], low4);
+            TI hi;
+            switch (t) {  // bits 2t, 2t + 1 of each qh byte to bits 4, 5
+              case 0: hi = V::slli<4>(hb[k]); break;
+              case 1: hi = V::slli<2>(hb[k]); break;
+              case 2: hi = hb[k]; break;
+              default: hi = V::srli<2>(hb[k]); break;
+            }
+            u[k] = V::or_(lo, V::and_(hi, two));
+          }
+          u[8] = V::as_i(scale[2 * unit]);
+          u[9] = V::as_i(scale[2 * unit + 1]);
+        }
+      }
+    }
+  }
+};
+#endif
+
+}  // namespace tw
