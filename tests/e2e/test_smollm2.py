@@ -11,7 +11,11 @@ import torch
 
 from tokenwire.engine.request import GenerateOptions, SamplingParams
 
-PROMPT = "What is the capital of France?"
+# "What is the capital of France?" alone was a near tie at the first token for the file's own
+# values: "L" -1.956 against "The" -2.026 with exact activations (llama.cpp on the file: "L"
+# too), so its greedy answer went either way with the activations' rounding; asked for a
+# sentence, "The" leads "Paris" by 1.5 on every path
+PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +55,21 @@ def test_logits_match_transformers(engine, hf) -> None:
         assert ids == torch.topk(logp[e.position - 1], 5).indices.tolist()
 
 
-def test_quantised_engine_logprobs_stay_within_the_int16_tolerance(smollm2_engine, engine) -> None:
-    """The default engine (the file's blocks, int16 activations) against the exact values: prompt
-    logprobs within the documented tolerance (tests/model/test_quant.py, INT16_DECODE_LOGPROB_TOL
-    2e-2; SmolLM2, 2,000 tokens: mean 5.6e-4, max 7.1e-3), the same top token almost everywhere."""
+def test_quantised_engine_logprobs_stay_within_the_int8_bounds(smollm2_engine, engine) -> None:
+    """The default engine (the file's blocks, int8 activations with a wide head) against the
+    exact values: prompt logprobs off by 5.6e-2 on average and 1.39 at most over 2,000 tokens
+    of the GPL-3 in `tokenwire bench quality` (llama.cpp on the file: 6.0e-2, 0.87), the top
+    token the same at 96.35% of positions (llama.cpp 96.35%); here held to mean <= 0.1, max <= 1.5
+    and the same top at >= 90% of the prompt's positions: seen 0.074, 0.73 and 39 of 41 (int7
+    activations would double the mean)."""
     tokens = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
     opts = GenerateOptions(max_tokens=0, logprob_ranges=[(1, len(tokens))], top_logprobs=1)
     exact, _ = engine.generate(None, tokens, opts).result()
     ours, _ = smollm2_engine.generate(None, tokens, opts).result()
     gaps = torch.tensor([a.logprob - b.logprob for a, b in zip(ours, exact, strict=True)]).abs()
-    assert gaps.max() <= 2e-2
+    assert gaps.mean() <= 0.1 and gaps.max() <= 1.5, (gaps.mean(), gaps.max())
     same_top = [a.top_logprobs[0][0] == b.top_logprobs[0][0] for a, b in zip(ours, exact, strict=True)]
-    assert sum(same_top) >= len(same_top) - 1
+    assert sum(same_top) >= 0.9 * len(same_top), (sum(same_top), len(same_top))
 
 
 def test_full_logit_rows_match_transformers(engine, hf) -> None:
