@@ -614,13 +614,22 @@ def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -
     async def idle_session_on_replica_0() -> tuple[str, list[int]]:
         """A Salience session with a committed turn, idle on the replica about to be killed (each
         replica persists its sessions in its own state dir: the restarted one recovers it)."""
+        # the router places a new session on the least-loaded replica (router.py: queued tokens,
+        # KV in use, open sessions): the ones landing on replica 1 stay open until one lands on
+        # replica 0, each adding to replica 1's load, then close (replica 0 may hold more of the
+        # earlier tests' KV: 256 tokens of load for a full cache against 1 a session)
         async with AsyncClient(f"127.0.0.1:{replicated.grpc}") as client:
-            for _ in range(8):
-                session = await client.open()
-                if placement(session.id)[0] == 0:
-                    [t async for t in session.generate([5, 6, 7], max_tokens=3, top_k=1)]
-                    return session.id, await session.dump()
-                await session.close()
+            elsewhere = []
+            try:
+                for _ in range(300):
+                    session = await client.open()
+                    if placement(session.id)[0] == 0:
+                        [t async for t in session.generate([5, 6, 7], max_tokens=3, top_k=1)]
+                        return session.id, await session.dump()
+                    elsewhere.append(session)
+            finally:
+                for other in elsewhere:
+                    await other.close()
         raise AssertionError("no session was placed on replica 0")
 
     kept, kept_tokens = run(idle_session_on_replica_0())
