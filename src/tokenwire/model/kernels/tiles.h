@@ -134,6 +134,23 @@ inline void quantize_rows_i8_pair(const float* x, int64_t M, int64_t K, const Ac
 }
 
 #ifdef TW_AVX2
+// 16 bytes at offset `off` of 8 rows -> out[k] lane r = dword k of row r: the AVX2 strips'
+// conversion step, and tiles_decode.h's row lanes' per-row scales (on either build)
+inline void transpose8(const uint8_t* const* rows, int64_t off, __m256i out[4]) {
+  using I = __m256i;
+  I v[4];
+  for (int p = 0; p < 4; ++p) {
+    auto ld = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + off)); };
+    v[p] = _mm256_inserti128_si256(_mm256_castsi128_si256(ld(p)), ld(4 + p), 1);
+  }
+  const I t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+  const I t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The instruction sets: a strip of kRows weight rows, one per dword lane.
 #ifdef TW_AVX512
@@ -244,19 +261,7 @@ struct TileIsa {
     const I p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(_mm256_set1_epi32(b), w1));
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(p0, one), _mm256_madd_epi16(p1, one)));
   }
-  static void transpose(const uint8_t* const* rows, int64_t off, I out[4]) {
-    I v[4];
-    for (int p = 0; p < 4; ++p) {
-      auto ld = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + off)); };
-      v[p] = _mm256_inserti128_si256(_mm256_castsi128_si256(ld(p)), ld(4 + p), 1);
-    }
-    const I t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
-    const I t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
-    out[0] = _mm256_unpacklo_epi64(t0, t2);
-    out[1] = _mm256_unpackhi_epi64(t0, t2);
-    out[2] = _mm256_unpacklo_epi64(t1, t3);
-    out[3] = _mm256_unpackhi_epi64(t1, t3);
-  }
+  static void transpose(const uint8_t* const* rows, int64_t off, I out[4]) { transpose8(rows, off, out); }
 };
 #endif
 

@@ -104,20 +104,6 @@ inline I fold1(const I h[4]) {
   return _mm256_add_epi32(a, b);
 }
 
-// 16 bytes at offset `off` of 8 rows -> out[k] lane r = dword k of row r (tiles.h's AVX2 transpose)
-inline void transpose(const uint8_t* const* rows, int64_t off, I out[4]) {
-  I v[4];
-  for (int p = 0; p < 4; ++p) {
-    auto ld = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + off)); };
-    v[p] = _mm256_inserti128_si256(_mm256_castsi128_si256(ld(p)), ld(4 + p), 1);
-  }
-  const I t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
-  const I t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
-  out[0] = _mm256_unpacklo_epi64(t0, t2);
-  out[1] = _mm256_unpackhi_epi64(t0, t2);
-  out[2] = _mm256_unpacklo_epi64(t1, t3);
-  out[3] = _mm256_unpackhi_epi64(t1, t3);
-}
 inline F half_lo(I a) {  // the fp16 in each dword's low half (exact, as tiles.h's)
   const I lo = _mm256_and_si256(a, _mm256_set1_epi32(0xffff));
   return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08)));
@@ -144,8 +130,8 @@ struct RowDots32 {
                     rows8::I d[][8][1], rows8::F s0[8], rows8::F s1[8]) {
     using namespace rows8;
     I d2[4], m2[4];
-    transpose(rows, nb * T::part_offset(T::kScalePart) + 2 * j, d2);
-    if constexpr (T::kId == Q4_1::kId) transpose(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
+    transpose8(rows, nb * T::part_offset(T::kScalePart) + 2 * j, d2);
+    if constexpr (T::kId == Q4_1::kId) transpose8(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
     for (int e = 0; e < 8; ++e) {
       s0[e] = e % 2 ? half_hi(d2[e / 2]) : half_lo(d2[e / 2]);
       if constexpr (T::kId == Q4_1::kId) {  // d q + m = d (q - 8) + (m + 8 d)
@@ -203,7 +189,7 @@ struct RowDots<Q4_K> {
     const int64_t base = (j / 8) * Q4_K::kBlockBytes;
     const I low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f), top2 = _mm256_set1_epi32(0x30303030);
     I h[4];
-    transpose(rows, base, h);
+    transpose8(rows, base, h);
     const F dd = half_lo(h[0]), dmin = half_hi(h[0]);
     const I sc_lo = _mm256_and_si256(h[1], low6), m_lo = _mm256_and_si256(h[2], low6);
     const I sc_hi = _mm256_or_si256(_mm256_and_si256(h[3], low4), _mm256_and_si256(_mm256_srli_epi32(h[1], 2), top2));
@@ -249,8 +235,8 @@ struct RowDots<Q6_K> {
     using namespace rows8;
     const int64_t base = (j / 8) * Q6_K::kBlockBytes;
     I sv[4], dv[4];
-    transpose(rows, base + 192, sv);
-    transpose(rows, base + 194, dv);  // ends at the block's end: d is dword 3's high half
+    transpose8(rows, base + 192, sv);
+    transpose8(rows, base + 194, dv);  // ends at the block's end: d is dword 3's high half
     const F dd = half_hi(dv[3]);
     F scale[16];
     for (int i = 0; i < 4; ++i) {
