@@ -1,7 +1,7 @@
 // The tiled types' decode rows (M < kDecodeTokens) in row lanes: the same bits as tiles.h's strips
 // without transposing a single weight. The AVX2 build's decode path; an AVX-512 build takes
 // tiles_units.h's unit lanes instead, which stream a real model's weights from DRAM faster (that
-// header says by how much; the vpdpbusd branches below are what these lanes measured with there). Eight weight rows at a
+// header says by how much; the AVX-512 figures below are these lanes with vpdpbusd on ymm). Eight weight rows at a
 // time, each read in its own byte order (a 32-byte load is one or two whole units of a row); the
 // activations meet it in that order, so vpmaddubsw + vpmaddwd (AVX-512: vpdpbusd on ymm) give 8
 // partial sums of one row, and unpack-and-add steps fold the 8 rows' partials into lanes = rows,
@@ -44,7 +44,8 @@
 
 namespace tw {
 
-#ifdef TW_AVX2
+// compiled where they run: an AVX2 build without AVX-512
+#if defined(TW_AVX2) && !defined(TW_AVX512)
 constexpr int64_t kDecodeTokens = 4;  // fewer activation rows than this take row lanes
 
 namespace rows8 {
@@ -60,30 +61,15 @@ inline I nibbles_lo(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 inline I nibbles_hi(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
 
 // per dword lane the dot of 4 unsigned weight bytes w (<= 63) and 4 signed activation bytes x
-inline I dot(I w, I x) {
-#ifdef TW_AVX512
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-#endif
-}
+inline I dot(I w, I x) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)); }
 // the same of two pairs, summed (4-bit weights: two vpmaddubsw add in int16, |sum| <= 4 * 15 * 127)
 inline I dot2(I w0, I x0, I w1, I x1) {
-#ifdef TW_AVX512
-  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w0, x0), w1, x1);
-#else
   const I s = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
   return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
-#endif
 }
-// Q8_0's signed weights: AVX-512 takes q + 128 (its bias, -128 sum x, is ActI8's 4th; the
-// strips' choice, Tile<Q8_0>::kBias); AVX2 |q| times x with q's sign
+// Q8_0's signed weights: |q| times x with q's sign (the AVX2 strips' choice, Tile<Q8_0>::kSigned)
 inline I dot_q8(I w, I x) {
-#ifdef TW_AVX512
-  return dot(_mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))), x);
-#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
-#endif
 }
 
 // Folding 8 rows' partial sums into lanes = rows. pair(v_r, v_r+1) is the first level, taken
@@ -334,7 +320,9 @@ void row_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8
       for (int64_t r = 0; r < rows; ++r) out[t * N + s + r] = res[t * 8 + r];
   }
 }
+#endif
 
+#ifdef TW_AVX2
 // a tiled type's matmul: decode rows in unit lanes (AVX-512, tiles_units.h) or row lanes (AVX2),
 // strips otherwise; all three the same bits
 template <class T>
