@@ -30,7 +30,7 @@ serve: $(STAMP)
 	$(BIN)/tokenwire serve $(SERVE_ARGS)
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
