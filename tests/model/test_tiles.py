@@ -1,4 +1,4 @@
-"""The tiled int8 matmul (kernels/tiles.h) of Q4_0, Q4_1, Q8_0, Q4_K and Q6_K: within its
+"""The tiled int8 matmul (kernels/tiles.h) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K: within its
 rounding bound of an fp32 matmul with the dequantised weight for any number of rows, each row's
 bits independent of the rows beside it, and int8 activations (not fewer bits) on a real-shape
 model. Run under TOKENWIRE_KERNELS_ISA=avx2 as well (the AVX2 build's 8-row strips and
@@ -19,10 +19,19 @@ from tokenwire.model.quant import QuantLinear, quantize
 from tokenwire.model.weight_types import WeightType
 
 AVX2 = "-mavx2" in compiler_flags()
-TILED = [weight_types.Q4_0, weight_types.Q4_1, weight_types.Q8_0, weight_types.Q4_K, weight_types.Q6_K]
+TILED = [
+    weight_types.Q4_0,
+    weight_types.Q4_1,
+    weight_types.Q5_0,
+    weight_types.Q5_1,
+    weight_types.Q8_0,
+    weight_types.Q4_K,
+    weight_types.Q6_K,
+]
 # each type's zero point: the quant byte that makes a weight weigh its block's offset alone
-# (Q4: nibble 8; Q8_0: 0; Q6_K: ql 0 with qh bits 2 = 32, in _centre)
-ZERO_BYTE = {"Q4_0": 0x88, "Q4_1": 0x88, "Q8_0": 0x00, "Q4_K": 0x88}
+# (Q4: nibble 8; Q5: nibble 0 with its qh bit set = 16; Q8_0: 0; Q6_K: ql 0 with qh bits 2 =
+# 32, in _centre)
+ZERO_BYTE = {"Q4_0": 0x88, "Q4_1": 0x88, "Q5_0": 0x00, "Q5_1": 0x00, "Q8_0": 0x00, "Q4_K": 0x88}
 pytestmark = pytest.mark.skipif(not AVX2, reason="the tiled kernels need AVX2 (portable builds take fp32)")
 
 
@@ -47,6 +56,8 @@ def _centre(packed: np.ndarray, wt: WeightType) -> np.ndarray:
     else:  # the 32-weight types: the quants follow the fp16 fields
         head = wt.block_bytes - (32 if wt.name == "Q8_0" else 16)
         blocks[:, head:] = ZERO_BYTE[wt.name]
+        if wt.name.startswith("Q5"):  # the 4 qh bytes before the nibbles: every high bit set
+            blocks[:, head - 4 : head] = 0xFF
     return wt.dequantize_reference(blocks.reshape(packed.shape))
 
 

@@ -28,7 +28,8 @@ log = logging.getLogger("tokenwire.state")
 # Bump when the arithmetic that produces keys and values changes (kernels, RoPE, rounding of
 # stored values): files written by another version are in another namespace and never read.
 # 2: the tiled types' int8 activations (tiles.h, issue 42) replaced int16 ones.
-ENGINE_ARITHMETIC = 2
+# 3: Q5_0 and Q5_1 joined them (tiles_types.h Tile5).
+ENGINE_ARITHMETIC = 3
 MAGIC = b"TWKVBLK1"
 HEADER = struct.Struct("<8sQI16s")  # magic, payload bytes, CRC32 of the payload, block hash
 SUFFIX = ".kv"

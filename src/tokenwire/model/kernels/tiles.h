@@ -163,6 +163,7 @@ struct TileIsa {
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
   template <int S> static I srli(I a) { return _mm512_srli_epi32(a, S); }
   template <int S> static I slli(I a) { return _mm512_slli_epi32(a, S); }
   template <int S> static I srai(I a) { return _mm512_srai_epi32(a, S); }
@@ -218,6 +219,7 @@ struct TileIsa {
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
   template <int S> static I srli(I a) { return _mm256_srli_epi32(a, S); }
   template <int S> static I slli(I a) { return _mm256_slli_epi32(a, S); }
   template <int S> static I srai(I a) { return _mm256_srai_epi32(a, S); }
@@ -275,7 +277,9 @@ constexpr int kUnitVecs = 10;
 // A type's tile traits (tiles_types.h): Tile<T>::kHas, kHalves (1: one scale a unit; 2: Q6_K's
 // two 16-weight halves, each its own scale), kOffset (an offset times the exact block sums),
 // kBias (which of ActI8's integer sums starts the dot: 0 z = 8, 1 z = 32 by halves, 3 z = 128,
-// -1 none), kSigned (weights signed: Q8_0 on AVX2), and convert(rows, nb, buf).
+// -1 none) and kBiasTimes (that sum taken twice: Q5's z = 16), kSigned (weights signed: Q8_0 on
+// AVX2), kUnitLanes / kRowLanes (decode rows have tiles_units.h's AVX-512 / tiles_decode.h's
+// AVX2 lanes; else the strips run them too) and convert(rows, nb, buf).
 template <class T>
 struct Tile {
   static constexpr bool kHas = false;
@@ -301,7 +305,7 @@ void tile_tokens(const TI* buf, int64_t units, const QuantizedActivations& a, in
     for (int t = 0; t < NT; ++t)
       for (int h = 0; h < H; ++h) {
         const int32_t* b = bias0 + (t * nb + u) * ActI8::kBias;
-        ia[t][h] = Tr::kBias < 0 ? V::set1(0) : V::bcasti(b + (H == 2 ? 1 + h : Tr::kBias));
+        ia[t][h] = Tr::kBias < 0 ? V::set1(0) : V::set1(Tr::kBiasTimes * b[H == 2 ? 1 + h : Tr::kBias]);
       }
 #pragma GCC unroll 4
     for (int k = 0; k < 8; k += 2) {

@@ -164,6 +164,69 @@ struct RowDots<Q4_1> : RowDots32<Q4_1> {};
 template <>
 struct RowDots<Q8_0> : RowDots32<Q8_0> {};
 
+// Q5_0, Q5_1: as Q4_0's two units a load, a unit's 16 nibble bytes after its 4 qh bytes (20 a
+// unit); value i's high bit (qh bit i) to bit 4 of its byte: qh byte i / 8 spread over 8 bytes,
+// each byte's own bit tested
+template <class T>
+struct RowDots5 {
+  static rows8::I high(rows8::I qh, rows8::I pick) {  // qh: a unit's qh dword in each 128-bit half
+    using namespace rows8;
+    const I bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+    const I spread = _mm256_and_si256(_mm256_shuffle_epi8(qh, pick), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(spread, bit), _mm256_set1_epi8(0x10));
+  }
+  template <int NT>
+  static void group(const uint8_t* const* rows, int64_t nb, int64_t j, int64_t count, const int8_t* const* x,
+                    rows8::I d[][8][1], rows8::F s0[8], rows8::F s1[8]) {
+    using namespace rows8;
+    I d2[4], m2[4];
+    transpose8(rows, nb * T::part_offset(T::kScalePart) + 2 * j, d2);
+    if constexpr (T::kId == Q5_1::kId) transpose8(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
+    for (int e = 0; e < 8; ++e) {
+      s0[e] = e % 2 ? half_hi(d2[e / 2]) : half_lo(d2[e / 2]);
+      if constexpr (T::kId == Q5_1::kId) {  // d q + m = d (q - 16) + (m + 16 d)
+        const F m = e % 2 ? half_hi(m2[e / 2]) : half_lo(m2[e / 2]);
+        s1[e] = _mm256_add_ps(m, _mm256_mul_ps(_mm256_set1_ps(16.0f), s0[e]));
+      }
+    }
+    const int64_t q_off = nb * T::part_offset(T::kQuantPart);
+    const I pick_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const I pick_hi = _mm256_add_epi8(pick_lo, _mm256_set1_epi8(2));
+    for (int64_t u = 0; u < count; u += 2) {
+      const bool both = u + 1 < count;
+      I xlo[NT], xhi[NT], h[NT][4];
+      for (int t = 0; t < NT; ++t) {
+        const I xa = load(x[t] + 32 * u), xb = both ? load(x[t] + 32 * u + 32) : _mm256_setzero_si256();
+        xlo[t] = _mm256_permute2x128_si256(xa, xb, 0x20);
+        xhi[t] = _mm256_permute2x128_si256(xa, xb, 0x31);
+      }
+      auto weights = [&](const uint8_t* row, I& lo, I& hi) {
+        const uint8_t* qa = row + q_off + 20 * (j + u);
+        const __m128i qs_a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa + 4));
+        const __m128i qs_b = both ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa + 24)) : _mm_setzero_si128();
+        int32_t ha, hb = 0;
+        std::memcpy(&ha, qa, 4);
+        if (both) std::memcpy(&hb, qa + 20, 4);
+        const I qs = _mm256_inserti128_si256(_mm256_castsi128_si256(qs_a), qs_b, 1);
+        const I qh = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_cvtsi32_si128(ha)), _mm_cvtsi32_si128(hb), 1);
+        lo = _mm256_or_si256(nibbles_lo(qs), high(qh, pick_lo));
+        hi = _mm256_or_si256(nibbles_hi(qs), high(qh, pick_hi));
+      };
+      for (int r = 0; r < 8; r += 2) {
+        I l0, h0, l1, h1;
+        weights(rows[r], l0, h0);
+        weights(rows[r + 1], l1, h1);
+        for (int t = 0; t < NT; ++t) h[t][r / 2] = pair(dot2(l0, xlo[t], h0, xhi[t]), dot2(l1, xlo[t], h1, xhi[t]));
+      }
+      for (int t = 0; t < NT; ++t) fold2(h[t], d[t][u][0], d[t][u + 1][0]);
+    }
+  }
+};
+template <>
+struct RowDots<Q5_0> : RowDots5<Q5_0> {};
+template <>
+struct RowDots<Q5_1> : RowDots5<Q5_1> {};
+
 // Q4_K: chunk c of a super-block's quants (32 bytes) is unit 2 c in its low nibbles, 2 c + 1 in
 // its high ones, each in value order; the scales as Tile<Q4_K>::convert takes them
 template <>
@@ -290,7 +353,8 @@ void row_strip(const QuantizedActivations& a, int64_t K, const uint8_t* const* r
         for (int h = 0; h < H; ++h) {
           rows8::I ia = d[t][u][h];
           if constexpr (Tr::kBias >= 0)
-            ia = _mm256_add_epi32(ia, _mm256_set1_epi32(a.bias[b * ActI8::kBias + (H == 2 ? 1 + h : Tr::kBias)]));
+            ia = _mm256_add_epi32(
+                ia, _mm256_set1_epi32(Tr::kBiasTimes * a.bias[b * ActI8::kBias + (H == 2 ? 1 + h : Tr::kBias)]));
           acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(h ? s1[u] : s0[u], xs), acc[t]);
         }
         if constexpr (Tr::kOffset) off[t] = _mm256_fmadd_ps(s1[u], _mm256_set1_ps(a.sum[b]), off[t]);
@@ -329,9 +393,11 @@ template <class T>
 void tiled_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
                   float* out, int64_t N) {
 #ifdef TW_AVX512
-  if (M < kUnitTokens) return unit_matmul<T>(a, M, K, w, n0, n1, out, N);
+  if constexpr (Tile<T>::kUnitLanes)
+    if (M < kUnitTokens) return unit_matmul<T>(a, M, K, w, n0, n1, out, N);
 #else
-  if (M < kDecodeTokens) return row_matmul<T>(a, M, K, w, n0, n1, out, N);
+  if constexpr (Tile<T>::kRowLanes)
+    if (M < kDecodeTokens) return row_matmul<T>(a, M, K, w, n0, n1, out, N);
 #endif
   tile_matmul<T>(a, M, K, w, n0, n1, out, N);
 }

@@ -8,6 +8,7 @@
 #include "tiles.h"
 #include "types_k.h"
 #include "types_q4.h"
+#include "types_q5_iq4.h"
 #include "types_q8.h"
 
 namespace tw {
@@ -29,8 +30,8 @@ inline void q4_unit(const TI q[4], TI* u) {
 // nb - j of them are used)
 template <class T>
 struct Tile32 {
-  static constexpr bool kHas = true;
-  static constexpr int kHalves = 1;
+  static constexpr bool kHas = true, kUnitLanes = true, kRowLanes = true;
+  static constexpr int kHalves = 1, kBiasTimes = 1;
   static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
     using V = TileIsa;
     const int64_t d_off = nb * T::part_offset(T::kScalePart), q_off = nb * T::part_offset(T::kQuantPart);
@@ -83,6 +84,61 @@ struct Tile<Q8_0> : Tile32<Q8_0> {
   static constexpr int kBias = kSigned ? -1 : 3;
 };
 
+// Q5_0, Q5_1: value i of a block is the nibble of quant byte i % 16 (low for i < 16) with bit i
+// of the 4 qh bytes above it, 0..31. Weight d (q - 16), or for Q5_1 d q + m = d (q - 16) +
+// (m + 16 d): units keep q with z = 16, ActI8's -8 sum taken twice. Decode rows: unit lanes on
+// AVX-512 (tiles_units.h), row lanes on AVX2 (tiles_decode.h).
+// Measured (gemma3-1b Q4_K_M shape, whose K = 1152 projections llama.cpp stores as Q5_0):
+// prefill 1k was 0.73x llama.cpp while these types took int16 rows three tokens at a time.
+template <class T>
+struct Tile5 {
+  static constexpr bool kHas = true, kUnitLanes = true, kRowLanes = true, kSigned = false;
+  static constexpr bool kOffset = T::kId == Q5_1::kId;
+  static constexpr int kHalves = 1, kBias = 0, kBiasTimes = 2;
+  // unit vector K byte b <- qh bit 4 K + b, at bit 4: (x & 15) * 0x02040810 puts bit b of x at
+  // 8 b + 4 (and copies at bits that never meet one another: no carries), the mask keeps those
+  template <int K>
+  static TI high_bits(TI qh) {
+    using V = TileIsa;
+    const TI x = V::and_(V::srli<4 * K>(qh), V::set1(15));
+    return V::and_(V::mullo(x, V::set1(0x02040810)), V::set1(0x10101010));
+  }
+  template <int K>
+  static void add_high(TI qh, TI* u) {
+    u[K] = TileIsa::or_(u[K], high_bits<K>(qh));
+    if constexpr (K < 7) add_high<K + 1>(qh, u);
+  }
+  static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
+    using V = TileIsa;
+    const int64_t d_off = nb * T::part_offset(T::kScalePart), q_off = nb * T::part_offset(T::kQuantPart);
+    for (int64_t j = 0; j < nb; j += 8) {
+      TI d2[4], m2[4];
+      V::transpose(rows, d_off + 2 * j, d2);
+      if constexpr (kOffset) V::transpose(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
+      for (int64_t e = 0; e < std::min<int64_t>(8, nb - j); ++e) {
+        TI* u = buf + (j + e) * kUnitVecs;
+        const TF d = e % 2 ? V::half_hi(d2[e / 2]) : V::half_lo(d2[e / 2]);
+        TI h[4], q[4];
+        V::transpose(rows, q_off + 20 * (j + e), h);  // h[0]: each row's 4 qh bytes
+        V::transpose(rows, q_off + 20 * (j + e) + 4, q);
+        q4_unit(q, u);
+        add_high<0>(h[0], u);
+        u[8] = V::as_i(d);
+        if constexpr (kOffset) {
+          const TF m = e % 2 ? V::half_hi(m2[e / 2]) : V::half_lo(m2[e / 2]);
+          u[9] = V::as_i(V::add(m, V::mul(V::setf(16.0f), d)));
+        } else {
+          u[9] = V::as_i(V::zerof());
+        }
+      }
+    }
+  }
+};
+template <>
+struct Tile<Q5_0> : Tile5<Q5_0> {};
+template <>
+struct Tile<Q5_1> : Tile5<Q5_1> {};
+
 // byte b of each dword as a float (unsigned / signed)
 template <int B>
 inline TF byte_u(TI v) {
@@ -102,8 +158,8 @@ inline TF byte_s(TI v) {
 // the offset rounds once.
 template <>
 struct Tile<Q4_K> {
-  static constexpr bool kHas = true, kOffset = true, kSigned = false;
-  static constexpr int kHalves = 1, kBias = 0;
+  static constexpr bool kHas = true, kOffset = true, kSigned = false, kUnitLanes = true, kRowLanes = true;
+  static constexpr int kHalves = 1, kBias = 0, kBiasTimes = 1;
   static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
     using V = TileIsa;
     const TI low6 = V::set1(0x3f3f3f3f), low4 = V::set1(0x0f0f0f0f), top2 = V::set1(0x30303030);
@@ -142,8 +198,8 @@ struct Tile<Q4_K> {
 // d * scale (exact) as the two float vectors.
 template <>
 struct Tile<Q6_K> {
-  static constexpr bool kHas = true, kOffset = false, kSigned = false;
-  static constexpr int kHalves = 2, kBias = 1;
+  static constexpr bool kHas = true, kOffset = false, kSigned = false, kUnitLanes = true, kRowLanes = true;
+  static constexpr int kHalves = 2, kBias = 1, kBiasTimes = 1;
   static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
     using V = TileIsa;
     const TI low4 = V::set1(0x0f0f0f0f), two = V::set1(0x30303030);
