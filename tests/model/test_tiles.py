@@ -1,4 +1,4 @@
-"""The tiled int8 matmul (kernels/tiles.h) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K: within its
+"""The tiled int8 matmul (kernels/tiles.h) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K: within its
 rounding bound of an fp32 matmul with the dequantised weight for any number of rows, each row's
 bits independent of the rows beside it, and int8 activations (not fewer bits) on a real-shape
 model. Run under TOKENWIRE_KERNELS_ISA=avx2 as well (the AVX2 build's 8-row strips and
@@ -26,6 +26,7 @@ TILED = [
     weight_types.Q5_1,
     weight_types.Q8_0,
     weight_types.Q4_K,
+    weight_types.Q5_K,
     weight_types.Q6_K,
 ]
 # each type's zero point: the quant byte that makes a weight weigh its block's offset alone
@@ -50,6 +51,8 @@ def _centre(packed: np.ndarray, wt: WeightType) -> np.ndarray:
     blocks = packed.reshape(-1, wt.block_bytes).copy()
     if wt.name == "Q6_K":
         blocks[:, 0:128], blocks[:, 128:192] = 0x00, 0xAA
+    elif wt.name == "Q5_K":  # nibble 0 with every qh bit set: 16
+        blocks[:, 16:48], blocks[:, 48:176] = 0xFF, 0x00
     elif wt.name in QUANTS:
         start, end = QUANTS[wt.name]
         blocks[:, start:end] = ZERO_BYTE[wt.name]

@@ -29,7 +29,8 @@ log = logging.getLogger("tokenwire.state")
 # stored values): files written by another version are in another namespace and never read.
 # 2: the tiled types' int8 activations (tiles.h, issue 42) replaced int16 ones.
 # 3: Q5_0 and Q5_1 joined them (tiles_types.h Tile5).
-ENGINE_ARITHMETIC = 3
+# 4: and Q5_K (tiles_types.h TileK45).
+ENGINE_ARITHMETIC = 4
 MAGIC = b"TWKVBLK1"
 HEADER = struct.Struct("<8sQI16s")  # magic, payload bytes, CRC32 of the payload, block hash
 SUFFIX = ".kv"

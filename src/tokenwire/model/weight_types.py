@@ -238,7 +238,7 @@ BF16 = WeightType("BF16", 30, 1, (("value", 2),), "", _bf16)
 # K-quants: 256-weight super-blocks, kept as the file's blocks (one part; types_k.h measures why)
 Q4_K = WeightType("Q4_K", 12, 256, (("block", 144),), "i8_32", _q4_k, tiled=True)
 Q6_K = WeightType("Q6_K", 14, 256, (("block", 210),), "i8_32", _q6_k, tiled=True)
-Q5_K = WeightType("Q5_K", 13, 256, (("block", 176),), "i16_k_pairs", _q5_k)
+Q5_K = WeightType("Q5_K", 13, 256, (("block", 176),), "i8_32", _q5_k, tiled=True)
 
 Q3_K = WeightType("Q3_K", 11, 256, (("block", 110),), "i16_even_odd16", _q3_k)
 Q2_K = WeightType("Q2_K", 10, 256, (("block", 84),), "i16_even_odd16", _q2_k)

@@ -164,6 +164,7 @@ struct TileIsa {
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
   static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I srl(I a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
   template <int S> static I srli(I a) { return _mm512_srli_epi32(a, S); }
   template <int S> static I slli(I a) { return _mm512_slli_epi32(a, S); }
   template <int S> static I srai(I a) { return _mm512_srai_epi32(a, S); }
@@ -220,6 +221,7 @@ struct TileIsa {
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
   static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I srl(I a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
   template <int S> static I srli(I a) { return _mm256_srli_epi32(a, S); }
   template <int S> static I slli(I a) { return _mm256_slli_epi32(a, S); }
   template <int S> static I srai(I a) { return _mm256_srai_epi32(a, S); }

@@ -227,15 +227,17 @@ struct RowDots<Q5_0> : RowDots5<Q5_0> {};
 template <>
 struct RowDots<Q5_1> : RowDots5<Q5_1> {};
 
-// Q4_K: chunk c of a super-block's quants (32 bytes) is unit 2 c in its low nibbles, 2 c + 1 in
-// its high ones, each in value order; the scales as Tile<Q4_K>::convert takes them
-template <>
-struct RowDots<Q4_K> {
+// Q4_K, Q5_K: chunk c of a super-block's quants (32 bytes) is unit 2 c in its low nibbles, 2 c +
+// 1 in its high ones, each in value order (Q5_K: qh byte i's bits 2 c, 2 c + 1 above value i);
+// the scales as TileK45::convert takes them
+template <class T, bool kHigh>
+struct RowDotsK45 {
   template <int NT>
   static void group(const uint8_t* const* rows, int64_t, int64_t j, int64_t, const int8_t* const* x,
                     rows8::I d[][8][1], rows8::F s0[8], rows8::F s1[8]) {
     using namespace rows8;
-    const int64_t base = (j / 8) * Q4_K::kBlockBytes;
+    const int64_t base = (j / 8) * T::kBlockBytes;
+    constexpr int q0 = Tile<T>::kQuants;
     const I low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f), top2 = _mm256_set1_epi32(0x30303030);
     I h[4];
     transpose8(rows, base, h);
@@ -249,7 +251,7 @@ struct RowDots<Q4_K> {
                      rows8::byte_u<0>(m_hi), rows8::byte_u<1>(m_hi), rows8::byte_u<2>(m_hi), rows8::byte_u<3>(m_hi)};
     for (int sub = 0; sub < 8; ++sub) {
       s0[sub] = _mm256_mul_ps(dd, sc[sub]);
-      s1[sub] = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), s0[sub]), _mm256_mul_ps(dmin, mn[sub]));
+      s1[sub] = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(kHigh ? 16.0f : 8.0f), s0[sub]), _mm256_mul_ps(dmin, mn[sub]));
     }
     for (int c = 0; c < 4; ++c) {
       I xa[NT], xb[NT], ha[NT][4], hb[NT][4];
@@ -258,8 +260,16 @@ struct RowDots<Q4_K> {
         xb[t] = load(x[t] + 64 * c + 32);
       }
       for (int r = 0; r < 8; r += 2) {
-        const I w0 = load(rows[r] + base + 16 + 32 * c), w1 = load(rows[r + 1] + base + 16 + 32 * c);
-        const I l0 = nibbles_lo(w0), h0 = nibbles_hi(w0), l1 = nibbles_lo(w1), h1 = nibbles_hi(w1);
+        const I w0 = load(rows[r] + base + q0 + 32 * c), w1 = load(rows[r + 1] + base + q0 + 32 * c);
+        I l0 = nibbles_lo(w0), h0 = nibbles_hi(w0), l1 = nibbles_lo(w1), h1 = nibbles_hi(w1);
+        if constexpr (kHigh) {  // bits 2 c, 2 c + 1 of qh byte i to bit 4 of value i's byte
+          const I bit4 = _mm256_set1_epi8(0x10), qa = load(rows[r] + base + 16), qb = load(rows[r + 1] + base + 16);
+          const __m128i lo_n = _mm_cvtsi32_si128(2 * c), hi_n = _mm_cvtsi32_si128(2 * c + 1);
+          l0 = _mm256_or_si256(l0, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qa, lo_n), 4), bit4));
+          h0 = _mm256_or_si256(h0, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qa, hi_n), 4), bit4));
+          l1 = _mm256_or_si256(l1, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qb, lo_n), 4), bit4));
+          h1 = _mm256_or_si256(h1, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qb, hi_n), 4), bit4));
+        }
         for (int t = 0; t < NT; ++t) {
           ha[t][r / 2] = pair(dot(l0, xa[t]), dot(l1, xa[t]));
           hb[t][r / 2] = pair(dot(h0, xb[t]), dot(h1, xb[t]));
@@ -272,6 +282,11 @@ struct RowDots<Q4_K> {
     }
   }
 };
+
+template <>
+struct RowDots<Q4_K> : RowDotsK45<Q4_K, false> {};
+template <>
+struct RowDots<Q5_K> : RowDotsK45<Q5_K, true> {};
 
 // Q6_K: unit t of half h (values 32 t + i) is nibble t / 2 of ql byte 64 h + 32 (t % 2) + i
 // with bits 2 t of qh byte 128 + 32 h + i above it: one 32-byte load of each in value order.

@@ -151,22 +151,28 @@ inline TF byte_s(TI v) {
   return V::cvt(V::srai<24>(V::slli<24 - 8 * B>(v)));
 }
 
-// Q4_K: per super-block its first 16 bytes (d, dmin, the 12 scale bytes: k4_scales' bit
-// layout, here on all rows' dwords at once), then 4 chunks of 32 quant bytes, chunk c holding
-// sub-block 2 c in its low nibbles and 2 c + 1 in its high ones. Weight d sc q - dmin m =
-// d sc (q - 8) + (8 d sc - dmin m): d sc, 8 d sc and dmin m are exact in fp32 (11- by 6-bit),
-// the offset rounds once.
-template <>
-struct Tile<Q4_K> {
+// Q4_K, Q5_K: per super-block its first 16 bytes (d, dmin, the 12 scale bytes: k4_scales' bit
+// layout, here on all rows' dwords at once), Q5_K's 32 qh bytes, then 4 chunks of 32 quant
+// bytes, chunk c holding sub-block 2 c in its low nibbles and 2 c + 1 in its high ones (Q5_K:
+// bit 2 c, 2 c + 1 of qh byte i above value i of each). Weight d sc q - dmin m = d sc (q - z) +
+// (z d sc - dmin m), z = 8 (Q4_K) or 16 (Q5_K: ActI8's -8 sum taken twice): d sc, z d sc and
+// dmin m are exact in fp32 (11- by 6-bit), the offset rounds once.
+template <class T, bool kHigh>
+struct TileK45 {
   static constexpr bool kHas = true, kOffset = true, kSigned = false, kUnitLanes = true, kRowLanes = true;
-  static constexpr int kHalves = 1, kBias = 0, kBiasTimes = 1;
+  static constexpr int kHalves = 1, kBias = 0, kBiasTimes = kHigh ? 2 : 1;
+  static constexpr int kQuants = kHigh ? 48 : 16;  // where a block's nibbles start
   static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
     using V = TileIsa;
     const TI low6 = V::set1(0x3f3f3f3f), low4 = V::set1(0x0f0f0f0f), top2 = V::set1(0x30303030);
     for (int64_t s = 0; s < nb; ++s) {
-      const int64_t base = s * Q4_K::kBlockBytes;
-      TI h[4];
+      const int64_t base = s * T::kBlockBytes;
+      TI h[4], hq[8];
       V::transpose(rows, base, h);
+      if constexpr (kHigh) {
+        V::transpose(rows, base + 16, hq);
+        V::transpose(rows, base + 32, hq + 4);
+      }
       const TF d = V::half_lo(h[0]), dmin = V::half_hi(h[0]);
       const TI sc_lo = V::and_(h[1], low6), m_lo = V::and_(h[2], low6);
       const TI sc_hi = V::or_(V::and_(h[3], low4), V::and_(V::srli<2>(h[1]), top2));
@@ -177,20 +183,27 @@ struct Tile<Q4_K> {
                   byte_u<0>(m_hi), byte_u<1>(m_hi), byte_u<2>(m_hi), byte_u<3>(m_hi)};
       for (int c = 0; c < 4; ++c) {
         TI q[8];
-        V::transpose(rows, base + 16 + 32 * c, q);
-        V::transpose(rows, base + 32 + 32 * c, q + 4);
+        V::transpose(rows, base + kQuants + 32 * c, q);
+        V::transpose(rows, base + kQuants + 16 + 32 * c, q + 4);
         for (int half = 0; half < 2; ++half) {
           const int sub = 2 * c + half;
           TI* u = buf + (8 * s + sub) * kUnitVecs;
-          for (int k = 0; k < 8; ++k) u[k] = V::and_(half ? V::srli<4>(q[k]) : q[k], low4);
+          for (int k = 0; k < 8; ++k) {
+            u[k] = V::and_(half ? V::srli<4>(q[k]) : q[k], low4);
+            if constexpr (kHigh) u[k] = V::or_(u[k], V::and_(V::slli<4>(V::srl(hq[k], sub)), V::set1(0x10101010)));
+          }
           const TF ds = V::mul(d, sc[sub]);
           u[8] = V::as_i(ds);
-          u[9] = V::as_i(V::sub(V::mul(V::setf(8.0f), ds), V::mul(dmin, mn[sub])));
+          u[9] = V::as_i(V::sub(V::mul(V::setf(kHigh ? 16.0f : 8.0f), ds), V::mul(dmin, mn[sub])));
         }
       }
     }
   }
 };
+template <>
+struct Tile<Q4_K> : TileK45<Q4_K, false> {};
+template <>
+struct Tile<Q5_K> : TileK45<Q5_K, true> {};
 
 // Q6_K: per half of 128 weights, value r = 32 t + i (unit t) is nibble t / 2 of ql byte
 // 32 (t % 2) + i with bits 2 t of qh byte i above it; each 16 its int8 scale. Units keep q

@@ -173,13 +173,15 @@ struct UnitLanes<Q5_0> : UnitLanes5<Q5_0> {};
 template <>
 struct UnitLanes<Q5_1> : UnitLanes5<Q5_1> {};
 
-// Q4_K: a group is two super-blocks (the second absent where count is 8)
-template <>
-struct UnitLanes<Q4_K> {
+// Q4_K, Q5_K: a group is two super-blocks (the second absent where count is 8); Q5_K's high
+// bits: lane u takes qh dword k of its super-block, bit u % 8 of each byte
+template <class T, bool kHigh>
+struct UnitLanesK45 {
   static void group(const uint8_t* row, int64_t, int64_t g, int64_t count, __m512i W[8], __m512& s0, __m512& s1) {
     using V = TileIsa;
-    const uint8_t* a = row + 2 * g * Q4_K::kBlockBytes;
-    const uint8_t* b = count > 8 ? a + Q4_K::kBlockBytes : a;
+    constexpr int q0 = Tile<T>::kQuants;
+    const uint8_t* a = row + 2 * g * T::kBlockBytes;
+    const uint8_t* b = count > 8 ? a + T::kBlockBytes : a;
     // both super-blocks' 6-bit scales and minimums at once (k4_scales' bit layout on dwords):
     // scalar unpacking was a third of this path's time (perf, Q4_K 8192x2048 M = 1)
     const __m128i xa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 4));
@@ -202,9 +204,9 @@ struct UnitLanes<Q4_K> {
     const __m512 d = _mm512_permutexvar_ps(pick_d, dd4);
     const __m512 dmin = _mm512_permutexvar_ps(_mm512_add_epi32(pick_d, _mm512_set1_epi32(1)), dd4);
     s0 = V::mul(d, bytes16(sc));
-    s1 = V::sub(V::mul(V::setf(8.0f), s0), V::mul(dmin, bytes16(mn)));
-    const __m512i qa0 = _mm512_loadu_si512(a + 16), qa1 = _mm512_loadu_si512(a + 80);
-    const __m512i qb0 = _mm512_loadu_si512(b + 16), qb1 = _mm512_loadu_si512(b + 80);
+    s1 = V::sub(V::mul(V::setf(kHigh ? 16.0f : 8.0f), s0), V::mul(dmin, bytes16(mn)));
+    const __m512i qa0 = _mm512_loadu_si512(a + q0), qa1 = _mm512_loadu_si512(a + q0 + 64);
+    const __m512i qb0 = _mm512_loadu_si512(b + q0), qb1 = _mm512_loadu_si512(b + q0 + 64);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     // unit u of a super-block: chunk u / 2 (dwords 8 (u / 2) ..), nibble u % 2
     const __m512i chunk = _mm512_slli_epi32(_mm512_srli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(7)), 1), 3);
@@ -214,8 +216,21 @@ struct UnitLanes<Q4_K> {
       const __m512i v = dwords_from_pairs(qa0, qa1, qb0, qb1, _mm512_add_epi32(chunk, _mm512_set1_epi32(k)));
       W[k] = _mm512_and_si512(_mm512_srlv_epi32(v, shift), low);
     }
+    if constexpr (kHigh) {
+      const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16))),
+                                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)), 1);
+      const __m512i block = _mm512_and_si512(lane, _mm512_set1_epi32(8)), sub = _mm512_and_si512(lane, _mm512_set1_epi32(7));
+      for (int k = 0; k < 8; ++k) {
+        const __m512i hv = _mm512_permutexvar_epi32(_mm512_add_epi32(block, _mm512_set1_epi32(k)), qh);
+        W[k] = _mm512_or_si512(W[k], _mm512_and_si512(_mm512_slli_epi32(_mm512_srlv_epi32(hv, sub), 4), _mm512_set1_epi32(0x10101010)));
+      }
+    }
   }
 };
+template <>
+struct UnitLanes<Q4_K> : UnitLanesK45<Q4_K, false> {};
+template <>
+struct UnitLanes<Q5_K> : UnitLanesK45<Q5_K, true> {};
 
 // Q6_K: two super-blocks a group; unit u = 4 h + t of one: ql dword 16 h + 8 (t % 2) + k,
 // nibble t / 2; qh dword 8 h + k, bits 2 t
