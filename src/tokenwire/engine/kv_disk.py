@@ -28,7 +28,7 @@ log = logging.getLogger("tokenwire.state")
 # Bump when the arithmetic that produces keys and values changes (kernels, RoPE, rounding of
 # stored values): files written by another version are in another namespace and never read.
 # 2: the tiled types' int8 activations (tiles.h, issue 42) replaced int16 ones.
-# 3: Q5_0 and Q5_1 joined them (tiles_types.h Tile5).
+# 3: Q5_0 and Q5_1 joined them (tiles_types.h Tile32).
 # 4: and Q5_K (tiles_types.h TileK45).
 ENGINE_ARITHMETIC = 4
 MAGIC = b"TWKVBLK1"

@@ -111,18 +111,46 @@ struct RowDots;
 
 template <class T>
 struct RowDots32 {
+  // units a, a + 1 (the second absent where !both) of a row's quants: values i in lo, i + 16
+  // in hi, byte i of unit a then of unit b. Q5: a unit's 16 nibble bytes after its 4 qh bytes;
+  // value i's high bit (qh bit i) to bit 4 of its byte: qh byte i / 8 spread over 8 bytes, each
+  // byte's own bit tested.
+  static void weights(const uint8_t* q, int64_t a, bool both, rows8::I& lo, rows8::I& hi) {
+    using namespace rows8;
+    if constexpr (Block32<T>::kFive) {
+      const uint8_t* qa = q + 20 * a;
+      const __m128i qs_b = both ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa + 24)) : _mm_setzero_si128();
+      int32_t ha, hb = 0;
+      std::memcpy(&ha, qa, 4);
+      if (both) std::memcpy(&hb, qa + 20, 4);
+      const I qs = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qa + 4))), qs_b, 1);
+      const I qh = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_cvtsi32_si128(ha)), _mm_cvtsi32_si128(hb), 1);
+      const I pick_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      const I bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull)), four = _mm256_set1_epi8(0x10);
+      auto high = [&](I pick) {
+        return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, pick), bit), bit), four);
+      };
+      lo = _mm256_or_si256(nibbles_lo(qs), high(pick_lo));
+      hi = _mm256_or_si256(nibbles_hi(qs), high(_mm256_add_epi8(pick_lo, _mm256_set1_epi8(2))));
+    } else {
+      const uint8_t* qa = q + 16 * a;
+      const I w = both ? load(qa) : load16(qa);
+      lo = nibbles_lo(w);
+      hi = nibbles_hi(w);
+    }
+  }
   template <int NT>
   static void group(const uint8_t* const* rows, int64_t nb, int64_t j, int64_t count, const int8_t* const* x,
                     rows8::I d[][8][1], rows8::F s0[8], rows8::F s1[8]) {
     using namespace rows8;
     I d2[4], m2[4];
     transpose8(rows, nb * T::part_offset(T::kScalePart) + 2 * j, d2);
-    if constexpr (T::kId == Q4_1::kId) transpose8(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
+    if constexpr (Block32<T>::kMin) transpose8(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
     for (int e = 0; e < 8; ++e) {
       s0[e] = e % 2 ? half_hi(d2[e / 2]) : half_lo(d2[e / 2]);
-      if constexpr (T::kId == Q4_1::kId) {  // d q + m = d (q - 8) + (m + 8 d)
+      if constexpr (Block32<T>::kMin) {  // d q + m = d (q - z) + (m + z d)
         const F m = e % 2 ? half_hi(m2[e / 2]) : half_lo(m2[e / 2]);
-        s1[e] = _mm256_add_ps(m, _mm256_mul_ps(_mm256_set1_ps(8.0f), s0[e]));
+        s1[e] = _mm256_add_ps(m, _mm256_mul_ps(_mm256_set1_ps(Block32<T>::kZero), s0[e]));
       }
     }
     const int64_t q_off = nb * T::part_offset(T::kQuantPart);
@@ -146,10 +174,9 @@ struct RowDots32 {
           xhi[t] = _mm256_permute2x128_si256(xa, xb, 0x31);
         }
         for (int r = 0; r < 8; r += 2) {
-          const uint8_t* q0 = rows[r] + q_off + 16 * (j + u);
-          const uint8_t* q1 = rows[r + 1] + q_off + 16 * (j + u);
-          const I w0 = both ? load(q0) : load16(q0), w1 = both ? load(q1) : load16(q1);
-          const I l0 = nibbles_lo(w0), h0 = nibbles_hi(w0), l1 = nibbles_lo(w1), h1 = nibbles_hi(w1);
+          I l0, h0, l1, h1;
+          weights(rows[r] + q_off, j + u, both, l0, h0);
+          weights(rows[r + 1] + q_off, j + u, both, l1, h1);
           for (int t = 0; t < NT; ++t) h[t][r / 2] = pair(dot2(l0, xlo[t], h0, xhi[t]), dot2(l1, xlo[t], h1, xhi[t]));
         }
         for (int t = 0; t < NT; ++t) fold2(h[t], d[t][u][0], d[t][u + 1][0]);
@@ -163,69 +190,11 @@ template <>
 struct RowDots<Q4_1> : RowDots32<Q4_1> {};
 template <>
 struct RowDots<Q8_0> : RowDots32<Q8_0> {};
+template <>
+struct RowDots<Q5_0> : RowDots32<Q5_0> {};
+template <>
+struct RowDots<Q5_1> : RowDots32<Q5_1> {};
 
-// Q5_0, Q5_1: as Q4_0's two units a load, a unit's 16 nibble bytes after its 4 qh bytes (20 a
-// unit); value i's high bit (qh bit i) to bit 4 of its byte: qh byte i / 8 spread over 8 bytes,
-// each byte's own bit tested
-template <class T>
-struct RowDots5 {
-  static rows8::I high(rows8::I qh, rows8::I pick) {  // qh: a unit's qh dword in each 128-bit half
-    using namespace rows8;
-    const I bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-    const I spread = _mm256_and_si256(_mm256_shuffle_epi8(qh, pick), bit);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(spread, bit), _mm256_set1_epi8(0x10));
-  }
-  template <int NT>
-  static void group(const uint8_t* const* rows, int64_t nb, int64_t j, int64_t count, const int8_t* const* x,
-                    rows8::I d[][8][1], rows8::F s0[8], rows8::F s1[8]) {
-    using namespace rows8;
-    I d2[4], m2[4];
-    transpose8(rows, nb * T::part_offset(T::kScalePart) + 2 * j, d2);
-    if constexpr (T::kId == Q5_1::kId) transpose8(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
-    for (int e = 0; e < 8; ++e) {
-      s0[e] = e % 2 ? half_hi(d2[e / 2]) : half_lo(d2[e / 2]);
-      if constexpr (T::kId == Q5_1::kId) {  // d q + m = d (q - 16) + (m + 16 d)
-        const F m = e % 2 ? half_hi(m2[e / 2]) : half_lo(m2[e / 2]);
-        s1[e] = _mm256_add_ps(m, _mm256_mul_ps(_mm256_set1_ps(16.0f), s0[e]));
-      }
-    }
-    const int64_t q_off = nb * T::part_offset(T::kQuantPart);
-    const I pick_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const I pick_hi = _mm256_add_epi8(pick_lo, _mm256_set1_epi8(2));
-    for (int64_t u = 0; u < count; u += 2) {
-      const bool both = u + 1 < count;
-      I xlo[NT], xhi[NT], h[NT][4];
-      for (int t = 0; t < NT; ++t) {
-        const I xa = load(x[t] + 32 * u), xb = both ? load(x[t] + 32 * u + 32) : _mm256_setzero_si256();
-        xlo[t] = _mm256_permute2x128_si256(xa, xb, 0x20);
-        xhi[t] = _mm256_permute2x128_si256(xa, xb, 0x31);
-      }
-      auto weights = [&](const uint8_t* row, I& lo, I& hi) {
-        const uint8_t* qa = row + q_off + 20 * (j + u);
-        const __m128i qs_a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa + 4));
-        const __m128i qs_b = both ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa + 24)) : _mm_setzero_si128();
-        int32_t ha, hb = 0;
-        std::memcpy(&ha, qa, 4);
-        if (both) std::memcpy(&hb, qa + 20, 4);
-        const I qs = _mm256_inserti128_si256(_mm256_castsi128_si256(qs_a), qs_b, 1);
-        const I qh = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_cvtsi32_si128(ha)), _mm_cvtsi32_si128(hb), 1);
-        lo = _mm256_or_si256(nibbles_lo(qs), high(qh, pick_lo));
-        hi = _mm256_or_si256(nibbles_hi(qs), high(qh, pick_hi));
-      };
-      for (int r = 0; r < 8; r += 2) {
-        I l0, h0, l1, h1;
-        weights(rows[r], l0, h0);
-        weights(rows[r + 1], l1, h1);
-        for (int t = 0; t < NT; ++t) h[t][r / 2] = pair(dot2(l0, xlo[t], h0, xhi[t]), dot2(l1, xlo[t], h1, xhi[t]));
-      }
-      for (int t = 0; t < NT; ++t) fold2(h[t], d[t][u][0], d[t][u + 1][0]);
-    }
-  }
-};
-template <>
-struct RowDots<Q5_0> : RowDots5<Q5_0> {};
-template <>
-struct RowDots<Q5_1> : RowDots5<Q5_1> {};
 
 // Q4_K, Q5_K: chunk c of a super-block's quants (32 bytes) is unit 2 c in its low nibbles, 2 c +
 // 1 in its high ones, each in value order (Q5_K: qh byte i's bits 2 c, 2 c + 1 above value i);
@@ -238,21 +207,9 @@ struct RowDotsK45 {
     using namespace rows8;
     const int64_t base = (j / 8) * T::kBlockBytes;
     constexpr int q0 = Tile<T>::kQuants;
-    const I low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f), top2 = _mm256_set1_epi32(0x30303030);
     I h[4];
     transpose8(rows, base, h);
-    const F dd = half_lo(h[0]), dmin = half_hi(h[0]);
-    const I sc_lo = _mm256_and_si256(h[1], low6), m_lo = _mm256_and_si256(h[2], low6);
-    const I sc_hi = _mm256_or_si256(_mm256_and_si256(h[3], low4), _mm256_and_si256(_mm256_srli_epi32(h[1], 2), top2));
-    const I m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(h[3], 4), low4), _mm256_and_si256(_mm256_srli_epi32(h[2], 2), top2));
-    const F sc[8] = {rows8::byte_u<0>(sc_lo), rows8::byte_u<1>(sc_lo), rows8::byte_u<2>(sc_lo), rows8::byte_u<3>(sc_lo),
-                     rows8::byte_u<0>(sc_hi), rows8::byte_u<1>(sc_hi), rows8::byte_u<2>(sc_hi), rows8::byte_u<3>(sc_hi)};
-    const F mn[8] = {rows8::byte_u<0>(m_lo), rows8::byte_u<1>(m_lo), rows8::byte_u<2>(m_lo), rows8::byte_u<3>(m_lo),
-                     rows8::byte_u<0>(m_hi), rows8::byte_u<1>(m_hi), rows8::byte_u<2>(m_hi), rows8::byte_u<3>(m_hi)};
-    for (int sub = 0; sub < 8; ++sub) {
-      s0[sub] = _mm256_mul_ps(dd, sc[sub]);
-      s1[sub] = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(kHigh ? 16.0f : 8.0f), s0[sub]), _mm256_mul_ps(dmin, mn[sub]));
-    }
+    Tile<T>::scales(h, s0, s1);
     for (int c = 0; c < 4; ++c) {
       I xa[NT], xb[NT], ha[NT][4], hb[NT][4];
       for (int t = 0; t < NT; ++t) {

@@ -25,20 +25,44 @@ inline void q4_unit(const TI q[4], TI* u) {
   }
 }
 
-// Q4_0, Q4_1, Q8_0: groups of 8 blocks (16 bytes of fp16 scales a row, one transpose); a
-// scale's 16 bytes may run past its part into the next one of the same row (only the first
-// nb - j of them are used)
+// The 32-weight types' shared facts. Q5_0, Q5_1: value i of a block is the nibble of quant
+// byte i % 16 (low for i < 16) with bit i of the 4 qh bytes above it (0..31), a unit 20 bytes.
+// Units keep q with zero point z = 8 (Q4) or 16 (Q5: ActI8's -8 sum taken twice); the types
+// with a minimum: d q + m = d (q - z) + (m + z d).
+// Measured for Q5 (gemma3-1b Q4_K_M shape, whose K = 1152 projections llama.cpp stores as
+// Q5_0): prefill 1k was 0.73x llama.cpp while these types took int16 rows three at a time.
+template <class T>
+struct Block32 {
+  static constexpr bool kFive = T::kId == Q5_0::kId || T::kId == Q5_1::kId;
+  static constexpr bool kMin = T::kId == Q4_1::kId || T::kId == Q5_1::kId;
+  static constexpr float kZero = kFive ? 16.0f : 8.0f;
+};
+
+// Q5's high bits into a unit's 8 vectors: vector K byte b <- qh bit 4 K + b, at bit 4. (x & 15)
+// * 0x02040810 puts bit b of x at 8 b + 4 (and copies at bits that never meet one another: no
+// carries), the mask keeps those. Strips and AVX-512 unit lanes alike (lanes = rows or units).
+template <int K = 0>
+inline void add_q5_high(TI qh, TI* u) {
+  using V = TileIsa;
+  const TI x = V::and_(V::srli<4 * K>(qh), V::set1(15));
+  u[K] = V::or_(u[K], V::and_(V::mullo(x, V::set1(0x02040810)), V::set1(0x10101010)));
+  if constexpr (K < 7) add_q5_high<K + 1>(qh, u);
+}
+
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: groups of 8 blocks (16 bytes of fp16 scales a row, one
+// transpose); a scale's 16 bytes may run past its part into the next one of the same row (only
+// the first nb - j of them are used)
 template <class T>
 struct Tile32 {
   static constexpr bool kHas = true, kUnitLanes = true, kRowLanes = true;
-  static constexpr int kHalves = 1, kBiasTimes = 1;
+  static constexpr int kHalves = 1, kBiasTimes = Block32<T>::kFive ? 2 : 1;
   static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
     using V = TileIsa;
     const int64_t d_off = nb * T::part_offset(T::kScalePart), q_off = nb * T::part_offset(T::kQuantPart);
     for (int64_t j = 0; j < nb; j += 8) {
       TI d2[4], m2[4];
       V::transpose(rows, d_off + 2 * j, d2);
-      if constexpr (T::kId == Q4_1::kId) V::transpose(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
+      if constexpr (Block32<T>::kMin) V::transpose(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
       for (int64_t e = 0; e < std::min<int64_t>(8, nb - j); ++e) {
         TI* u = buf + (j + e) * kUnitVecs;
         const TF d = e % 2 ? V::half_hi(d2[e / 2]) : V::half_lo(d2[e / 2]);
@@ -52,14 +76,20 @@ struct Tile32 {
             u[k] = V::xor_(q[k], flip);
             u[4 + k] = V::xor_(r[k], flip);
           }
+        } else if constexpr (Block32<T>::kFive) {
+          TI h[4];
+          V::transpose(rows, q_off + 20 * (j + e), h);  // h[0]: each row's 4 qh bytes
+          V::transpose(rows, q_off + 20 * (j + e) + 4, q);
+          q4_unit(q, u);
+          add_q5_high(h[0], u);
         } else {
           V::transpose(rows, q_off + 16 * (j + e), q);
           q4_unit(q, u);
         }
         u[8] = V::as_i(d);
-        if constexpr (T::kId == Q4_1::kId) {  // d q + m = d (q - 8) + (m + 8 d)
+        if constexpr (Block32<T>::kMin) {
           const TF m = e % 2 ? V::half_hi(m2[e / 2]) : V::half_lo(m2[e / 2]);
-          u[9] = V::as_i(V::add(m, V::mul(V::setf(8.0f), d)));
+          u[9] = V::as_i(V::add(m, V::mul(V::setf(Block32<T>::kZero), d)));
         } else {
           u[9] = V::as_i(V::zerof());
         }
@@ -84,60 +114,16 @@ struct Tile<Q8_0> : Tile32<Q8_0> {
   static constexpr int kBias = kSigned ? -1 : 3;
 };
 
-// Q5_0, Q5_1: value i of a block is the nibble of quant byte i % 16 (low for i < 16) with bit i
-// of the 4 qh bytes above it, 0..31. Weight d (q - 16), or for Q5_1 d q + m = d (q - 16) +
-// (m + 16 d): units keep q with z = 16, ActI8's -8 sum taken twice. Decode rows: unit lanes on
-// AVX-512 (tiles_units.h), row lanes on AVX2 (tiles_decode.h).
-// Measured (gemma3-1b Q4_K_M shape, whose K = 1152 projections llama.cpp stores as Q5_0):
-// prefill 1k was 0.73x llama.cpp while these types took int16 rows three tokens at a time.
-template <class T>
-struct Tile5 {
-  static constexpr bool kHas = true, kUnitLanes = true, kRowLanes = true, kSigned = false;
-  static constexpr bool kOffset = T::kId == Q5_1::kId;
-  static constexpr int kHalves = 1, kBias = 0, kBiasTimes = 2;
-  // unit vector K byte b <- qh bit 4 K + b, at bit 4: (x & 15) * 0x02040810 puts bit b of x at
-  // 8 b + 4 (and copies at bits that never meet one another: no carries), the mask keeps those
-  template <int K>
-  static TI high_bits(TI qh) {
-    using V = TileIsa;
-    const TI x = V::and_(V::srli<4 * K>(qh), V::set1(15));
-    return V::and_(V::mullo(x, V::set1(0x02040810)), V::set1(0x10101010));
-  }
-  template <int K>
-  static void add_high(TI qh, TI* u) {
-    u[K] = TileIsa::or_(u[K], high_bits<K>(qh));
-    if constexpr (K < 7) add_high<K + 1>(qh, u);
-  }
-  static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
-    using V = TileIsa;
-    const int64_t d_off = nb * T::part_offset(T::kScalePart), q_off = nb * T::part_offset(T::kQuantPart);
-    for (int64_t j = 0; j < nb; j += 8) {
-      TI d2[4], m2[4];
-      V::transpose(rows, d_off + 2 * j, d2);
-      if constexpr (kOffset) V::transpose(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
-      for (int64_t e = 0; e < std::min<int64_t>(8, nb - j); ++e) {
-        TI* u = buf + (j + e) * kUnitVecs;
-        const TF d = e % 2 ? V::half_hi(d2[e / 2]) : V::half_lo(d2[e / 2]);
-        TI h[4], q[4];
-        V::transpose(rows, q_off + 20 * (j + e), h);  // h[0]: each row's 4 qh bytes
-        V::transpose(rows, q_off + 20 * (j + e) + 4, q);
-        q4_unit(q, u);
-        add_high<0>(h[0], u);
-        u[8] = V::as_i(d);
-        if constexpr (kOffset) {
-          const TF m = e % 2 ? V::half_hi(m2[e / 2]) : V::half_lo(m2[e / 2]);
-          u[9] = V::as_i(V::add(m, V::mul(V::setf(16.0f), d)));
-        } else {
-          u[9] = V::as_i(V::zerof());
-        }
-      }
-    }
-  }
+template <>
+struct Tile<Q5_0> : Tile32<Q5_0> {
+  static constexpr bool kOffset = false, kSigned = false;
+  static constexpr int kBias = 0;
 };
 template <>
-struct Tile<Q5_0> : Tile5<Q5_0> {};
-template <>
-struct Tile<Q5_1> : Tile5<Q5_1> {};
+struct Tile<Q5_1> : Tile32<Q5_1> {
+  static constexpr bool kOffset = true, kSigned = false;
+  static constexpr int kBias = 0;
+};
 
 // byte b of each dword as a float (unsigned / signed)
 template <int B>
@@ -162,9 +148,27 @@ struct TileK45 {
   static constexpr bool kHas = true, kOffset = true, kSigned = false, kUnitLanes = true, kRowLanes = true;
   static constexpr int kHalves = 1, kBias = 0, kBiasTimes = kHigh ? 2 : 1;
   static constexpr int kQuants = kHigh ? 48 : 16;  // where a block's nibbles start
-  static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
+  // the 8 sub-blocks' d sc and z d sc - dmin m, lanes = rows, from the transposed first 16
+  // bytes of a block (the AVX2 row lanes take them from here too)
+  static void scales(const TI h[4], TF s0[8], TF s1[8]) {
     using V = TileIsa;
     const TI low6 = V::set1(0x3f3f3f3f), low4 = V::set1(0x0f0f0f0f), top2 = V::set1(0x30303030);
+    const TF d = V::half_lo(h[0]), dmin = V::half_hi(h[0]);
+    const TI sc_lo = V::and_(h[1], low6), m_lo = V::and_(h[2], low6);
+    const TI sc_hi = V::or_(V::and_(h[3], low4), V::and_(V::srli<2>(h[1]), top2));
+    const TI m_hi = V::or_(V::and_(V::srli<4>(h[3]), low4), V::and_(V::srli<2>(h[2]), top2));
+    const TF sc[8] = {byte_u<0>(sc_lo), byte_u<1>(sc_lo), byte_u<2>(sc_lo), byte_u<3>(sc_lo),
+                      byte_u<0>(sc_hi), byte_u<1>(sc_hi), byte_u<2>(sc_hi), byte_u<3>(sc_hi)};
+    const TF mn[8] = {byte_u<0>(m_lo), byte_u<1>(m_lo), byte_u<2>(m_lo), byte_u<3>(m_lo),
+                      byte_u<0>(m_hi), byte_u<1>(m_hi), byte_u<2>(m_hi), byte_u<3>(m_hi)};
+    for (int sub = 0; sub < 8; ++sub) {
+      s0[sub] = V::mul(d, sc[sub]);
+      s1[sub] = V::sub(V::mul(V::setf(kHigh ? 16.0f : 8.0f), s0[sub]), V::mul(dmin, mn[sub]));
+    }
+  }
+  static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
+    using V = TileIsa;
+    const TI low4 = V::set1(0x0f0f0f0f);
     for (int64_t s = 0; s < nb; ++s) {
       const int64_t base = s * T::kBlockBytes;
       TI h[4], hq[8];
@@ -173,14 +177,8 @@ struct TileK45 {
         V::transpose(rows, base + 16, hq);
         V::transpose(rows, base + 32, hq + 4);
       }
-      const TF d = V::half_lo(h[0]), dmin = V::half_hi(h[0]);
-      const TI sc_lo = V::and_(h[1], low6), m_lo = V::and_(h[2], low6);
-      const TI sc_hi = V::or_(V::and_(h[3], low4), V::and_(V::srli<2>(h[1]), top2));
-      const TI m_hi = V::or_(V::and_(V::srli<4>(h[3]), low4), V::and_(V::srli<2>(h[2]), top2));
-      TF sc[8] = {byte_u<0>(sc_lo), byte_u<1>(sc_lo), byte_u<2>(sc_lo), byte_u<3>(sc_lo),
-                  byte_u<0>(sc_hi), byte_u<1>(sc_hi), byte_u<2>(sc_hi), byte_u<3>(sc_hi)};
-      TF mn[8] = {byte_u<0>(m_lo), byte_u<1>(m_lo), byte_u<2>(m_lo), byte_u<3>(m_lo),
-                  byte_u<0>(m_hi), byte_u<1>(m_hi), byte_u<2>(m_hi), byte_u<3>(m_hi)};
+      TF s0[8], s1[8];
+      scales(h, s0, s1);
       for (int c = 0; c < 4; ++c) {
         TI q[8];
         V::transpose(rows, base + kQuants + 32 * c, q);
@@ -192,9 +190,8 @@ struct TileK45 {
             u[k] = V::and_(half ? V::srli<4>(q[k]) : q[k], low4);
             if constexpr (kHigh) u[k] = V::or_(u[k], V::and_(V::slli<4>(V::srl(hq[k], sub)), V::set1(0x10101010)));
           }
-          const TF ds = V::mul(d, sc[sub]);
-          u[8] = V::as_i(ds);
-          u[9] = V::as_i(V::sub(V::mul(V::setf(kHigh ? 16.0f : 8.0f), ds), V::mul(dmin, mn[sub])));
+          u[8] = V::as_i(s0[sub]);
+          u[9] = V::as_i(s1[sub]);
         }
       }
     }

@@ -89,9 +89,9 @@ struct UnitLanes32 {
     const int64_t j = 16 * g;
     const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(count), row + nb * T::part_offset(T::kScalePart) + 2 * j));
     s0 = d;
-    if constexpr (T::kId == Q4_1::kId) {
+    if constexpr (Block32<T>::kMin) {
       const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(count), row + nb * T::part_offset(T::kMinPart) + 2 * j));
-      s1 = V::add(m, V::mul(V::setf(8.0f), d));
+      s1 = V::add(m, V::mul(V::setf(Block32<T>::kZero), d));
     } else {
       s1 = _mm512_setzero_ps();
     }
@@ -107,6 +107,29 @@ struct UnitLanes32 {
         const __m512i lo = dwords_from_pairs(z[0], z[1], z[4], z[5], idx), hi = dwords_from_pairs(z[2], z[3], z[6], z[7], idx);
         W[k] = _mm512_xor_si512(_mm512_mask_blend_epi32(0xf0f0, lo, hi), flip);
       }
+    } else if constexpr (Block32<T>::kFive) {
+      // 20 bytes a unit, dwords 5 u (qh) .. 5 u + 4 (nibbles): dwords 0-79 of the group in five
+      // vectors, lane u of a pick takes dword 5 u + c from the first two, the next two or the
+      // last one (vpgatherdd measured slower than the strips: gemma3-1b 43.7 vs 47.0 tok/s)
+      __m512i z[5];
+      for (int i = 0; i < 5; ++i)
+        z[i] = _mm512_maskz_loadu_epi32(first_lanes(std::clamp<int64_t>(5 * count - 16 * i, 0, 16)), q + 20 * j + 64 * i);
+      const __m512i five = _mm512_mullo_epi32(lane, _mm512_set1_epi32(5));
+      auto pick = [&](int c) {
+        const __m512i idx = _mm512_add_epi32(five, _mm512_set1_epi32(c));
+        const __m512i a = _mm512_permutex2var_epi32(z[0], idx, z[1]), b = _mm512_permutex2var_epi32(z[2], idx, z[3]);
+        const __m512i e = _mm512_permutexvar_epi32(idx, z[4]);
+        const __mmask16 in_b = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(32));
+        const __mmask16 in_e = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(64));
+        return _mm512_mask_blend_epi32(in_e, _mm512_mask_blend_epi32(in_b, a, b), e);
+      };
+      const __m512i low = _mm512_set1_epi32(0x0f0f0f0f);
+      for (int k = 0; k < 4; ++k) {
+        const __m512i v = pick(1 + k);
+        W[k] = _mm512_and_si512(v, low);
+        W[4 + k] = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
+      }
+      add_q5_high(pick(0), W);
     } else {  // 16 bytes a unit: 4 vectors of 4 units
       __m512i z[4];
       for (int i = 0; i < 4; ++i)
@@ -127,51 +150,11 @@ template <>
 struct UnitLanes<Q4_1> : UnitLanes32<Q4_1> {};
 template <>
 struct UnitLanes<Q8_0> : UnitLanes32<Q8_0> {};
+template <>
+struct UnitLanes<Q5_0> : UnitLanes32<Q5_0> {};
+template <>
+struct UnitLanes<Q5_1> : UnitLanes32<Q5_1> {};
 
-// Q5_0, Q5_1: unit u's 20 quant bytes are dwords 5 u (qh) .. 5 u + 4 (nibbles), picked by
-// lane from five loads (vpgatherdd measured slower than the strips: gemma3-1b 43.7 vs 47.0
-// tok/s); the high bits as Tile5's (the same multiply)
-template <class T>
-struct UnitLanes5 {
-  static void group(const uint8_t* row, int64_t nb, int64_t g, int64_t count, __m512i W[8], __m512& s0, __m512& s1) {
-    using V = TileIsa;
-    const int64_t j = 16 * g;
-    const __mmask16 live = first_lanes(count);
-    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, row + nb * T::part_offset(T::kScalePart) + 2 * j));
-    s0 = d;
-    if constexpr (T::kId == Q5_1::kId) {
-      const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, row + nb * T::part_offset(T::kMinPart) + 2 * j));
-      s1 = V::add(m, V::mul(V::setf(16.0f), d));
-    } else {
-      s1 = _mm512_setzero_ps();
-    }
-    const uint8_t* q = row + nb * T::part_offset(T::kQuantPart) + 20 * j;
-    // dwords 0-79 of the group in five vectors (the last ones masked where count < 16); lane u
-    // of a pick takes dword 5 u + c from the first two, the next two or the last one
-    __m512i z[5];
-    for (int i = 0; i < 5; ++i)
-      z[i] = _mm512_maskz_loadu_epi32(first_lanes(std::clamp<int64_t>(5 * count - 16 * i, 0, 16)), q + 64 * i);
-    const __m512i five = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(5));
-    auto gather = [&](int c) {
-      const __m512i idx = _mm512_add_epi32(five, _mm512_set1_epi32(c));
-      const __m512i a = _mm512_permutex2var_epi32(z[0], idx, z[1]), b = _mm512_permutex2var_epi32(z[2], idx, z[3]);
-      const __m512i e = _mm512_permutexvar_epi32(idx, z[4]);
-      const __mmask16 in_b = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(32)), in_e = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(64));
-      return _mm512_mask_blend_epi32(in_e, _mm512_mask_blend_epi32(in_b, a, b), e);
-    };
-    const __m512i qh = gather(0), low = _mm512_set1_epi32(0x0f0f0f0f);
-    for (int k = 0; k < 4; ++k) {
-      const __m512i v = gather(1 + k);
-      W[k] = _mm512_and_si512(v, low);
-      W[4 + k] = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
-    }
-    Tile5<T>::template add_high<0>(qh, W);
-  }
-};
-template <>
-struct UnitLanes<Q5_0> : UnitLanes5<Q5_0> {};
-template <>
-struct UnitLanes<Q5_1> : UnitLanes5<Q5_1> {};
 
 // Q4_K, Q5_K: a group is two super-blocks (the second absent where count is 8); Q5_K's high
 // bits: lane u takes qh dword k of its super-block, bit u % 8 of each byte
