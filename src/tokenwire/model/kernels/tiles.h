@@ -280,8 +280,7 @@ constexpr int kUnitVecs = 10;
 // two 16-weight halves, each its own scale), kOffset (an offset times the exact block sums),
 // kBias (which of ActI8's integer sums starts the dot: 0 z = 8, 1 z = 32 by halves, 3 z = 128,
 // -1 none) and kBiasTimes (that sum taken twice: Q5's z = 16), kSigned (weights signed: Q8_0 on
-// AVX2), kUnitLanes / kRowLanes (decode rows have tiles_units.h's AVX-512 / tiles_decode.h's
-// AVX2 lanes; else the strips run them too) and convert(rows, nb, buf).
+// AVX2), and convert(rows, nb, buf).
 template <class T>
 struct Tile {
   static constexpr bool kHas = false;

@@ -365,11 +365,9 @@ template <class T>
 void tiled_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
                   float* out, int64_t N) {
 #ifdef TW_AVX512
-  if constexpr (Tile<T>::kUnitLanes)
-    if (M < kUnitTokens) return unit_matmul<T>(a, M, K, w, n0, n1, out, N);
+  if (M < kUnitTokens) return unit_matmul<T>(a, M, K, w, n0, n1, out, N);
 #else
-  if constexpr (Tile<T>::kRowLanes)
-    if (M < kDecodeTokens) return row_matmul<T>(a, M, K, w, n0, n1, out, N);
+  if (M < kDecodeTokens) return row_matmul<T>(a, M, K, w, n0, n1, out, N);
 #endif
   tile_matmul<T>(a, M, K, w, n0, n1, out, N);
 }

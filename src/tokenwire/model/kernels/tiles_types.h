@@ -54,7 +54,7 @@ inline void add_q5_high(TI qh, TI* u) {
 // the first nb - j of them are used)
 template <class T>
 struct Tile32 {
-  static constexpr bool kHas = true, kUnitLanes = true, kRowLanes = true;
+  static constexpr bool kHas = true;
   static constexpr int kHalves = 1, kBiasTimes = Block32<T>::kFive ? 2 : 1;
   static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
     using V = TileIsa;
@@ -145,7 +145,7 @@ inline TF byte_s(TI v) {
 // dmin m are exact in fp32 (11- by 6-bit), the offset rounds once.
 template <class T, bool kHigh>
 struct TileK45 {
-  static constexpr bool kHas = true, kOffset = true, kSigned = false, kUnitLanes = true, kRowLanes = true;
+  static constexpr bool kHas = true, kOffset = true, kSigned = false;
   static constexpr int kHalves = 1, kBias = 0, kBiasTimes = kHigh ? 2 : 1;
   static constexpr int kQuants = kHigh ? 48 : 16;  // where a block's nibbles start
   // the 8 sub-blocks' d sc and z d sc - dmin m, lanes = rows, from the transposed first 16
@@ -208,7 +208,7 @@ struct Tile<Q5_K> : TileK45<Q5_K, true> {};
 // d * scale (exact) as the two float vectors.
 template <>
 struct Tile<Q6_K> {
-  static constexpr bool kHas = true, kOffset = false, kSigned = false, kUnitLanes = true, kRowLanes = true;
+  static constexpr bool kHas = true, kOffset = false, kSigned = false;
   static constexpr int kHalves = 2, kBias = 1, kBiasTimes = 1;
   static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
     using V = TileIsa;
