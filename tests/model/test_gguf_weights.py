@@ -19,7 +19,7 @@ from tokenwire.model.gguf import unpermute_rope_rows
 from tokenwire.model.gguf_weights import GgufWeights, UnsupportedWeightTypeError
 from tokenwire.model.layers.attention import DenseCausalAttention
 from tokenwire.model.loader import resolve_model
-from tokenwire.model.quant import QuantEmbedding, QuantLinear, StackedQuantLinear
+from tokenwire.model.quant import QuantEmbedding, QuantLinear, StackedQuantLinear, split_rows
 from tokenwire.model.weight_types import BY_NAME
 
 CPU = torch.device("cpu")
@@ -55,10 +55,10 @@ def test_quantised_tensors_keep_the_files_blocks(
     assert model.fusion_blocker is None  # stacked parts fuse, each in its own type
 
     by_name = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    q = BY_NAME["Q8_0"]  # q's rows: the file's bytes, un-permuted, split for the kernels
+    q = BY_NAME["Q8_0"]  # q's rows: the file's bytes, un-permuted, split (and laid out) for the kernels
     rows = unpermute_rope_rows(np.array(by_name["blk.0.attn_q.weight"].data), 2)
     q_part = attention.qkv.parts[0].packed[:128]
-    assert torch.equal(q_part, q.split_rows(torch.from_numpy(rows.copy())))
+    assert torch.equal(q_part, split_rows(torch.from_numpy(rows.copy()), q.gguf_id))
     # the model computes with the file's exact values: fp32 weights of the same file agree (with
     # fp32 activations: the exact comparison; int16 ones are bounded in test_quant.py)
     dense = load_model(source, "fp32", CPU, None)

@@ -154,7 +154,7 @@ def test_the_heads_wide_activations_are_finer_and_keep_a_rows_bits(wt: WeightTyp
 
 @pytest.mark.parametrize("wt", TILED, ids=lambda t: t.name)
 def test_decode_rows_have_the_strips_bits(wt: WeightType) -> None:
-    """Decode rows (M = 1, 2, 3: tiles_decode.h's 8-row lanes, folding each row's partial dots)
+    """Decode rows (M = 1, 2, 3: each unit multiplied as it is converted, tiles.h's decode_tokens)
     against the strips (M >= 4) on the same rows: the same bits, with K an odd number of units
     that is not a multiple of 8 (the 32-weight types' last group short, its last unit alone in
     a two-unit load) and 45 weight rows (a short last strip of 8 and of 16)."""

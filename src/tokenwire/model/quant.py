@@ -6,7 +6,9 @@ in_features / block * block_bytes], one row of blocks per output feature, exactl
 conversion cache hold. In memory, QuantLinear and QuantEmbedding keep each row split
 (`split_rows`: the row's scales, then its minimums, then its quants; the same bytes), the form
 our kernels read: the decode matvec converts and applies eight blocks' scales at once (the
-K-quants keep their 256-weight super-blocks as the file has them: a one-part layout).
+K-quants keep their 256-weight super-blocks as the file has them: a one-part layout). A tiled
+type's matrix (kernels/tiles.h) is then laid out: its rows dword-interleaved by groups of 16
+(AVX2: 8), the same bytes (`lay_out`), so decode reads a strip as it lies.
 Nothing is re-quantised: the kernels dequantise bit-exactly as gguf's reference dequantiser
 does, and a GGUF holding a type they do not run is refused at load (gguf_weights.py). A fused
 projection whose parts come in different types (q/k/v of a K-quant mix) is a StackedQuantLinear,
@@ -101,8 +103,21 @@ def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def split_rows(packed: torch.Tensor, qtype: int) -> torch.Tensor:
-    """GGUF blocks [N, nb * block_bytes] -> the kernels' row form (the type's split layout)."""
-    return weight_type(qtype).split_rows(packed)
+    """GGUF blocks [N, nb * block_bytes] -> the kernels' row form (the type's split layout,
+    laid out where the kernels read it so: `lay_out`)."""
+    kind = weight_type(qtype)
+    split = kind.split_rows(packed)
+    if split.dim() == 2 and split.shape[1] % kind.block_bytes == 0:
+        lay_out(split, qtype, split.shape[1] // kind.block_bytes * kind.block)
+    return split
+
+
+def lay_out(split: torch.Tensor, qtype: int, in_features: int) -> bool:
+    """Split rows -> the kernels' laid-out form, in place, where they read this matrix so (a
+    tiled type's matrix of whole 16- or 8-row groups: kernels/tiles.h says why); True if so.
+    Every holder of split rows calls it once: the kernels tell the two forms apart by the
+    matrix's shape and type alone."""
+    return bool(_ops().lay_out(split, qtype, in_features))
 
 
 def _dequantize_split(

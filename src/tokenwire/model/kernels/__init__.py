@@ -71,7 +71,7 @@ def compiler_flags() -> list[str]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
         if "avx_vnni" in cpu:  # vpdpwssd: the integer dots' multiply and add in one (blocks.h)
             flags.append("-mavxvnni")
-        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu:  # tiles.h / tiles_decode.h: vpdpbusd
+        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu:  # tiles.h: vpdpbusd
             flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
     return flags
 

@@ -16,7 +16,7 @@
 #include <immintrin.h>
 #define TW_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define TW_AVX512 1  // tiles.h, tiles_decode.h
+#define TW_AVX512 1  // tiles.h
 #endif
 #endif
 

@@ -87,7 +87,8 @@ void matvec_rows(const float* x, const QuantizedActivations* qa, int64_t M, int6
   const TypeRow& type = type_row(qtype);
   if (qa != nullptr) {
     TORCH_INTERNAL_ASSERT_DEBUG_ONLY(qa->format == type.act);  // callers quantise for this row
-    if (M <= kGroupRows || type.any_rows) return type.matmul_small_i16(*qa, M, K, wp, n0, n1, out, N);
+    if (type.tiled) return type.tiled(*qa, M, K, wp, n0, n1, out, N, is_laid(type, w.size(0), K));
+    if (M <= kGroupRows) return type.matmul_small_i16(*qa, M, K, wp, n0, n1, out, N);
     // More rows: groups of kGroupRows activation rows over chunks of kChunkRows weight rows
     // (kept in L2 while every group passes). A type's integer loop sums each (weight row,
     // activation row) in an order that does not depend on how many activation rows it is
@@ -103,8 +104,11 @@ void matvec_rows(const float* x, const QuantizedActivations* qa, int64_t M, int6
     }
     return;
   }
-  if (M < 4) type.matmul_small(x, M, K, wp, n0, n1, out, N);
-  else matmul_tiled(x, M, K, wp, type, n0, n1, out, N);
+  // fp32 activations (integer ones switched off): laid-out rows are read back as split rows
+  thread_local std::vector<uint8_t> scratch;
+  const uint8_t* rows = split_rows_of(wp, type, w.size(0), K, n0, n1, scratch);
+  if (M < 4) type.matmul_small(x, M, K, rows, 0, n1 - n0, out + n0, N);
+  else matmul_tiled(x, M, K, rows, type, 0, n1 - n0, out + n0, N);
 }
 
 }  // namespace tw

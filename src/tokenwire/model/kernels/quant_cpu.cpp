@@ -102,13 +102,35 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, const at::T
   const int64_t row_bytes = w.size(1), N = w.size(0);
   const TypeRow& type = type_row(qtype);
   at::parallel_for(0, R, 64, [&](int64_t a, int64_t b) {
+    std::vector<uint8_t> scratch;
     for (int64_t r = a; r < b; ++r) {
       const int64_t src = ip ? ip[r] : r;
       TORCH_CHECK(src >= 0 && src < N, "row ", src, " out of range for ", N, " rows");
-      type.dequant_row(wp + src * row_bytes, K / type.block, op + r * K);
+      type.dequant_row(split_rows_of(wp, type, N, K, src, src + 1, scratch), K / type.block, op + r * K);
     }
   });
   return out;
+}
+
+// Split rows -> the laid-out form (tiles.h), in place, where is_laid says the kernels read this
+// matrix so (then true; false leaves it as it is). The model's loader calls it once per weight.
+bool lay_out(at::Tensor w, int64_t qtype, int64_t K) {
+  check_weight(w, qtype, K);
+  const TypeRow& type = type_row(qtype);
+  const int64_t N = w.size(0), row_bytes = w.size(1);
+  if (!is_laid(type, N, K)) return false;
+#ifdef TW_AVX2
+  uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t group = kTileRows * row_bytes;
+  at::parallel_for(0, N / kTileRows, 16, [&](int64_t a, int64_t b) {
+    std::vector<uint8_t> rows(group), image(group);
+    for (int64_t g = a; g < b; ++g) {
+      std::memcpy(rows.data(), wp + g * group, group);
+      type.lay_out_group(rows.data(), K / type.block, row_bytes, image.data(), wp + g * group);
+    }
+  });
+#endif
+  return true;
 }
 
 // Per row of logits [R, V]: the max, its first index and, where want_lse[r], the logsumexp, on
@@ -316,6 +338,7 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("barrier_probe(int participants, int rounds, float sleep_ms) -> Tensor");
   m.def("qmatmul(Tensor x, Tensor w, int qtype, bool int16_rows=False, bool wide=False) -> Tensor");
   m.def("dequantize(Tensor w, int qtype, int k, Tensor rows) -> Tensor");
+  m.def("lay_out(Tensor(a!) w, int qtype, int k) -> bool");
   m.def("weight_type_ids() -> int[]");
   m.def("weight_type_info(int id) -> (str, str, int[])");
 }
@@ -323,6 +346,7 @@ TORCH_LIBRARY(tokenwire, m) {
 TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("qmatmul", &qmatmul);
   m.impl("dequantize", &dequantize);
+  m.impl("lay_out", &lay_out);
   m.impl("row_stats", &row_stats);
   m.impl("paged_attention", &paged_attention_op);
   m.impl("kv_store", &kv_store_op);

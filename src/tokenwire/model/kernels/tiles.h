@@ -1,15 +1,18 @@
-// The register-tiled integer matmul of the common types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), for any
-// number of activation rows, decode included: ONE arithmetic per type whatever M is.
+// The register-tiled integer matmul of the tiled types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+// Q5_K, Q6_K), for any number of activation rows, decode included: ONE arithmetic per type
+// whatever M is.
 //
 // Activations: int8, one scale per 32 values (round to nearest, scale = max|x| / 127), with each
-// block's exact fp32 sum and its integer sums (ActI8, one format for the five types). Weights:
-// each thread converts a strip of kTileRows weight rows (16 with AVX-512, 8 with AVX2) into an
-// L1/L2 buffer (tiles_types.h): per 32-weight unit, 8 vectors whose dword lane r holds 4
-// consecutive unsigned weights of row r, and two vectors of per-row floats (scale, offset). The
-// micro-kernel then multiplies the buffer by up to kTileTokens activation rows at once: per
-// token one accumulator whose lanes are the strip's rows (no horizontal sums), 4 activation
-// bytes broadcast per vpdpbusd (AVX2: vpmaddubsw, two summed in int16, then vpmaddwd), the
-// buffer shared by every token of the call.
+// block's exact fp32 sum and its integer sums (ActI8, one format for every tiled type). Weights:
+// kept laid out (LaidSrc below: the rows of a strip of kTileRows, 16 with AVX-512, 8 with AVX2,
+// dword-interleaved at load), and read a strip at a time through the type's conversion
+// (tiles_types.h): per 32-weight unit, 8 vectors whose dword lane r holds 4 consecutive unsigned
+// weights of row r, and two vectors of per-row floats (scale, offset). Many activation rows: the
+// strip is converted once into an L1/L2 buffer, and the micro-kernel multiplies it by up to
+// kTileTokens activation rows at once: per token one accumulator whose lanes are the strip's rows
+// (no horizontal sums), 4 activation bytes broadcast per vpdpbusd (AVX2: vpmaddubsw, two summed
+// in int16, then vpmaddwd), the buffer shared by every token of the call. Decode rows (M < 4):
+// each unit multiplied as it is converted, in registers (decode_tokens).
 //
 // Batch invariance: per (weight row, activation row) the sum is, unit after unit,
 //   acc = fma(float(idot_u), wscale_u * xscale_u, acc)   (Q6_K: its two 16-weight halves, one
@@ -25,21 +28,20 @@
 // the centring moved) multiply the exact fp32 block sums.
 //
 // Measured (Zen 5 EPYC VM, 2 threads, 8192x2048, GFLOP/s, min of calls; old = the int16 kernels
-// of the commit before, same sitting; the machine shared with other work):
-//                      M = 1          M = 32          M = 256
-//   AVX-512  Q4_0    72 -> 164      90 -> 424      187 -> 527
-//            Q4_1   130 -> 151     192 -> 477      153 -> 537
-//            Q8_0   121 ->  94     171 -> 398      167 -> 598
-//            Q4_K   116 -> 116     169 -> 380      190 -> 482
-//            Q6_K    98 ->  65     166 -> 372      201 -> 505
-//   AVX2     Q4_0   113 ->  90      88 -> 222       91 -> 268
-//            Q4_1   101 -> 108      96 -> 309      132 -> 318
-//            Q8_0   102 ->  56      99 -> 167      142 -> 177
-//            Q4_K   123 ->  82     145 -> 212      145 -> 219
-//            Q6_K    85 ->  52      94 -> 192       94 -> 230
-// (M = 1: the strips on AVX2, the unit lanes on AVX-512; decode rows, M < 4, now take
-// tiles_decode.h's row lanes on both builds, its header has their figures.) One core, M = 256:
-// 250-310 GFLOP/s.
+// of the commit before, same sitting; the machine shared with other work; split rows, before
+// the laid-out form):
+//                      M = 32          M = 256
+//   AVX-512  Q4_0     90 -> 424      187 -> 527
+//            Q4_1    192 -> 477      153 -> 537
+//            Q8_0    171 -> 398      167 -> 598
+//            Q4_K    169 -> 380      190 -> 482
+//            Q6_K    166 -> 372      201 -> 505
+//   AVX2     Q4_0     88 -> 222       91 -> 268
+//            Q4_1     96 -> 309      132 -> 318
+//            Q8_0     99 -> 167      142 -> 177
+//            Q4_K    145 -> 212      145 -> 219
+//            Q6_K     94 -> 192       94 -> 230
+// One core, M = 256: 250-310 GFLOP/s. Decode: LaidSrc's comment.
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
 #pragma once
 
@@ -135,7 +137,7 @@ inline void quantize_rows_i8_pair(const float* x, int64_t M, int64_t K, const Ac
 
 #ifdef TW_AVX2
 // 16 bytes at offset `off` of 8 rows -> out[k] lane r = dword k of row r: the AVX2 strips'
-// conversion step, and tiles_decode.h's row lanes' per-row scales (on either build)
+// conversion step
 inline void transpose8(const uint8_t* const* rows, int64_t off, __m256i out[4]) {
   using I = __m256i;
   I v[4];
@@ -180,6 +182,10 @@ struct TileIsa {
   static F as_f(I a) { return _mm512_castsi512_ps(a); }
   static I as_i(F a) { return _mm512_castps_si512(a); }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static I load(const I* p) { return _mm512_loadu_si512(p); }
+  static void store(I* p, I v) { _mm512_store_si512(p, v); }
+  static F halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   // the fp16 values in the low / high halves of each dword
   static F half_lo(I a) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(a)); }
   static F half_hi(I a) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16))); }
@@ -237,6 +243,10 @@ struct TileIsa {
   static F as_f(I a) { return _mm256_castsi256_ps(a); }
   static I as_i(F a) { return _mm256_castps_si256(a); }
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static I load(const I* p) { return _mm256_loadu_si256(p); }
+  static void store(I* p, I v) { _mm256_store_si256(p, v); }
+  static F halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F half_lo(I a) {  // the low halves (packus keeps 0..65535), lanes' order restored
     const I lo = _mm256_and_si256(a, _mm256_set1_epi32(0xffff));
     const I packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08);
@@ -286,72 +296,203 @@ struct Tile {
   static constexpr bool kHas = false;
 };
 
-// out[t][r] for tokens [m0, m0 + NT) against a strip's converted units
+// ---------------------------------------------------------------------------------------------
+// Where a strip's bytes come from. A type's convert (tiles_types.h) reads 16 bytes of every row
+// at a byte offset through src.get(off, out): out[k] lane r = dword off / 4 + k of row r.
+//   RowsSrc: the kernels' split rows, one pointer a row, transposed on the fly.
+//   LaidSrc: the laid-out form (lay_out below): a group of kTileRows rows stored dword-interleaved
+//            (dword c of row r at c * sizeof(TI) + 4 r), so the same read is 4 plain loads.
+// kImage: the rows are in their laid image (only Q6_K's differs from its split row: tiles_types.h).
+struct RowsSrc {
+  static constexpr bool kImage = false;
+  const uint8_t* const* rows;
+  void get(int64_t off, TI out[4]) const { TileIsa::transpose(rows, off, out); }
+};
+
+// How far ahead of each read a laid-out strip is prefetched: 2 threads, M = 1, 10 matrices of
+// 8192x2048 / 2048x8192 in turn, GB/s: none Q4_K 30-45 Q6_K 26-28, 4 KB 28-39 / 26-30, 8 KB
+// 35-45 / 30-32 (one sitting, the machine shared).
+constexpr int kLaidPrefetch = 8192;
+
+struct LaidSrc {
+  static constexpr bool kImage = true;
+  const uint8_t* group;  // the group's first byte
+  const uint8_t* tail;   // its rows' last row_bytes % 4 bytes, kTileRows of them (Q6_K's odd d)
+  bool ahead;            // prefetch along the reads (decode: the strips prefetch whole strips)
+  void get(int64_t off, TI out[4]) const {
+    const TI* p = reinterpret_cast<const TI*>(group) + off / 4;
+    if (ahead)
+      for (int k = 0; k < 4; ++k) _mm_prefetch(reinterpret_cast<const char*>(p + k) + kLaidPrefetch, _MM_HINT_T0);
+    for (int k = 0; k < 4; ++k) out[k] = TileIsa::load(p + k);
+  }
+  TF tail_halves() const { return TileIsa::halves(tail); }  // one fp16 a row
+};
+
+// The laid-out form of a tiled type's matrix: rows in groups of kTileRows, each group's row
+// images dword-interleaved, then their tails; the same bytes (Q6_K: the same bytes reordered),
+// so resident weights stay the file's size. Laid out where every read offset is a multiple of 4
+// (Tile<T>::laid) and the matrix's rows are whole groups; quant.lay_out does it at load. Why:
+// decode reads a strip as it lies, front to back, with no transposition and no buffer. Before
+// it, decode-only kernels read split rows (AVX-512: a row's units unpacked by permutes, results
+// transposed; AVX2: 8 rows' partial dots folded) at ~10 GB/s a core. Measured M = 1, ten
+// 8192x2048 matrices in turn (streamed from DRAM), GB/s of weights: Q4_K one core 11.2-11.9 ->
+// 23.8-25.6, two 19.7-20.5 -> 35-49; llama-1b Q4_K_M greedy decode AVX-512 28.6 -> 44-51 tok/s,
+// AVX2 build 24.4 -> 41.2 (docs/engine.md).
+inline int64_t laid_group_bytes(int64_t row_bytes) { return kTileRows * row_bytes; }
+
+inline LaidSrc laid_src(const uint8_t* w, int64_t row_bytes, int64_t group, bool ahead) {
+  const uint8_t* g = w + group * laid_group_bytes(row_bytes);
+  return {g, g + row_bytes / 4 * sizeof(TI), ahead};
+}
+
+// kTileRows split rows -> their group in the laid-out form (`image` scratch: kTileRows rows)
+template <class T>
+void lay_out_group(const uint8_t* rows, int64_t nb, int64_t row_bytes, uint8_t* image, uint8_t* out) {
+  for (int r = 0; r < kTileRows; ++r) Tile<T>::to_image(rows + r * row_bytes, nb, image + r * row_bytes);
+  const int64_t dwords = row_bytes / 4, rest = row_bytes % 4;
+  for (int64_t c = 0; c < dwords; ++c)
+    for (int r = 0; r < kTileRows; ++r) std::memcpy(out + (c * kTileRows + r) * 4, image + r * row_bytes + 4 * c, 4);
+  for (int r = 0; r < kTileRows; ++r) std::memcpy(out + dwords * kTileRows * 4 + r * rest, image + r * row_bytes + 4 * dwords, rest);
+}
+
+// row n of a laid-out matrix -> its split row
+template <class T>
+void laid_row(const uint8_t* w, int64_t nb, int64_t row_bytes, int64_t n, uint8_t* image, uint8_t* out) {
+  const uint8_t* g = w + n / kTileRows * laid_group_bytes(row_bytes);
+  const int64_t r = n % kTileRows, dwords = row_bytes / 4, rest = row_bytes % 4;
+  for (int64_t c = 0; c < dwords; ++c) std::memcpy(image + 4 * c, g + (c * kTileRows + r) * 4, 4);
+  std::memcpy(image + 4 * dwords, g + dwords * kTileRows * 4 + r * rest, rest);
+  Tile<T>::from_image(image, nb, out);
+}
+
+// The activation rows a step reads: tokens [m0, m0 + NT) of a
+struct TokenRows {
+  const int8_t* x;
+  int64_t xstride, nb;
+  const float *xs, *xsum;
+  const int32_t* bias;
+  TokenRows(const QuantizedActivations& a, int64_t m0)
+      : x(reinterpret_cast<const int8_t*>(a.q.data()) + m0 * a.stride * 2), xstride(a.stride * 2), nb(a.nb),
+        xs(a.scale.data() + m0 * a.nb), xsum(a.sum.data() + m0 * a.nb), bias(a.bias.data() + m0 * a.nb * ActI8::kBias) {}
+};
+
+// unit u (its kUnitVecs vectors at w) into NT tokens' accumulators: the one arithmetic of every
+// path (strips, laid-out decode)
 template <class T, int NT>
-void tile_tokens(const TI* buf, int64_t units, const QuantizedActivations& a, int64_t m0, float* res) {
+inline void unit_step(const TI* w, int64_t u, const TokenRows& x, TF acc[NT], TF off[NT]) {
   using V = TileIsa;
   using Tr = Tile<T>;
   constexpr int H = Tr::kHalves;
-  const int8_t* x0 = reinterpret_cast<const int8_t*>(a.q.data()) + m0 * a.stride * 2;
-  const int64_t xstride = a.stride * 2, nb = a.nb;
-  const float* xs0 = a.scale.data() + m0 * nb;
-  const float* xsum0 = a.sum.data() + m0 * nb;
-  const int32_t* bias0 = a.bias.data() + m0 * nb * ActI8::kBias;
-  TF acc[NT], off[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = off[t] = V::zerof();
-  for (int64_t u = 0; u < units; ++u) {
-    const TI* w = buf + u * kUnitVecs;
-    TI ia[NT][H];
+  TI ia[NT][H];
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t)
-      for (int h = 0; h < H; ++h) {
-        const int32_t* b = bias0 + (t * nb + u) * ActI8::kBias;
-        ia[t][h] = Tr::kBias < 0 ? V::set1(0) : V::set1(Tr::kBiasTimes * b[H == 2 ? 1 + h : Tr::kBias]);
-      }
-#pragma GCC unroll 4
-    for (int k = 0; k < 8; k += 2) {
-      const TI w0 = w[k], w1 = w[k + 1];
-#pragma GCC unroll 8
-      for (int t = 0; t < NT; ++t) {
-        const int8_t* x = x0 + t * xstride + 32 * u + 4 * k;
-        TI& dst = ia[t][H == 2 ? k / 4 : 0];
-        if constexpr (Tr::kSigned) dst = V::dp2_signed(dst, w0, w1, x);
-        else dst = V::dp2(dst, w0, w1, x);
-      }
+  for (int t = 0; t < NT; ++t)
+    for (int h = 0; h < H; ++h) {
+      const int32_t* b = x.bias + (t * x.nb + u) * ActI8::kBias;
+      ia[t][h] = Tr::kBias < 0 ? V::set1(0) : V::set1(Tr::kBiasTimes * b[H == 2 ? 1 + h : Tr::kBias]);
     }
-    const TF s0 = V::as_f(w[8]), s1 = V::as_f(w[9]);
+#pragma GCC unroll 4
+  for (int k = 0; k < 8; k += 2) {
+    const TI w0 = w[k], w1 = w[k + 1];
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
-      const TF xs = V::bcastf(xs0 + t * nb + u);
-      acc[t] = V::fma(V::cvt(ia[t][0]), V::mul(s0, xs), acc[t]);
-      if constexpr (H == 2) acc[t] = V::fma(V::cvt(ia[t][1]), V::mul(s1, xs), acc[t]);
-      if constexpr (Tr::kOffset) off[t] = V::fma(s1, V::bcastf(xsum0 + t * nb + u), off[t]);
+      const int8_t* xp = x.x + t * x.xstride + 32 * u + 4 * k;
+      TI& dst = ia[t][H == 2 ? k / 4 : 0];
+      if constexpr (Tr::kSigned) dst = V::dp2_signed(dst, w0, w1, xp);
+      else dst = V::dp2(dst, w0, w1, xp);
     }
   }
-  for (int t = 0; t < NT; ++t) V::storef(res + t * kTileRows, Tr::kOffset ? V::add(acc[t], off[t]) : acc[t]);
+  const TF s0 = V::as_f(w[8]), s1 = V::as_f(w[9]);
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t) {
+    const TF xs = V::bcastf(x.xs + t * x.nb + u);
+    acc[t] = V::fma(V::cvt(ia[t][0]), V::mul(s0, xs), acc[t]);
+    if constexpr (H == 2) acc[t] = V::fma(V::cvt(ia[t][1]), V::mul(s1, xs), acc[t]);
+    if constexpr (Tr::kOffset) off[t] = V::fma(s1, V::bcastf(x.xsum + t * x.nb + u), off[t]);
+  }
 }
 
-// out[m, n] = x[m] . W[n] for n in [n0, n1), any M: strips of kTileRows rows (a short last one
-// repeats its last row, computed and not stored), each converted once and run against every
-// group of kTileTokens activation rows
+template <class T, int NT>
+inline void store_tokens(const TF acc[NT], const TF off[NT], float* res) {
+  for (int t = 0; t < NT; ++t) TileIsa::storef(res + t * kTileRows, Tile<T>::kOffset ? TileIsa::add(acc[t], off[t]) : acc[t]);
+}
+
+// out[t][r] for tokens [m0, m0 + NT) against a strip's converted units
+template <class T, int NT>
+void tile_tokens(const TI* buf, int64_t units, const QuantizedActivations& a, int64_t m0, float* res) {
+  const TokenRows x(a, m0);
+  TF acc[NT], off[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = off[t] = TileIsa::zerof();
+  for (int64_t u = 0; u < units; ++u) unit_step<T, NT>(buf + u * kUnitVecs, u, x, acc, off);
+  store_tokens<T, NT>(acc, off, res);
+}
+
+// Decode rows (M < kDecodeTokens): each unit of a strip converted into registers and multiplied
+// at once, with no buffer; the same unit_step as the strips, so the same bits. From the laid-out
+// form that is plain loads; split rows (a matrix that cannot be laid out) pay the transposes.
+constexpr int64_t kDecodeTokens = 4;
+template <class T, int NT, class Src>
+void decode_tokens(const Src& src, int64_t nb, const QuantizedActivations& a, float* res) {
+  const TokenRows x(a, 0);
+  TF acc[NT], off[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = off[t] = TileIsa::zerof();
+  Tile<T>::convert(src, nb, [&](int64_t u, const TI* w) { unit_step<T, NT>(w, u, x, acc, off); });
+  store_tokens<T, NT>(acc, off, res);
+}
+
+template <class T, class Src>
+void decode_strip(const Src& src, int64_t nb, const QuantizedActivations& a, int64_t M, float* res) {
+  switch (M) {
+    case 1: decode_tokens<T, 1>(src, nb, a, res); break;
+    case 2: decode_tokens<T, 2>(src, nb, a, res); break;
+    default: decode_tokens<T, 3>(src, nb, a, res); break;
+  }
+}
+
+// out[m, n] = x[m] . W[n] for n in [n0, n1), any M, in strips of kTileRows rows: decode rows
+// straight from each strip (decode_tokens), more rows from the strip converted once into an
+// L1/L2 buffer and run against every group of kTileTokens activation rows. Split rows: a short
+// last strip repeats its last row (computed, not stored). Laid out: strips are the groups (a
+// range that starts or ends inside one computes it whole and stores its own rows).
 template <class T>
 void tile_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
-                 float* out, int64_t N) {
+                 float* out, int64_t N, bool laid) {
   const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBlockBytes, units = K / 32;
   thread_local std::vector<uint8_t> storage;  // the strip's units, 64-byte aligned
-  storage.resize(units * kUnitVecs * sizeof(TI) + 64);
+  if (M >= kDecodeTokens) storage.resize(units * kUnitVecs * sizeof(TI) + 64);
   TI* buf = reinterpret_cast<TI*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  auto keep = [buf](int64_t u, const TI* v) {
+    for (int i = 0; i < kUnitVecs; ++i) TileIsa::store(buf + u * kUnitVecs + i, v[i]);
+  };
   alignas(64) float res[kTileTokens * kTileRows];
-  for (int64_t s = n0; s < n1; s += kTileRows) {
-    const int64_t rows = std::min<int64_t>(kTileRows, n1 - s);
+  // a strip's rows inside [n0, n1) into out: one copy a token (element stores, with n0 and n1
+  // reloaded after each for aliasing, were 8 % of a llama-1b prefill; a call of memcpy each, 3 %)
+  auto put = [&res, out, N, n0, n1](int64_t s, int64_t m, int64_t count) {
+    const int64_t lo = std::max(s, n0), hi = std::min(s + kTileRows, n1);
+    for (int64_t t = 0; t < count; ++t) {
+      if (hi - lo == kTileRows) TileIsa::storef(out + (m + t) * N + lo, TileIsa::loadf(res + t * kTileRows));
+      else std::memcpy(out + (m + t) * N + lo, res + t * kTileRows + lo - s, (hi - lo) * sizeof(float));
+    }
+  };
+  // a strip's rows from the one form or the other, to `use` (decode_strip or convert)
+  auto with_strip = [&](int64_t s, auto&& use) {
+    if (laid) return use(laid_src(w, row_bytes, s / kTileRows, M < kDecodeTokens));
     const uint8_t* ptrs[kTileRows];
-    for (int r = 0; r < kTileRows; ++r) ptrs[r] = w + (s + std::min<int64_t>(r, rows - 1)) * row_bytes;
-    // the next strip into L2 while this one converts: 16 rows read side by side outrun the
-    // hardware's stream prefetchers
+    for (int r = 0; r < kTileRows; ++r) ptrs[r] = w + (s + std::min<int64_t>(r, n1 - 1 - s)) * row_bytes;
+    use(RowsSrc{ptrs});
+  };
+  for (int64_t s = laid ? n0 - n0 % kTileRows : n0; s < n1; s += kTileRows) {
+    if (M < kDecodeTokens) {
+      with_strip(s, [&](const auto& src) { decode_strip<T>(src, nb, a, M, res); });
+      put(s, 0, M);
+      continue;
+    }
+    // the next strip into L2 while this one converts and multiplies: split rows, 16 read side by
+    // side, outrun the hardware's stream prefetchers; laid out, the multiplying leaves the
+    // stream idle (llama-1b Q4_K_M prefill 1k without it 201 tok/s, split rows 218)
     if (s + kTileRows < n1)
       for (int64_t o = 0; o < std::min<int64_t>(kTileRows, n1 - s - kTileRows) * row_bytes; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w + (s + kTileRows) * row_bytes + o), _MM_HINT_T1);
-    Tile<T>::convert(ptrs, nb, buf);
+    with_strip(s, [&](const auto& src) { Tile<T>::convert(src, nb, keep); });
     for (int64_t m = 0; m < M; m += kTileTokens) {
       const int64_t count = std::min<int64_t>(kTileTokens, M - m);
       switch (count) {
@@ -361,8 +502,7 @@ void tile_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint
         TW_TILE_CASE(7) TW_TILE_CASE(8)
 #undef TW_TILE_CASE
       }
-      for (int64_t t = 0; t < count; ++t)
-        for (int64_t r = 0; r < rows; ++r) out[(m + t) * N + s + r] = res[t * kTileRows + r];
+      put(s, m, count);
     }
   }
 }

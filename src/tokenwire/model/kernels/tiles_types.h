@@ -40,7 +40,7 @@ struct Block32 {
 
 // Q5's high bits into a unit's 8 vectors: vector K byte b <- qh bit 4 K + b, at bit 4. (x & 15)
 // * 0x02040810 puts bit b of x at 8 b + 4 (and copies at bits that never meet one another: no
-// carries), the mask keeps those. Strips and AVX-512 unit lanes alike (lanes = rows or units).
+// carries), the mask keeps those.
 template <int K = 0>
 inline void add_q5_high(TI qh, TI* u) {
   using V = TileIsa;
@@ -49,28 +49,38 @@ inline void add_q5_high(TI qh, TI* u) {
   if constexpr (K < 7) add_q5_high<K + 1>(qh, u);
 }
 
+// A type's row in tiles.h's laid-out form: its image (the split row itself for all but Q6_K),
+// and whether a row of nb blocks can be laid out (every read at a multiple of 4 bytes)
+template <class T>
+struct SameImage {
+  static void to_image(const uint8_t* row, int64_t nb, uint8_t* out) { std::memcpy(out, row, nb * T::kBlockBytes); }
+  static void from_image(const uint8_t* image, int64_t nb, uint8_t* out) { std::memcpy(out, image, nb * T::kBlockBytes); }
+};
+
 // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: groups of 8 blocks (16 bytes of fp16 scales a row, one
 // transpose); a scale's 16 bytes may run past its part into the next one of the same row (only
 // the first nb - j of them are used)
 template <class T>
-struct Tile32 {
+struct Tile32 : SameImage<T> {
   static constexpr bool kHas = true;
+  static bool laid(int64_t nb) { return nb % 2 == 0; }  // the parts after the fp16 scales start at 4 n
   static constexpr int kHalves = 1, kBiasTimes = Block32<T>::kFive ? 2 : 1;
-  static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
+  template <class Src, class Sink>
+  static void convert(const Src& src, int64_t nb, Sink&& sink) {
     using V = TileIsa;
     const int64_t d_off = nb * T::part_offset(T::kScalePart), q_off = nb * T::part_offset(T::kQuantPart);
     for (int64_t j = 0; j < nb; j += 8) {
       TI d2[4], m2[4];
-      V::transpose(rows, d_off + 2 * j, d2);
-      if constexpr (Block32<T>::kMin) V::transpose(rows, nb * T::part_offset(T::kMinPart) + 2 * j, m2);
+      src.get(d_off + 2 * j, d2);
+      if constexpr (Block32<T>::kMin) src.get(nb * T::part_offset(T::kMinPart) + 2 * j, m2);
       for (int64_t e = 0; e < std::min<int64_t>(8, nb - j); ++e) {
-        TI* u = buf + (j + e) * kUnitVecs;
+        TI u[kUnitVecs];
         const TF d = e % 2 ? V::half_hi(d2[e / 2]) : V::half_lo(d2[e / 2]);
         TI q[4];
         if constexpr (T::kId == Q8_0::kId) {
-          V::transpose(rows, q_off + 32 * (j + e), q);
+          src.get(q_off + 32 * (j + e), q);
           TI r[4];
-          V::transpose(rows, q_off + 32 * (j + e) + 16, r);
+          src.get(q_off + 32 * (j + e) + 16, r);
           const TI flip = V::set1(V::kSignedQ8 ? 0 : static_cast<int>(0x80808080u));  // q + 128
           for (int k = 0; k < 4; ++k) {
             u[k] = V::xor_(q[k], flip);
@@ -78,12 +88,12 @@ struct Tile32 {
           }
         } else if constexpr (Block32<T>::kFive) {
           TI h[4];
-          V::transpose(rows, q_off + 20 * (j + e), h);  // h[0]: each row's 4 qh bytes
-          V::transpose(rows, q_off + 20 * (j + e) + 4, q);
+          src.get(q_off + 20 * (j + e), h);  // h[0]: each row's 4 qh bytes
+          src.get(q_off + 20 * (j + e) + 4, q);
           q4_unit(q, u);
           add_q5_high(h[0], u);
         } else {
-          V::transpose(rows, q_off + 16 * (j + e), q);
+          src.get(q_off + 16 * (j + e), q);
           q4_unit(q, u);
         }
         u[8] = V::as_i(d);
@@ -93,6 +103,7 @@ struct Tile32 {
         } else {
           u[9] = V::as_i(V::zerof());
         }
+        sink(j + e, u);
       }
     }
   }
@@ -144,12 +155,13 @@ inline TF byte_s(TI v) {
 // (z d sc - dmin m), z = 8 (Q4_K) or 16 (Q5_K: ActI8's -8 sum taken twice): d sc, z d sc and
 // dmin m are exact in fp32 (11- by 6-bit), the offset rounds once.
 template <class T, bool kHigh>
-struct TileK45 {
+struct TileK45 : SameImage<T> {
   static constexpr bool kHas = true, kOffset = true, kSigned = false;
+  static bool laid(int64_t) { return true; }
   static constexpr int kHalves = 1, kBias = 0, kBiasTimes = kHigh ? 2 : 1;
   static constexpr int kQuants = kHigh ? 48 : 16;  // where a block's nibbles start
   // the 8 sub-blocks' d sc and z d sc - dmin m, lanes = rows, from the transposed first 16
-  // bytes of a block (the AVX2 row lanes take them from here too)
+  // bytes of a block
   static void scales(const TI h[4], TF s0[8], TF s1[8]) {
     using V = TileIsa;
     const TI low6 = V::set1(0x3f3f3f3f), low4 = V::set1(0x0f0f0f0f), top2 = V::set1(0x30303030);
@@ -166,32 +178,34 @@ struct TileK45 {
       s1[sub] = V::sub(V::mul(V::setf(kHigh ? 16.0f : 8.0f), s0[sub]), V::mul(dmin, mn[sub]));
     }
   }
-  static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
+  template <class Src, class Sink>
+  static void convert(const Src& src, int64_t nb, Sink&& sink) {
     using V = TileIsa;
     const TI low4 = V::set1(0x0f0f0f0f);
     for (int64_t s = 0; s < nb; ++s) {
       const int64_t base = s * T::kBlockBytes;
       TI h[4], hq[8];
-      V::transpose(rows, base, h);
+      src.get(base, h);
       if constexpr (kHigh) {
-        V::transpose(rows, base + 16, hq);
-        V::transpose(rows, base + 32, hq + 4);
+        src.get(base + 16, hq);
+        src.get(base + 32, hq + 4);
       }
       TF s0[8], s1[8];
       scales(h, s0, s1);
       for (int c = 0; c < 4; ++c) {
         TI q[8];
-        V::transpose(rows, base + kQuants + 32 * c, q);
-        V::transpose(rows, base + kQuants + 16 + 32 * c, q + 4);
+        src.get(base + kQuants + 32 * c, q);
+        src.get(base + kQuants + 16 + 32 * c, q + 4);
         for (int half = 0; half < 2; ++half) {
           const int sub = 2 * c + half;
-          TI* u = buf + (8 * s + sub) * kUnitVecs;
+          TI u[kUnitVecs];
           for (int k = 0; k < 8; ++k) {
             u[k] = V::and_(half ? V::srli<4>(q[k]) : q[k], low4);
             if constexpr (kHigh) u[k] = V::or_(u[k], V::and_(V::slli<4>(V::srl(hq[k], sub)), V::set1(0x10101010)));
           }
           u[8] = V::as_i(s0[sub]);
           u[9] = V::as_i(s1[sub]);
+          sink(8 * s + sub, u);
         }
       }
     }
@@ -206,19 +220,58 @@ struct Tile<Q5_K> : TileK45<Q5_K, true> {};
 // 32 (t % 2) + i with bits 2 t of qh byte i above it; each 16 its int8 scale. Units keep q
 // (0..63) with z = 32 by halves (ActI8's sums of values 0-15 and 16-31), and the two halves'
 // d * scale (exact) as the two float vectors.
+//
+// Its 210-byte blocks put every other one at 2 mod 4, so its laid-out image takes blocks in
+// pairs: the two d, then each block's bytes in the order convert reads them (scales, then per
+// half its 64 ql and 32 qh bytes): 420 bytes, 105 dwords, read front to back. An odd last
+// block keeps its place, its d at the row's end (the group's tail).
 template <>
 struct Tile<Q6_K> {
   static constexpr bool kHas = true, kOffset = false, kSigned = false;
   static constexpr int kHalves = 2, kBias = 1, kBiasTimes = 1;
-  static void convert(const uint8_t* const* rows, int64_t nb, TI* buf) {
+  static bool laid(int64_t) { return true; }
+  // where block s's fields start: scales, ql of half h, qh of half h, and d (image: d's pair
+  // dword, or the tail)
+  struct Fields {
+    int64_t sc, ql[2], qh[2], d;
+  };
+  static Fields raw_fields(int64_t s) { return {210 * s + 192, {210 * s, 210 * s + 64}, {210 * s + 128, 210 * s + 160}, 210 * s + 208}; }
+  static Fields image_fields(int64_t s, int64_t nb) {
+    const bool alone = nb % 2 == 1 && s == nb - 1;
+    const int64_t pair = 420 * (s / 2), body = alone ? pair : pair + 4 + 208 * (s % 2);
+    return {body, {body + 16, body + 112}, {body + 80, body + 176}, alone ? pair + 208 : pair + 2 * (s % 2)};
+  }
+  template <bool kToImage>
+  static void reorder(const uint8_t* from, int64_t nb, uint8_t* to) {
+    for (int64_t s = 0; s < nb; ++s) {
+      const Fields r = raw_fields(s), i = image_fields(s, nb);
+      const std::pair<int64_t, int64_t> at[] = {{r.sc, i.sc}, {r.ql[0], i.ql[0]}, {r.ql[1], i.ql[1]},
+                                                {r.qh[0], i.qh[0]}, {r.qh[1], i.qh[1]}, {r.d, i.d}};
+      const int64_t bytes[] = {16, 64, 64, 32, 32, 2};
+      for (int f = 0; f < 6; ++f)
+        std::memcpy(to + (kToImage ? at[f].second : at[f].first), from + (kToImage ? at[f].first : at[f].second), bytes[f]);
+    }
+  }
+  static void to_image(const uint8_t* row, int64_t nb, uint8_t* out) { reorder<true>(row, nb, out); }
+  static void from_image(const uint8_t* image, int64_t nb, uint8_t* out) { reorder<false>(image, nb, out); }
+  template <class Src, class Sink>
+  static void convert(const Src& src, int64_t nb, Sink&& sink) {
     using V = TileIsa;
     const TI low4 = V::set1(0x0f0f0f0f), two = V::set1(0x30303030);
     for (int64_t s = 0; s < nb; ++s) {
-      const int64_t base = s * Q6_K::kBlockBytes;
+      const Fields f = Src::kImage ? image_fields(s, nb) : raw_fields(s);
       TI sv[4], dv[4];
-      V::transpose(rows, base + 192, sv);
-      V::transpose(rows, base + 194, dv);  // ends at the block's end: d is dword 3's high half
-      const TF d = V::half_hi(dv[3]);
+      TF d;
+      if constexpr (!Src::kImage) {
+        src.get(f.d - 14, dv);  // ends at the block's end: d is dword 3's high half
+        d = V::half_hi(dv[3]);
+      } else if (nb % 2 == 1 && s == nb - 1) {
+        d = src.tail_halves();
+      } else {
+        src.get(f.d - 2 * (s % 2), dv);  // the pair's two d: dword 0
+        d = s % 2 ? V::half_hi(dv[0]) : V::half_lo(dv[0]);
+      }
+      src.get(f.sc, sv);
       TF scale[16];
       for (int i = 0; i < 4; ++i) {
         scale[4 * i] = V::mul(d, byte_s<0>(sv[i]));
@@ -226,18 +279,14 @@ struct Tile<Q6_K> {
         scale[4 * i + 2] = V::mul(d, byte_s<2>(sv[i]));
         scale[4 * i + 3] = V::mul(d, byte_s<3>(sv[i]));
       }
-      for (int h = 0; h < 2; ++h) {
-        TI l0[8], l1[8], hb[8];
-        V::transpose(rows, base + 64 * h, l0);
-        V::transpose(rows, base + 64 * h + 16, l0 + 4);
-        V::transpose(rows, base + 64 * h + 32, l1);
-        V::transpose(rows, base + 64 * h + 48, l1 + 4);
-        V::transpose(rows, base + 128 + 32 * h, hb);
-        V::transpose(rows, base + 144 + 32 * h, hb + 4);
+      for (int h = 0; h < 2; ++h)
         for (int t = 0; t < 4; ++t) {
           const int unit = 4 * h + t;
-          TI* u = buf + (8 * s + unit) * kUnitVecs;
-          const TI* l = t % 2 ? l1 : l0;
+          TI l[8], hb[8], u[kUnitVecs];
+          src.get(f.ql[h] + 32 * (t % 2), l);  // value r = 32 t + i: ql byte 32 (t % 2) + i
+          src.get(f.ql[h] + 32 * (t % 2) + 16, l + 4);
+          src.get(f.qh[h], hb);
+          src.get(f.qh[h] + 16, hb + 4);
           for (int k = 0; k < 8; ++k) {
             const TI lo = V::and_(t / 2 ? V::srli<4>(l[k]) : l[k], low4);
             TI hi;
@@ -251,8 +300,8 @@ struct Tile<Q6_K> {
           }
           u[8] = V::as_i(scale[2 * unit]);
           u[9] = V::as_i(scale[2 * unit + 1]);
+          sink(8 * s + unit, u);
         }
-      }
     }
   }
 };

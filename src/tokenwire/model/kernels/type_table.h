@@ -24,7 +24,7 @@
 #include "types_float.h"
 #include "types_k.h"
 #include "types_k23.h"
-#include "tiles_decode.h"
+#include "tiles_types.h"
 
 namespace tw {
 
@@ -44,8 +44,13 @@ struct TypeRow {
   // the same from activations quantised in `act`'s format (nullptr where act is)
   void (*matmul_small_i16)(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0,
                            int64_t n1, float* out, int64_t N);
-  // matmul_small_i16 takes any number of rows (the AVX-512 lane kernels), not only M < 4
-  bool any_rows = false;
+  // a tiled type (tiles.h, int8 activations): its matmul for any number of rows, on split rows
+  // or the laid-out form (`laid`), and the laid-out form's conversions (nullptr elsewhere)
+  void (*tiled)(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                float* out, int64_t N, bool laid) = nullptr;
+  bool (*can_lay)(int64_t nb) = nullptr;
+  void (*lay_out_group)(const uint8_t* rows, int64_t nb, int64_t row_bytes, uint8_t* image, uint8_t* out) = nullptr;
+  void (*laid_row)(const uint8_t* w, int64_t nb, int64_t row_bytes, int64_t n, uint8_t* image, uint8_t* out) = nullptr;
 };
 
 // the int8 activation format of tiles.h (one row for every tiled type)
@@ -61,8 +66,11 @@ TypeRow with_tiles(TypeRow row) {
 #ifdef TW_AVX2
   if constexpr (Tile<T>::kHas) {
     row.act = &act_format_i8();
-    row.matmul_small_i16 = &tiled_matmul<T>;
-    row.any_rows = true;
+    row.matmul_small_i16 = nullptr;
+    row.tiled = &tile_matmul<T>;
+    row.can_lay = &Tile<T>::laid;
+    row.lay_out_group = &lay_out_group<T>;
+    row.laid_row = &laid_row<T>;
   }
 #endif
   return row;
@@ -134,6 +142,29 @@ inline const TypeRow& type_row(int64_t id) {
   for (const TypeRow& row : kTypes)
     if (row.id == id) return row;
   TORCH_CHECK(false, "unsupported quantisation type ", id);
+}
+
+// Whether a matrix of N rows of K features is kept laid out (tiles.h): every tiled type's whose
+// rows make whole groups and whose reads fall on 4-byte offsets. lay_out (quant_cpu.cpp) and
+// every reader decide by this one rule, so the form needs no flag of its own.
+inline bool is_laid(const TypeRow& type, int64_t N, int64_t K) {
+#ifdef TW_AVX2
+  return type.can_lay != nullptr && N % kTileRows == 0 && type.can_lay(K / type.block);
+#else
+  return false;
+#endif
+}
+
+// rows [n0, n1) of a matrix as split rows: w itself where it is not laid out, else a copy in
+// `scratch`; returns the address of row n0
+inline const uint8_t* split_rows_of(const uint8_t* w, const TypeRow& type, int64_t N, int64_t K, int64_t n0, int64_t n1,
+                                    std::vector<uint8_t>& scratch) {
+  const int64_t nb = K / type.block, row_bytes = nb * type.block_bytes;
+  if (!is_laid(type, N, K)) return w + n0 * row_bytes;
+  scratch.resize((n1 - n0 + 1) * row_bytes);
+  uint8_t* image = scratch.data() + (n1 - n0) * row_bytes;
+  for (int64_t n = n0; n < n1; ++n) type.laid_row(w, nb, row_bytes, n, image, scratch.data() + (n - n0) * row_bytes);
+  return scratch.data();
 }
 
 inline void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tokenwire.model.layers.norm import RMSNorm
-from tokenwire.model.quant import QuantEmbedding, QuantLinear, StackedQuantLinear, quantize
+from tokenwire.model.quant import QuantEmbedding, QuantLinear, StackedQuantLinear, lay_out, quantize
 from tokenwire.model.weight_arena import WeightArena
 from tokenwire.model.weight_types import weight_type
 
@@ -128,6 +128,7 @@ class WeightLoader:
                 raise ValueError(f"tensor {name!r} is {shape}, not {kind.name} rows of {in_features}")
             kind.split_rows_into(source, out[at : at + len(source)])
             at += len(source)
+        lay_out(out, qtype, in_features)
         return out
 
     def embedding(self, stem: str, target: nn.Embedding) -> nn.Module:
