@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from tokenwire.engine.kv_cache import ROOT_HASH, KVCache, OutOfBlocksError, block_hash
-from tokenwire.engine.kv_disk import ENGINE_ARITHMETIC, HEADER, BlockFiles
+from tokenwire.engine.kv_disk import ENGINE_ARITHMETIC, HEADER, MAGIC, BlockFiles
 from tokenwire.engine.session import Session
 from tokenwire.engine.session_store import SessionRow, open_store
 
@@ -159,7 +159,7 @@ class SessionPersistence:
         """The prefix cache's lower tier (KVCache.lower_tier), told the blocks a sequence will ask
         for next: the ones on disk and not in RAM get a free block each now (an idle session's
         RAM freed for them where the cache is full), and two threads read, check and copy each
-        file into its block (`_read_into`: the read, the CRC and numpy's copy release the GIL);
+        file into its block (`_read_into`: the read, the checksum and numpy's copy release the GIL);
         `load` hands them over as they finish, `finish` frees what the match did not take.
         Measured on a 2k-token SmolLM2 session (128 files, 47 MB), 2 shared cores: reading each
         file into a new buffer, then copying it into the cache with torch on the engine thread,
@@ -367,7 +367,8 @@ def write_block(kv: KVCache, block: int, payload: memoryview) -> None:
 # ---------------------------------------------------------------------- identities
 def kv_namespace(model_id: str, weights: str | None, kv: KVCache, device: str) -> str:
     """The block files' directory: what must all match for stored KV to be this engine's."""
-    ident = f"{model_id}\0{weights}\0{kv.kv_dtype}\0{kv.block_size}\0{device}\0{ENGINE_ARITHMETIC}"
+    parts = (model_id, weights, kv.kv_dtype, kv.block_size, device, ENGINE_ARITHMETIC, MAGIC.hex())
+    ident = "\0".join(str(p) for p in parts)
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
