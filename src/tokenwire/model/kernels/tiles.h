@@ -338,30 +338,40 @@ struct LaidSrc {
 // 8192x2048 matrices in turn (streamed from DRAM), GB/s of weights: Q4_K one core 11.2-11.9 ->
 // 23.8-25.6, two 19.7-20.5 -> 35-49; llama-1b Q4_K_M greedy decode AVX-512 28.6 -> 44-51 tok/s,
 // AVX2 build 24.4 -> 41.2 (docs/engine.md).
-inline int64_t laid_group_bytes(int64_t row_bytes) { return kTileRows * row_bytes; }
+// Where a group's bytes lie: dword c of row r, and row r's tail (its last row_bytes % 4 bytes)
+struct LaidGroup {
+  int64_t row_bytes, dwords = row_bytes / 4, rest = row_bytes % 4;
+  int64_t bytes() const { return kTileRows * row_bytes; }
+  int64_t dword_at(int64_t c, int64_t r) const { return (c * kTileRows + r) * 4; }
+  int64_t tail_at(int64_t r) const { return dwords * kTileRows * 4 + r * rest; }
+};
 
 inline LaidSrc laid_src(const uint8_t* w, int64_t row_bytes, int64_t group, bool ahead) {
-  const uint8_t* g = w + group * laid_group_bytes(row_bytes);
-  return {g, g + row_bytes / 4 * sizeof(TI), ahead};
+  const LaidGroup L{row_bytes};
+  const uint8_t* g = w + group * L.bytes();
+  return {g, g + L.tail_at(0), ahead};
 }
 
 // kTileRows split rows -> their group in the laid-out form (`image` scratch: kTileRows rows)
 template <class T>
 void lay_out_group(const uint8_t* rows, int64_t nb, int64_t row_bytes, uint8_t* image, uint8_t* out) {
-  for (int r = 0; r < kTileRows; ++r) Tile<T>::to_image(rows + r * row_bytes, nb, image + r * row_bytes);
-  const int64_t dwords = row_bytes / 4, rest = row_bytes % 4;
-  for (int64_t c = 0; c < dwords; ++c)
-    for (int r = 0; r < kTileRows; ++r) std::memcpy(out + (c * kTileRows + r) * 4, image + r * row_bytes + 4 * c, 4);
-  for (int r = 0; r < kTileRows; ++r) std::memcpy(out + dwords * kTileRows * 4 + r * rest, image + r * row_bytes + 4 * dwords, rest);
+  const LaidGroup L{row_bytes};
+  for (int r = 0; r < kTileRows; ++r) {
+    const uint8_t* row = image + r * row_bytes;
+    Tile<T>::to_image(rows + r * row_bytes, nb, image + r * row_bytes);
+    for (int64_t c = 0; c < L.dwords; ++c) std::memcpy(out + L.dword_at(c, r), row + 4 * c, 4);
+    std::memcpy(out + L.tail_at(r), row + 4 * L.dwords, L.rest);
+  }
 }
 
 // row n of a laid-out matrix -> its split row
 template <class T>
 void laid_row(const uint8_t* w, int64_t nb, int64_t row_bytes, int64_t n, uint8_t* image, uint8_t* out) {
-  const uint8_t* g = w + n / kTileRows * laid_group_bytes(row_bytes);
-  const int64_t r = n % kTileRows, dwords = row_bytes / 4, rest = row_bytes % 4;
-  for (int64_t c = 0; c < dwords; ++c) std::memcpy(image + 4 * c, g + (c * kTileRows + r) * 4, 4);
-  std::memcpy(image + 4 * dwords, g + dwords * kTileRows * 4 + r * rest, rest);
+  const LaidGroup L{row_bytes};
+  const uint8_t* g = w + n / kTileRows * L.bytes();
+  const int64_t r = n % kTileRows;
+  for (int64_t c = 0; c < L.dwords; ++c) std::memcpy(image + 4 * c, g + L.dword_at(c, r), 4);
+  std::memcpy(image + 4 * L.dwords, g + L.tail_at(r), L.rest);
   Tile<T>::from_image(image, nb, out);
 }
 
@@ -486,9 +496,9 @@ void tile_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint
       put(s, 0, M);
       continue;
     }
-    // the next strip into L2 while this one converts and multiplies: split rows, 16 read side by
-    // side, outrun the hardware's stream prefetchers; laid out, the multiplying leaves the
-    // stream idle (llama-1b Q4_K_M prefill 1k without it 201 tok/s, split rows 218)
+    // the next strip into L2 while this one converts and multiplies (split rows: 16 read side by
+    // side outrun the hardware's stream prefetchers; laid out, a prefill measured the same with
+    // and without it)
     if (s + kTileRows < n1)
       for (int64_t o = 0; o < std::min<int64_t>(kTileRows, n1 - s - kTileRows) * row_bytes; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w + (s + kTileRows) * row_bytes + o), _MM_HINT_T1);
