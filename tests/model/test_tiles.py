@@ -102,6 +102,36 @@ def test_tiled_matmul_is_within_the_int8_rounding_bound(wt: WeightType) -> None:
     assert 0.5 < squared / expected_squared < 2.0, squared / expected_squared
 
 
+# each type's largest quant as a byte pattern over its quant bytes (Q5: nibbles and qh bits all
+# set, 31; Q6_K: 63) and, for Q8_0, its most negative (-128: |w| = 128 on AVX2's vpsignb path)
+LARGEST_BYTE = {"Q8_0": 0x80}
+
+
+@pytest.mark.parametrize("wt", TILED, ids=lambda t: t.name)
+def test_the_largest_quants_times_the_largest_activations_fit_the_integer_sums(wt: WeightType) -> None:
+    """The AVX2 kernels sum several vpmaddubsw results in int16 before widening (Tile<T>::kSum16:
+    8 for 4-bit weights, 4 for 5-bit, 2 for Q6_K, 1 for Q8_0's signed ones): every quant at its
+    largest against activations all at +-127 (a constant row: each rounds to exactly +-127) is
+    the worst case, and it must come out as the fp64 product, to fp32 rounding, with no
+    wrap-around (one sum too many would be off by 65536 steps)."""
+    k = 2 * 256 if wt.block == 256 else 16 * 32
+    blocks = _packed(wt, 16, k, seed=11).reshape(-1, wt.block_bytes).copy()
+    if wt.name in QUANTS:
+        start, end = QUANTS[wt.name]
+        blocks[:, start:end] = 0xFF
+    else:
+        head = wt.block_bytes - (32 if wt.name == "Q8_0" else 16)
+        blocks[:, head:] = LARGEST_BYTE.get(wt.name, 0xFF)
+        if wt.name.startswith("Q5"):
+            blocks[:, head - 4 : head] = 0xFF
+    packed = blocks.reshape(16, -1)
+    w = torch.from_numpy(wt.dequantize_reference(packed)).double()
+    layer = QuantLinear(torch.from_numpy(packed), wt.gguf_id, k)
+    x = torch.ones(6, k) * torch.tensor([[1.0], [-1.0], [3.5], [-0.25], [1.0], [-2.0]])
+    got, expected = layer(x).double(), x.double() @ w.T
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6 * (x.abs().double() @ w.abs().T).max().item())
+
+
 @pytest.mark.parametrize("wt", TILED, ids=lambda t: t.name)
 def test_a_row_has_the_same_bits_alone_in_a_batch_and_in_chunks(wt: WeightType) -> None:
     """Lanes are weight rows and each token has accumulators of its own: a row alone (decode),

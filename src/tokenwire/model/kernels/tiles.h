@@ -10,9 +10,10 @@
 // weights of row r, and two vectors of per-row floats (scale, offset). Many activation rows: the
 // strip is converted once into an L1/L2 buffer, and the micro-kernel multiplies it by up to
 // kTileTokens activation rows at once: per token one accumulator whose lanes are the strip's rows
-// (no horizontal sums), 4 activation bytes broadcast per vpdpbusd (AVX2: vpmaddubsw, two summed
-// in int16, then vpmaddwd), the buffer shared by every token of the call. Decode rows (M < 4):
-// each unit multiplied as it is converted, in registers (decode_tokens).
+// (no horizontal sums), 4 activation bytes broadcast per vpdpbusd (AVX2: vpmaddubsw, as many
+// summed in int16 as fit, then vpmaddwd; two strips side by side share each broadcast), the
+// buffer shared by every token of the call. Decode rows (M < 4): each unit multiplied as it is
+// converted, in registers (decode_tokens).
 //
 // Batch invariance: per (weight row, activation row) the sum is, unit after unit,
 //   acc = fma(float(idot_u), wscale_u * xscale_u, acc)   (Q6_K: its two 16-weight halves, one
@@ -41,7 +42,9 @@
 //            Q8_0     99 -> 167      142 -> 177
 //            Q4_K    145 -> 212      145 -> 219
 //            Q6_K     94 -> 192       94 -> 230
-// One core, M = 256: 250-310 GFLOP/s. Decode: LaidSrc's comment.
+// One core, M = 256: 250-310 GFLOP/s. Decode: LaidSrc's comment. AVX2 since (one core, laid
+// out, M = 256, interleaved with the commit before): Q4_0 180 -> 240, Q4_K 164 -> 220 (int16
+// sums of 8 products' pairs, two strips a tile: TileIsa::unit_dots, kTileStrips).
 // Part of tokenwire's CPU kernels: included once, by quant_cpu.cpp (via type_table.h).
 #pragma once
 
@@ -153,6 +156,9 @@ inline void transpose8(const uint8_t* const* rows, int64_t off, __m256i out[4]) 
   out[3] = _mm256_unpackhi_epi64(t1, t3);
 }
 
+// a converted 32-weight unit: 8 weight vectors, then two of per-row floats
+constexpr int kUnitVecs = 10;
+
 // ---------------------------------------------------------------------------------------------
 // The instruction sets: a strip of kRows weight rows, one per dword lane.
 #ifdef TW_AVX512
@@ -189,15 +195,26 @@ struct TileIsa {
   // the fp16 values in the low / high halves of each dword
   static F half_lo(I a) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(a)); }
   static F half_hi(I a) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16))); }
-  // acc + the dot of 4 unsigned weight bytes (per lane) and 4 signed activation bytes at x
-  static I dp2(I acc, I w0, I w1, const int8_t* x) {
-    int32_t a, b;
-    std::memcpy(&a, x, 4);
-    std::memcpy(&b, x + 4, 4);
-    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, w0, _mm512_set1_epi32(a)), w1, _mm512_set1_epi32(b));
+  // a unit's integer dots, for S strips side by side (w: S units of kUnitVecs vectors):
+  // ia[j][t][h] += weight vector k of strip j (4 unsigned bytes a lane) times the 4 activation
+  // bytes at xu + t xstride + 4 k, k in half h (Tr::kHalves = 2: k / 4): one vpdpbusd each
+  // (Q8_0 runs as unsigned q + 128, so Tr::kSigned is never set)
+  static constexpr bool kSignedQ8 = false;
+  template <class Tr, int S, int NT, int H>
+  static void unit_dots(const I* w, const int8_t* xu, int64_t xstride, I ia[S][NT][H]) {
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k)
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) {
+        int32_t a;
+        std::memcpy(&a, xu + t * xstride + 4 * k, 4);
+        const I xb = _mm512_set1_epi32(a);
+        for (int j = 0; j < S; ++j) {
+          I& dst = ia[j][t][H == 2 ? k / 4 : 0];
+          dst = _mm512_dpbusd_epi32(dst, w[j * kUnitVecs + k], xb);
+        }
+      }
   }
-  static constexpr bool kSignedQ8 = false;  // Q8_0 runs as unsigned q + 128 (vpdpbusd)
-  static I dp2_signed(I acc, I w0, I w1, const int8_t* x) { return dp2(acc, w0, w1, x); }  // unused
   // 16 bytes at offset `off` of each row -> 4 vectors, vector k lane r = dword k of row r: row
   // 4 L + p in lane L of vector p, then a 4x4 dword transpose inside each 128-bit lane
   static void transpose(const uint8_t* const* rows, int64_t off, I out[4]) {
@@ -253,27 +270,54 @@ struct TileIsa {
     return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
   }
   static F half_hi(I a) { return half_lo(_mm256_srli_epi32(a, 16)); }
-  // two vpmaddubsw summed in int16 (4-bit weights: |sum| <= 4 * 15 * 127; Q6_K's 6-bit: <= 4 *
-  // 63 * 127 = 32004, still inside int16), then one vpmaddwd: 1.33x the multiply-adds per
-  // instruction of a vpmaddwd per pair
-  static I dp2(I acc, I w0, I w1, const int8_t* x) {
-    int32_t a, b;
-    std::memcpy(&a, x, 4);
-    std::memcpy(&b, x + 4, 4);
-    const I s = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(a)), _mm256_maddubs_epi16(w1, _mm256_set1_epi32(b)));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
-  }
-  // Q8_0's signed weights: |w| times x with w's sign (vpsignb), one vpmaddubsw each (|w| 128 *
-  // 127 * 2 fits int16; two would not)
+  // a unit's integer dots (as AVX-512's): per weight vector one vpmaddubsw (4 unsigned bytes a
+  // lane times the 4 activation bytes, in int16 pairs; Q8_0's signed weights, Tr::kSigned: |w|
+  // times x with w's sign, vpsignb), Tr::kSum16 of them summed in int16 before one vpmaddwd
+  // widens them. 4-bit weights: all 8 (|sum| <= 16 * 15 * 127 = 30480), one vpmaddwd a unit
+  // where a vpmaddwd per two took 4. Each activation broadcast serves the S strips.
   static constexpr bool kSignedQ8 = true;
-  static I dp2_signed(I acc, I w0, I w1, const int8_t* x) {
-    int32_t a, b;
-    std::memcpy(&a, x, 4);
-    std::memcpy(&b, x + 4, 4);
-    const I one = _mm256_set1_epi16(1);
-    const I p0 = _mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(_mm256_set1_epi32(a), w0));
-    const I p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(_mm256_set1_epi32(b), w1));
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(p0, one), _mm256_madd_epi16(p1, one)));
+  template <class Tr, int S, int NT, int H>
+  static void unit_dots(const I* w, const int8_t* xu, int64_t xstride, I ia[S][NT][H]) {
+    constexpr int G = Tr::kSum16;
+    static_assert(H == 1 || G <= 4, "a sum never crosses Q6_K's halves");
+    auto product = [](I wk, const int8_t* x) {
+      int32_t a;
+      std::memcpy(&a, x, 4);
+      const I xb = _mm256_set1_epi32(a);
+      return Tr::kSigned ? _mm256_maddubs_epi16(_mm256_abs_epi8(wk), _mm256_sign_epi8(xb, wk)) : _mm256_maddubs_epi16(wk, xb);
+    };
+    auto widen_into = [](I& dst, I s16) { dst = _mm256_add_epi32(dst, _mm256_madd_epi16(s16, _mm256_set1_epi16(1))); };
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g += G) {
+      if constexpr (G <= 2) {  // a token's group at a time: no sums held across tokens
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t)
+          for (int j = 0; j < S; ++j) {
+            I s16 = product(w[j * kUnitVecs + g], xu + t * xstride + 4 * g);
+            for (int k = g + 1; k < g + G; ++k) s16 = _mm256_add_epi16(s16, product(w[j * kUnitVecs + k], xu + t * xstride + 4 * k));
+            widen_into(ia[j][t][H == 2 ? g / 4 : 0], s16);
+          }
+      } else {  // a weight vector at a time, each activation broadcast serving the S strips
+        I s16[S][NT];
+#pragma GCC unroll 8
+        for (int k = g; k < g + G; ++k) {
+          I wk[S];
+          for (int j = 0; j < S; ++j) wk[j] = w[j * kUnitVecs + k];
+#pragma GCC unroll 8
+          for (int t = 0; t < NT; ++t)
+            for (int j = 0; j < S; ++j) {
+              const I p = product(wk[j], xu + t * xstride + 4 * k);
+              s16[j][t] = k == g ? p : _mm256_add_epi16(s16[j][t], p);
+              // opaque to the compiler: GCC otherwise re-associates the sums into a tree, issues
+              // every product first and spills them (measured 18 % slower than the pairs before)
+              asm("" : "+x"(s16[j][t]));
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t)
+          for (int j = 0; j < S; ++j) widen_into(ia[j][t][H == 2 ? g / 4 : 0], s16[j][t]);
+      }
+    }
   }
   static void transpose(const uint8_t* const* rows, int64_t off, I out[4]) { transpose8(rows, off, out); }
 };
@@ -283,18 +327,25 @@ using TI = TileIsa::I;
 using TF = TileIsa::F;
 constexpr int kTileRows = TileIsa::kRows;
 constexpr int kTileTokens = TileIsa::kTokens;
-// a converted 32-weight unit: 8 weight vectors, then two of per-row floats
-constexpr int kUnitVecs = 10;
 
 // A type's tile traits (tiles_types.h): Tile<T>::kHas, kHalves (1: one scale a unit; 2: Q6_K's
 // two 16-weight halves, each its own scale), kOffset (an offset times the exact block sums),
 // kBias (which of ActI8's integer sums starts the dot: 0 z = 8, 1 z = 32 by halves, 3 z = 128,
 // -1 none) and kBiasTimes (that sum taken twice: Q5's z = 16), kSigned (weights signed: Q8_0 on
-// AVX2), and convert(rows, nb, buf).
+// AVX2), kSum16 (AVX2: how many vpmaddubsw results of its weights fit one int16 sum), and
+// convert(rows, nb, buf).
 template <class T>
 struct Tile {
   static constexpr bool kHas = false;
 };
+
+// how many vpmaddubsw results (each two products of an activation byte, |x| <= 127, and a
+// weight byte <= q_max; a signed weight's |w| <= 128) one int16 sum holds, up to a unit's 8
+constexpr int sum16_of(int q_max) {
+  int g = 8;
+  while (g * 2 * q_max * 127 > 32767) g /= 2;
+  return g;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Where a strip's bytes come from. A type's convert (tiles_types.h) reads 16 bytes of every row
@@ -386,54 +437,61 @@ struct TokenRows {
         xs(a.scale.data() + m0 * a.nb), xsum(a.sum.data() + m0 * a.nb), bias(a.bias.data() + m0 * a.nb * ActI8::kBias) {}
 };
 
-// unit u (its kUnitVecs vectors at w) into NT tokens' accumulators: the one arithmetic of every
-// path (strips, laid-out decode)
-template <class T, int NT>
-inline void unit_step(const TI* w, int64_t u, const TokenRows& x, TF acc[NT], TF off[NT]) {
+// unit u of S strips side by side (S x kUnitVecs vectors at w) into NT tokens' accumulators:
+// the one arithmetic of every path (strips, laid-out decode); a strip's lanes take the same
+// operations whatever strip is beside it
+template <class T, int S, int NT>
+inline void unit_step(const TI* w, int64_t u, const TokenRows& x, TF acc[S][NT], TF off[S][NT]) {
   using V = TileIsa;
   using Tr = Tile<T>;
   constexpr int H = Tr::kHalves;
-  TI ia[NT][H];
+  TI ia[S][NT][H];
 #pragma GCC unroll 8
   for (int t = 0; t < NT; ++t)
     for (int h = 0; h < H; ++h) {
       const int32_t* b = x.bias + (t * x.nb + u) * ActI8::kBias;
-      ia[t][h] = Tr::kBias < 0 ? V::set1(0) : V::set1(Tr::kBiasTimes * b[H == 2 ? 1 + h : Tr::kBias]);
+      const TI start = Tr::kBias < 0 ? V::set1(0) : V::set1(Tr::kBiasTimes * b[H == 2 ? 1 + h : Tr::kBias]);
+      for (int j = 0; j < S; ++j) ia[j][t][h] = start;
     }
-#pragma GCC unroll 4
-  for (int k = 0; k < 8; k += 2) {
-    const TI w0 = w[k], w1 = w[k + 1];
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) {
-      const int8_t* xp = x.x + t * x.xstride + 32 * u + 4 * k;
-      TI& dst = ia[t][H == 2 ? k / 4 : 0];
-      if constexpr (Tr::kSigned) dst = V::dp2_signed(dst, w0, w1, xp);
-      else dst = V::dp2(dst, w0, w1, xp);
-    }
-  }
-  const TF s0 = V::as_f(w[8]), s1 = V::as_f(w[9]);
+  V::template unit_dots<Tr, S, NT, H>(w, x.x + 32 * u, x.xstride, ia);
 #pragma GCC unroll 8
   for (int t = 0; t < NT; ++t) {
     const TF xs = V::bcastf(x.xs + t * x.nb + u);
-    acc[t] = V::fma(V::cvt(ia[t][0]), V::mul(s0, xs), acc[t]);
-    if constexpr (H == 2) acc[t] = V::fma(V::cvt(ia[t][1]), V::mul(s1, xs), acc[t]);
-    if constexpr (Tr::kOffset) off[t] = V::fma(s1, V::bcastf(x.xsum + t * x.nb + u), off[t]);
+    for (int j = 0; j < S; ++j) {
+      const TF s0 = V::as_f(w[j * kUnitVecs + 8]), s1 = V::as_f(w[j * kUnitVecs + 9]);
+      acc[j][t] = V::fma(V::cvt(ia[j][t][0]), V::mul(s0, xs), acc[j][t]);
+      if constexpr (H == 2) acc[j][t] = V::fma(V::cvt(ia[j][t][1]), V::mul(s1, xs), acc[j][t]);
+      if constexpr (Tr::kOffset) off[j][t] = V::fma(s1, V::bcastf(x.xsum + t * x.nb + u), off[j][t]);
+    }
   }
 }
 
-template <class T, int NT>
-inline void store_tokens(const TF acc[NT], const TF off[NT], float* res) {
-  for (int t = 0; t < NT; ++t) TileIsa::storef(res + t * kTileRows, Tile<T>::kOffset ? TileIsa::add(acc[t], off[t]) : acc[t]);
+// res[j][t][r]: strip j, token t (kTileTokens of them a strip), row r
+template <class T, int S, int NT>
+inline void store_tokens(const TF acc[S][NT], const TF off[S][NT], float* res) {
+  for (int j = 0; j < S; ++j)
+    for (int t = 0; t < NT; ++t)
+      TileIsa::storef(res + (j * kTileTokens + t) * kTileRows, Tile<T>::kOffset ? TileIsa::add(acc[j][t], off[j][t]) : acc[j][t]);
 }
 
-// out[t][r] for tokens [m0, m0 + NT) against a strip's converted units
-template <class T, int NT>
+// Strips a tile takes side by side, sharing each activation broadcast. AVX2 with one scale a
+// unit: 2, so 16 rows x 3 tokens instead of 8 x 4 (an L1-resident unit loop: 113 -> 130 GMAC/s
+// a core, broadcast loads halved; Q6_K's two halves need the registers); AVX-512: 1.
+template <class T>
+constexpr int kTileStrips = kTileRows == 8 && Tile<T>::kHalves == 1 ? 2 : 1;
+template <int S>
+constexpr int kStripTokens = S == 2 ? 3 : kTileTokens;
+
+// out[j][t][r] for tokens [m0, m0 + NT) against S strips' converted units (unit u of strip j at
+// buf + (u S + j) kUnitVecs)
+template <class T, int S, int NT>
 void tile_tokens(const TI* buf, int64_t units, const QuantizedActivations& a, int64_t m0, float* res) {
   const TokenRows x(a, m0);
-  TF acc[NT], off[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = off[t] = TileIsa::zerof();
-  for (int64_t u = 0; u < units; ++u) unit_step<T, NT>(buf + u * kUnitVecs, u, x, acc, off);
-  store_tokens<T, NT>(acc, off, res);
+  TF acc[S][NT], off[S][NT];
+  for (int j = 0; j < S; ++j)
+    for (int t = 0; t < NT; ++t) acc[j][t] = off[j][t] = TileIsa::zerof();
+  for (int64_t u = 0; u < units; ++u) unit_step<T, S, NT>(buf + u * S * kUnitVecs, u, x, acc, off);
+  store_tokens<T, S, NT>(acc, off, res);
 }
 
 // Decode rows (M < kDecodeTokens): each unit of a strip converted into registers and multiplied
@@ -443,10 +501,10 @@ constexpr int64_t kDecodeTokens = 4;
 template <class T, int NT, class Src>
 void decode_tokens(const Src& src, int64_t nb, const QuantizedActivations& a, float* res) {
   const TokenRows x(a, 0);
-  TF acc[NT], off[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = off[t] = TileIsa::zerof();
-  Tile<T>::convert(src, nb, [&](int64_t u, const TI* w) { unit_step<T, NT>(w, u, x, acc, off); });
-  store_tokens<T, NT>(acc, off, res);
+  TF acc[1][NT], off[1][NT];
+  for (int t = 0; t < NT; ++t) acc[0][t] = off[0][t] = TileIsa::zerof();
+  Tile<T>::convert(src, nb, [&](int64_t u, const TI* w) { unit_step<T, 1, NT>(w, u, x, acc, off); });
+  store_tokens<T, 1, NT>(acc, off, res);
 }
 
 template <class T, class Src>
@@ -466,21 +524,19 @@ void decode_strip(const Src& src, int64_t nb, const QuantizedActivations& a, int
 template <class T>
 void tile_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
                  float* out, int64_t N, bool laid) {
+  constexpr int S = kTileStrips<T>;
   const int64_t nb = K / T::kBlock, row_bytes = nb * T::kBlockBytes, units = K / 32;
-  thread_local std::vector<uint8_t> storage;  // the strip's units, 64-byte aligned
-  if (M >= kDecodeTokens) storage.resize(units * kUnitVecs * sizeof(TI) + 64);
+  thread_local std::vector<uint8_t> storage;  // the strips' units, 64-byte aligned
+  if (M >= kDecodeTokens) storage.resize(S * units * kUnitVecs * sizeof(TI) + 64);
   TI* buf = reinterpret_cast<TI*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
-  auto keep = [buf](int64_t u, const TI* v) {
-    for (int i = 0; i < kUnitVecs; ++i) TileIsa::store(buf + u * kUnitVecs + i, v[i]);
-  };
-  alignas(64) float res[kTileTokens * kTileRows];
+  alignas(64) float res[2 * kTileTokens * kTileRows];
   // a strip's rows inside [n0, n1) into out: one copy a token (element stores, with n0 and n1
   // reloaded after each for aliasing, were 8 % of a llama-1b prefill; a call of memcpy each, 3 %)
-  auto put = [&res, out, N, n0, n1](int64_t s, int64_t m, int64_t count) {
+  auto put = [out, N, n0, n1](const float* from, int64_t s, int64_t m, int64_t count) {
     const int64_t lo = std::max(s, n0), hi = std::min(s + kTileRows, n1);
     for (int64_t t = 0; t < count; ++t) {
-      if (hi - lo == kTileRows) TileIsa::storef(out + (m + t) * N + lo, TileIsa::loadf(res + t * kTileRows));
-      else std::memcpy(out + (m + t) * N + lo, res + t * kTileRows + lo - s, (hi - lo) * sizeof(float));
+      if (hi - lo == kTileRows) TileIsa::storef(out + (m + t) * N + lo, TileIsa::loadf(from + t * kTileRows));
+      else std::memcpy(out + (m + t) * N + lo, from + t * kTileRows + lo - s, (hi - lo) * sizeof(float));
     }
   };
   // a strip's rows from the one form or the other, to `use` (decode_strip or convert)
@@ -490,29 +546,51 @@ void tile_matmul(const QuantizedActivations& a, int64_t M, int64_t K, const uint
     for (int r = 0; r < kTileRows; ++r) ptrs[r] = w + (s + std::min<int64_t>(r, n1 - 1 - s)) * row_bytes;
     use(RowsSrc{ptrs});
   };
-  for (int64_t s = laid ? n0 - n0 % kTileRows : n0; s < n1; s += kTileRows) {
-    if (M < kDecodeTokens) {
+  const int64_t first = laid ? n0 - n0 % kTileRows : n0;
+  if (M < kDecodeTokens) {
+    for (int64_t s = first; s < n1; s += kTileRows) {
       with_strip(s, [&](const auto& src) { decode_strip<T>(src, nb, a, M, res); });
-      put(s, 0, M);
-      continue;
+      put(res, s, 0, M);
     }
-    // the next strip into L2 while this one converts and multiplies (split rows: 16 read side by
-    // side outrun the hardware's stream prefetchers; laid out, a prefill measured the same with
-    // and without it)
-    if (s + kTileRows < n1)
-      for (int64_t o = 0; o < std::min<int64_t>(kTileRows, n1 - s - kTileRows) * row_bytes; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (s + kTileRows) * row_bytes + o), _MM_HINT_T1);
-    with_strip(s, [&](const auto& src) { Tile<T>::convert(src, nb, keep); });
-    for (int64_t m = 0; m < M; m += kTileTokens) {
-      const int64_t count = std::min<int64_t>(kTileTokens, M - m);
+    return;
+  }
+  // S strips (one where fewer are left) converted into buf, then run against every group of
+  // their tokens
+  auto strips = [&](auto count_of_strips, int64_t s) {
+    constexpr int SS = decltype(count_of_strips)::value;
+    // the next strips into L2 while these convert and multiply (split rows: 16 read side by side
+    // outrun the hardware's stream prefetchers; laid out, a prefill measured the same with and
+    // without it)
+    const int64_t next = s + SS * kTileRows;
+    if (next < n1)
+      for (int64_t o = 0; o < std::min<int64_t>(SS * kTileRows, n1 - next) * row_bytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + next * row_bytes + o), _MM_HINT_T1);
+    for (int j = 0; j < SS; ++j)
+      with_strip(s + j * kTileRows, [&](const auto& src) {
+        Tile<T>::convert(src, nb, [&](int64_t u, const TI* v) {
+          for (int i = 0; i < kUnitVecs; ++i) TileIsa::store(buf + (u * SS + j) * kUnitVecs + i, v[i]);
+        });
+      });
+    constexpr int NT = kStripTokens<SS>;
+    for (int64_t m = 0; m < M; m += NT) {
+      const int64_t count = std::min<int64_t>(NT, M - m);
       switch (count) {
 #define TW_TILE_CASE(n) \
-  case n: tile_tokens<T, (n <= kTileTokens ? n : kTileTokens)>(buf, units, a, m, res); break;
+  case n: tile_tokens<T, SS, (n <= NT ? n : NT)>(buf, units, a, m, res); break;
         TW_TILE_CASE(1) TW_TILE_CASE(2) TW_TILE_CASE(3) TW_TILE_CASE(4) TW_TILE_CASE(5) TW_TILE_CASE(6)
         TW_TILE_CASE(7) TW_TILE_CASE(8)
 #undef TW_TILE_CASE
       }
-      put(s, m, count);
+      for (int j = 0; j < SS; ++j) put(res + j * kTileTokens * kTileRows, s + j * kTileRows, m, count);
+    }
+  };
+  for (int64_t s = first; s < n1;) {
+    if (S == 2 && s + kTileRows < n1) {
+      strips(std::integral_constant<int, S>{}, s);
+      s += S * kTileRows;
+    } else {
+      strips(std::integral_constant<int, 1>{}, s);
+      s += kTileRows;
     }
   }
 }

@@ -65,6 +65,7 @@ struct Tile32 : SameImage<T> {
   static constexpr bool kHas = true;
   static bool laid(int64_t nb) { return nb % 2 == 0; }  // the parts after the fp16 scales start at 4 n
   static constexpr int kHalves = 1, kBiasTimes = Block32<T>::kFive ? 2 : 1;
+  static constexpr int kSum16 = sum16_of(T::kId == Q8_0::kId ? 128 : Block32<T>::kFive ? 31 : 15);
   template <class Src, class Sink>
   static void convert(const Src& src, int64_t nb, Sink&& sink) {
     using V = TileIsa;
@@ -158,7 +159,7 @@ template <class T, bool kHigh>
 struct TileK45 : SameImage<T> {
   static constexpr bool kHas = true, kOffset = true, kSigned = false;
   static bool laid(int64_t) { return true; }
-  static constexpr int kHalves = 1, kBias = 0, kBiasTimes = kHigh ? 2 : 1;
+  static constexpr int kHalves = 1, kBias = 0, kBiasTimes = kHigh ? 2 : 1, kSum16 = sum16_of(kHigh ? 31 : 15);
   static constexpr int kQuants = kHigh ? 48 : 16;  // where a block's nibbles start
   // the 8 sub-blocks' d sc and z d sc - dmin m, lanes = rows, from the transposed first 16
   // bytes of a block
@@ -228,7 +229,7 @@ struct Tile<Q5_K> : TileK45<Q5_K, true> {};
 template <>
 struct Tile<Q6_K> {
   static constexpr bool kHas = true, kOffset = false, kSigned = false;
-  static constexpr int kHalves = 2, kBias = 1, kBiasTimes = 1;
+  static constexpr int kHalves = 2, kBias = 1, kBiasTimes = 1, kSum16 = sum16_of(63);
   static bool laid(int64_t) { return true; }
   // where block s's fields start: scales, ql of half h, qh of half h, and d (image: d's pair
   // dword, or the tail)
