@@ -185,12 +185,15 @@ def test_a_llama_cpp_mix_without_llama_cpp_names_the_extra(
 
 
 def test_steps_behind_each_measure() -> None:
-    from tokenwire.bench.engine_bench import steps_per_s
+    from tokenwire.bench.engine_bench import prefill_key, steps_per_s
 
     assert steps_per_s("single_stream", 20.0, 4, 1000, 512) == 20.0
     assert steps_per_s("streams_4", 80.0, 4, 1000, 512) == 20.0
     # a 1,000-token prompt is two 512-token steps: at 500 tok/s, half a prompt (one step) a second
     assert math.isclose(steps_per_s("prefill_1k", 500.0, 4, 1000, 512), 1.0)
+    # --prefill-tokens 4096 names its own measure: eight steps a prompt
+    assert (prefill_key(1000), prefill_key(4096)) == ("prefill_1k", "prefill_4096")
+    assert math.isclose(steps_per_s("prefill_4096", 512.0, 4, 4096, 512), 1.0)
 
 
 def test_a_mixture_of_experts_shape_loads_as_olmoe_and_counts_its_active_experts(tmp_path: Path) -> None:

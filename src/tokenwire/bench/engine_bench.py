@@ -5,7 +5,8 @@ Same model directory, same prompts, same machine, measured side by side:
   which includes the prefill, is excluded on both sides);
 - streams_32: aggregate tok/s of N concurrent streams, wall clock including prefill
   (transformers gets them as one left-padded batch, its best case);
-- prefill_1k: prompt tokens/s of a 1,000-token prompt until its first generated token;
+- prefill_1k: prompt tokens/s of a 1,000-token prompt until its first generated token
+  (`--prefill-tokens N`: prefill_N);
 - turn2_ttft: time to the first token of a second turn on a long session, reusing the
   session's KV against re-prefilling the whole conversation (prefix cache off);
 - decode_at_4k, decode_at_8k: single-stream decode after a long context, per KV type, beside
@@ -160,11 +161,17 @@ def _converted(model: str | None, cache_dir: Path) -> bool | None:
     return (cache_dir / cache_key(path) / "tokenwire_source.json").is_file()
 
 
+def prefill_key(tokens: int) -> str:
+    """The prefill measure's name: prefill_1k for the default 1,000 tokens, else prefill_<n>
+    (prefill_4096 for --prefill-tokens 4096), so a result never names a length it did not run."""
+    return "prefill_1k" if tokens == 1000 else f"prefill_{tokens}"
+
+
 def steps_per_s(measure: str, tok_s: float, streams: int, prompt: int, batch: int) -> float:
     """Forward steps per second behind a measure's tok/s (see the module's docstring)."""
     if measure == "single_stream":
         return tok_s
-    if measure == "prefill_1k":
+    if measure.startswith("prefill_"):
         return tok_s / prompt * math.ceil(prompt / batch)
     return tok_s / streams
 
@@ -189,8 +196,8 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     engine = build_engine(settings)
     load_s = time.perf_counter() - started
     n, reps = args.decode_tokens, args.repeats
-    key = f"streams_{args.streams}"
-    ours: dict[str, list[float]] = {"single_stream": [], key: [], "prefill_1k": []}
+    key, prefill = f"streams_{args.streams}", prefill_key(args.prefill_tokens)
+    ours: dict[str, list[float]] = {"single_stream": [], key: [], prefill: []}
     peer: dict[str, list[float]] = {name: [] for name in ours}
     ours_loaded: dict[str, list[float]] = {name: [] for name in ours}
     peer_loaded: dict[str, list[float]] = {name: [] for name in ours}
@@ -217,11 +224,11 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
                 with busy_neighbours(busy, own_session=not args.neighbours_same_session):
                     mine["single_stream"].append(ours_single(engine, prompts[0], n))
                     mine[key].append(ours_streams(engine, prompts, n))
-                    mine["prefill_1k"].append(ours_prefill(engine, long))
+                    mine[prefill].append(ours_prefill(engine, long))
                     if llama is not None:
                         theirs["single_stream"].append(llama.single_decode(prompts[0], n))
                         theirs[key].append(llama.streams(prompts, n))
-                        theirs["prefill_1k"].append(llama.prefill(long))
+                        theirs[prefill].append(llama.prefill(long))
         turn2 = (
             _median(partial(ours_turn2, engine, args.session_tokens, True), reps),
             _median(partial(ours_turn2, engine, args.session_tokens, False), reps),
@@ -324,7 +331,7 @@ def _print_table(
     labels = {
         "single_stream": "single-stream decode",
         f"streams_{args.streams}": f"{args.streams} streams aggregate",
-        "prefill_1k": f"prefill {args.prefill_tokens} tokens",
+        prefill_key(args.prefill_tokens): f"prefill {args.prefill_tokens} tokens",
     }
     for measure, label in labels.items():
         row = result[measure]
