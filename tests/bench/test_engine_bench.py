@@ -1,7 +1,7 @@
 """`tokenwire bench engine --json` on the default model, cut to a few tokens: the keys the
-Engine speed issue names (today's measures, prefill_1k, the weights run and their resident size,
-the weight bandwidth, the load's time and peak RSS). llama.cpp is a `make bench` extra, so its
-keys are not asserted here."""
+Engine speed issue names (today's measures, the prefill under its length's name, the weights
+run and their resident size, the weight bandwidth, the load's time and peak RSS). llama.cpp is
+a `make bench` extra, so its keys are not asserted here."""
 
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ def test_engine_bench_json_reports_every_measure() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
-    for measure in ("single_stream", "streams_2", "prefill_1k"):
+    for measure in ("single_stream", "streams_2", "prefill_40"):  # --prefill-tokens=40
         assert result[measure]["tokenwire_tok_s"] > 0
         assert "llamacpp_tok_s" not in result[measure]  # not run: no ratio is made up
+    assert "prefill_1k" not in result  # a 40-token prompt is not named a 1k one
     assert result["turn2_ttft"]["reuse_s"] > 0 and result["turn2_ttft"]["ratio"] > 0
     assert result["weights"] == "gguf"
     assert result["decode"].startswith("fused")  # SmolLM2's layers are all the kernel's kind
@@ -49,7 +50,7 @@ def test_engine_bench_json_reports_every_measure() -> None:
     assert result["shape"] is None and result["quant"] is None and result["gguf_written_s"] is None
     # SmolLM2's tied head is its 28.7 MiB Q8_0 embedding; its layers' Q4_1 matrices are 63.3 MiB
     assert 91 < result["weight_mb_per_step"] < 93 < result["gguf_mb"] < 95
-    for measure in ("single_stream", "streams_2", "prefill_1k"):
+    for measure in ("single_stream", "streams_2", "prefill_40"):  # --prefill-tokens=40
         row = result[measure]
         steps = steps_per_s(measure, row["tokenwire_tok_s"], 2, 40, 512)
         assert row["tokenwire_weight_gb_s"] == pytest.approx(
@@ -80,7 +81,7 @@ def test_engine_bench_neighbours_report_the_speed_kept() -> None:
     result = json.loads(out.stdout)
     assert result["neighbours"].startswith("1 nice-19 busy loop, each in its own session")
     assert "load_peak_rss_mb" not in result  # --no-load-probe
-    for measure in ("single_stream", "streams_2", "prefill_1k"):
+    for measure in ("single_stream", "streams_2", "prefill_40"):  # --prefill-tokens=40
         row = result[measure]
         assert row["tokenwire_loaded_tok_s"] > 0
         assert row["tokenwire_kept"] == row["tokenwire_loaded_tok_s"] / row["tokenwire_tok_s"]
