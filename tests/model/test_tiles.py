@@ -44,6 +44,22 @@ def _packed(wt: WeightType, rows: int, cols: int, seed: int) -> np.ndarray:
     return quantize(torch.from_numpy(w), wt.gguf_id).numpy()
 
 
+def _quants_set_to(packed: np.ndarray, wt: WeightType, byte: int) -> np.ndarray:
+    """`packed`'s blocks [n, block_bytes] with every quant byte `byte` (a K-quant's whole quant
+    range, QUANTS; a 32-weight type's bytes after its fp16 fields) and a Q5_0 / Q5_1 block's 4 qh
+    bytes all set (every high bit)."""
+    blocks = packed.reshape(-1, wt.block_bytes).copy()
+    if wt.name in QUANTS:
+        start, end = QUANTS[wt.name]
+        blocks[:, start:end] = byte
+    else:  # the 32-weight types: the quants follow the fp16 fields
+        head = wt.block_bytes - (32 if wt.name == "Q8_0" else 16)
+        blocks[:, head:] = byte
+        if wt.name.startswith("Q5"):  # the 4 qh bytes before the nibbles: every high bit set
+            blocks[:, head - 4 : head] = 0xFF
+    return blocks
+
+
 def _centre(packed: np.ndarray, wt: WeightType) -> np.ndarray:
     """What each weight weighs with its quant at the type's zero point: the part of the weight
     the kernels leave to the exact fp32 block sums (Q4_1's m + 8 d, Q4_K's 8 d sc - dmin m; 0
@@ -53,14 +69,8 @@ def _centre(packed: np.ndarray, wt: WeightType) -> np.ndarray:
         blocks[:, 0:128], blocks[:, 128:192] = 0x00, 0xAA
     elif wt.name == "Q5_K":  # nibble 0 with every qh bit set: 16
         blocks[:, 16:48], blocks[:, 48:176] = 0xFF, 0x00
-    elif wt.name in QUANTS:
-        start, end = QUANTS[wt.name]
-        blocks[:, start:end] = ZERO_BYTE[wt.name]
-    else:  # the 32-weight types: the quants follow the fp16 fields
-        head = wt.block_bytes - (32 if wt.name == "Q8_0" else 16)
-        blocks[:, head:] = ZERO_BYTE[wt.name]
-        if wt.name.startswith("Q5"):  # the 4 qh bytes before the nibbles: every high bit set
-            blocks[:, head - 4 : head] = 0xFF
+    else:
+        blocks = _quants_set_to(packed, wt, ZERO_BYTE[wt.name])
     return wt.dequantize_reference(blocks.reshape(packed.shape))
 
 
@@ -115,16 +125,7 @@ def test_the_largest_quants_times_the_largest_activations_fit_the_integer_sums(w
     the worst case, and it must come out as the fp64 product, to fp32 rounding, with no
     wrap-around (one sum too many would be off by 65536 steps)."""
     k = 2 * 256 if wt.block == 256 else 16 * 32
-    blocks = _packed(wt, 16, k, seed=11).reshape(-1, wt.block_bytes).copy()
-    if wt.name in QUANTS:
-        start, end = QUANTS[wt.name]
-        blocks[:, start:end] = 0xFF
-    else:
-        head = wt.block_bytes - (32 if wt.name == "Q8_0" else 16)
-        blocks[:, head:] = LARGEST_BYTE.get(wt.name, 0xFF)
-        if wt.name.startswith("Q5"):
-            blocks[:, head - 4 : head] = 0xFF
-    packed = blocks.reshape(16, -1)
+    packed = _quants_set_to(_packed(wt, 16, k, seed=11), wt, LARGEST_BYTE.get(wt.name, 0xFF)).reshape(16, -1)
     w = torch.from_numpy(wt.dequantize_reference(packed)).double()
     layer = QuantLinear(torch.from_numpy(packed), wt.gguf_id, k)
     x = torch.ones(6, k) * torch.tensor([[1.0], [-1.0], [3.5], [-0.25], [1.0], [-2.0]])
