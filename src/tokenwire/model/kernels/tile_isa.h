@@ -37,6 +37,19 @@ struct TileIsa {
   using F = __m512;
   static constexpr int kRows = 16;
   static constexpr int kTokens = 8;  // accumulators: 8 tokens x (int, float, offset) + weights
+  // Decode prefetches each laid-out read (tiles.h's LaidSrc: 4 vectors at p) 12 KB ahead, into
+  // L2, where more lines can be in flight than into L1. It streams every weight once, so this
+  // sets how much of DRAM's bandwidth it gets: 2 threads, M = 1, ten 8960x1536 / 1536x8960 Q4_K
+  // and 8192x2048 Q6_K matrices in turn, GB/s, three rounds interleaved: into L1 8 KB ahead
+  // (the setting before, still AVX2's) 33/30/30, 27/31/29, 28/24/25; L2 12 KB 30/34/27,
+  // 38/37/33, 38/39/28; L2 16 KB 29-39 (a torch sum reads 47-52 GB/s there). qwen2.5-1.5b
+  // Q4_K_M greedy decode 38.4 -> 49.6 tok/s in a quiet spell (medians of 3 runs each,
+  // interleaved), 31.3 -> 32.1 in a busy one. The last line: p is unaligned in Q6_K's odd rows.
+  static void prefetch_ahead(const I* p) {
+    const char* at = reinterpret_cast<const char*>(p) + 12288;
+    for (int line = 0; line < 4; ++line) _mm_prefetch(at + 64 * line, _MM_HINT_T1);
+    _mm_prefetch(at + 4 * sizeof(I) - 1, _MM_HINT_T1);
+  }
   static I set1(int v) { return _mm512_set1_epi32(v); }
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
@@ -109,6 +122,13 @@ struct TileIsa {
   using F = __m256;
   static constexpr int kRows = 8;
   static constexpr int kTokens = 4;  // 16 registers: 4 tokens x (int, float, offset) + weights
+  // Decode's prefetches (as AVX-512's): into L1 8 KB ahead, one a vector. AVX2's decode is
+  // bound by its arithmetic more than by DRAM (from L3, 2 threads: Q4_K 46-49 GB/s, Q6_K 34-39;
+  // AVX-512 72 and 64) and wants its bytes in L1: same matrices as AVX-512's, GB/s, three
+  // rounds: L1 8 KB 35/29/33, 34/31/32, 32/28/30; L2 12 KB 31/30/29, 32/32/27, 30/30/27.
+  static void prefetch_ahead(const I* p) {
+    for (int k = 0; k < 4; ++k) _mm_prefetch(reinterpret_cast<const char*>(p + k) + 8192, _MM_HINT_T0);
+  }
   static I set1(int v) { return _mm256_set1_epi32(v); }
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }

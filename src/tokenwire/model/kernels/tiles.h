@@ -171,11 +171,6 @@ struct RowsSrc {
   void get(int64_t off, TI out[4]) const { TileIsa::transpose(rows, off, out); }
 };
 
-// How far ahead of each read a laid-out strip is prefetched: 2 threads, M = 1, 10 matrices of
-// 8192x2048 / 2048x8192 in turn, GB/s: none Q4_K 30-45 Q6_K 26-28, 4 KB 28-39 / 26-30, 8 KB
-// 35-45 / 30-32 (one sitting, the machine shared).
-constexpr int kLaidPrefetch = 8192;
-
 struct LaidSrc {
   static constexpr bool kImage = true;
   const uint8_t* group;  // the group's first byte
@@ -183,8 +178,7 @@ struct LaidSrc {
   bool ahead;            // prefetch along the reads (decode: the strips prefetch whole strips)
   void get(int64_t off, TI out[4]) const {
     const TI* p = reinterpret_cast<const TI*>(group) + off / 4;
-    if (ahead)
-      for (int k = 0; k < 4; ++k) _mm_prefetch(reinterpret_cast<const char*>(p + k) + kLaidPrefetch, _MM_HINT_T0);
+    if (ahead) TileIsa::prefetch_ahead(p);
     for (int k = 0; k < 4; ++k) out[k] = TileIsa::load(p + k);
   }
   TF tail_halves() const { return TileIsa::halves(tail); }  // one fp16 a row
