@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.tokenwire-installed
 SERVE_ARGS ?=
 
-.PHONY: serve test lint bench install clean proto
+.PHONY: serve test lint bench bench-peer-avx2 install clean proto
 
 install: $(STAMP)
 
@@ -40,6 +40,18 @@ BENCH_STAMP := $(VENV)/.tokenwire-bench-installed
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	touch $(BENCH_STAMP)
+
+# llama.cpp built for AVX2 only, beside the bench extra's native build: the like-for-like peer
+# when TOKENWIRE_KERNELS_ISA=avx2 stands in for an AVX2-only CPU on an AVX-512 machine
+# (bench/llamacpp_baseline.py picks it then); the same version, compiled from its sdist: minutes
+AVX2_PEER := $(VENV)/llama-cpp-avx2
+AVX2_PEER_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
+	-DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF
+bench-peer-avx2: $(BENCH_STAMP)
+	CMAKE_ARGS="$(AVX2_PEER_CMAKE)" $(BIN)/pip install --quiet --no-cache-dir --no-deps \
+		--no-binary llama-cpp-python --upgrade --target $(AVX2_PEER) \
+		"llama-cpp-python==$$($(BIN)/pip show llama-cpp-python | sed -n 's/^Version: //p')"
 
 bench: $(BENCH_STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/tokenwire bench engine

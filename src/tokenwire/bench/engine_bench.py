@@ -206,6 +206,7 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     if args.llamacpp and gguf is not None and llamacpp_baseline.available():
         llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), args.streams, 512)
     llamacpp_load_s = llama.load_s if llama is not None else None
+    llamacpp_kernels = llama.kernels if llama is not None else None
     try:
         prompts = _prompts(engine, args.streams)
         long = long_prompt(engine, args.prefill_tokens)
@@ -287,6 +288,7 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     result["load_s"] = load_s
     result["load_cold"] = None if converted is None else not converted
     result["llamacpp_load_s"] = llamacpp_load_s
+    result["llamacpp_kernels"] = llamacpp_kernels
     result["kv_cache_mb"] = kv_mb
     if probe is not None:
         result["load_warm_s"] = probe["load_s"]
@@ -321,6 +323,11 @@ def _print_table(
         f"tokenwire bench engine — {name}, weights {result['weights']}, {threads} threads, median of {reps}"
     )
     print(f"decode steps: {result['decode']}; kernels: {result['kernels']} ({isa_choice()} build)")
+    if result["llamacpp_kernels"] is not None:
+        print(f"llama.cpp kernels: {result['llamacpp_kernels']}")
+        if isa_choice() == "avx2" and result["llamacpp_kernels"] == "AVX-512":
+            print("  (not like for like: an AVX2-only CPU has no AVX-512 llama.cpp; `make bench-peer-avx2`")
+            print("  installs the AVX2-only build, which the AVX2 stand-in then measures against)")
     print(f"{'measure':<24}{'tokenwire':>12}{'llama.cpp':>12}{'ratio':>8}{'transformers':>14}{'ratio':>8}")
 
     def cell(row: dict[str, float], value: str, ratio: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -44,6 +45,34 @@ def quiet_llama_cpp() -> None:
     lc = llama_cpp_module()
     lc.llama_backend_init()
     lc.llama_log_set(_quiet, ctypes.c_void_p())
+
+
+# llama.cpp built for AVX2 only (`make bench-peer-avx2`): the like-for-like peer of our AVX2 build
+# run on an AVX-512 machine (TOKENWIRE_KERNELS_ISA=avx2, the stand-in for an AVX2-only CPU). The
+# installed llama-cpp-python is built for the machine it was built on; against it, our AVX2 build
+# was measured beside llama.cpp's AVX-512 kernels, which an AVX2-only CPU does not have.
+AVX2_PEER_DIR = Path(sys.prefix) / "llama-cpp-avx2"
+
+
+def peer_build() -> Path | None:
+    """Where the baseline imports llama-cpp-python from: the AVX2-only build when our kernels run
+    the AVX2 stand-in and that build is installed; None (the installed one) otherwise."""
+    # local: the kernels package imports torch, which the baseline's child process never needs
+    from tokenwire.model.kernels import isa_choice
+
+    if isa_choice() == "avx2" and (AVX2_PEER_DIR / "llama_cpp").is_dir():
+        return AVX2_PEER_DIR
+    return None
+
+
+def kernels_of(system_info: str) -> str:
+    """llama.cpp's CPU kernels in words, from llama_print_system_info()'s feature list."""
+    features = {part.split("=")[0].strip(): part.split("=")[-1].strip() for part in system_info.split("|")}
+    if features.get("AVX512") == "1":
+        return "AVX-512"
+    if features.get("AVX2") == "1":
+        return "AVX2"
+    return "portable"
 
 
 def available() -> bool:
@@ -228,13 +257,19 @@ class LlamaCppProcess:
     """LlamaCpp in a child process: each call is one JSON line to it and one back."""
 
     def __init__(self, gguf: Path, threads: int, streams: int, stream_ctx: int) -> None:
+        env = dict(os.environ)
+        build = peer_build()
+        if build is not None:  # found before the installed one
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(build), env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(gguf), str(threads), str(streams), str(stream_ctx)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
         self.load_s = float(self._call("ready"))  # LlamaCpp's constructor, timed in the child
+        self.kernels = str(self._call("kernels"))  # the instruction set its build runs
 
     def _call(self, method: str, *args: Any) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -280,9 +315,11 @@ class LlamaCppProcess:
 def _child(argv: list[str]) -> None:
     gguf, threads, streams, stream_ctx = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     llama = LlamaCpp(gguf, threads, streams, stream_ctx)
-    calls = {"ready": lambda: llama.load_s, "single_decode": llama.single_decode, "streams": llama.streams,
-             "prefill": llama.prefill, "long_decode": llama.long_decode,
-             "lookup_decode": llama.lookup_decode, "teacher_forced": llama.teacher_forced}  # fmt: skip
+    kernels = kernels_of(llama.lc.llama_print_system_info().decode())
+    calls = {"ready": lambda: llama.load_s, "kernels": lambda: kernels,
+             "single_decode": llama.single_decode, "streams": llama.streams, "prefill": llama.prefill,
+             "long_decode": llama.long_decode, "lookup_decode": llama.lookup_decode,
+             "teacher_forced": llama.teacher_forced}  # fmt: skip
     try:
         for line in sys.stdin:
             method, args = json.loads(line)
