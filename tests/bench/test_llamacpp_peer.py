@@ -30,13 +30,12 @@ def test_the_kernels_are_named_from_the_feature_list() -> None:
 
 @pytest.mark.parametrize(
     ("isa", "installed", "chosen"),
-    [("avx2", True, True), ("avx2", False, False), ("native", True, False), ("", True, False)],
+    [("avx2", True, True), ("avx2", False, False), ("native", True, False), ("portable", True, False)],
 )
 def test_the_avx2_peer_runs_beside_the_avx2_stand_in_only(
     isa: str, installed: bool, chosen: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("TOKENWIRE_KERNELS_ISA", isa)
     monkeypatch.setattr(llamacpp_baseline, "AVX2_PEER_DIR", tmp_path)
     if installed:
         (tmp_path / "llama_cpp").mkdir()
-    assert peer_build() == (tmp_path if chosen else None)
+    assert peer_build(isa) == (tmp_path if chosen else None)

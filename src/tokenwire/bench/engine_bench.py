@@ -204,7 +204,9 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     gguf = engine.source.source if engine.source.source.suffix.lower() == ".gguf" else None
     llama = None
     if args.llamacpp and gguf is not None and llamacpp_baseline.available():
-        llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), args.streams, 512)
+        llama = llamacpp_baseline.LlamaCppProcess(
+            gguf, torch.get_num_threads(), args.streams, 512, our_isa=isa_choice()
+        )
     llamacpp_load_s = llama.load_s if llama is not None else None
     llamacpp_kernels = llama.kernels if llama is not None else None
     try:

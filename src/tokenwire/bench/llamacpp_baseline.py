@@ -54,13 +54,11 @@ def quiet_llama_cpp() -> None:
 AVX2_PEER_DIR = Path(sys.prefix) / "llama-cpp-avx2"
 
 
-def peer_build() -> Path | None:
+def peer_build(our_isa: str) -> Path | None:
     """Where the baseline imports llama-cpp-python from: the AVX2-only build when our kernels run
-    the AVX2 stand-in and that build is installed; None (the installed one) otherwise."""
-    # local: the kernels package imports torch, which the baseline's child process never needs
-    from tokenwire.model.kernels import isa_choice
-
-    if isa_choice() == "avx2" and (AVX2_PEER_DIR / "llama_cpp").is_dir():
+    the AVX2 stand-in (`our_isa`: kernels.isa_choice()) and that build is installed; None (the
+    installed one) otherwise."""
+    if our_isa == "avx2" and (AVX2_PEER_DIR / "llama_cpp").is_dir():
         return AVX2_PEER_DIR
     return None
 
@@ -256,9 +254,11 @@ class LlamaCpp:
 class LlamaCppProcess:
     """LlamaCpp in a child process: each call is one JSON line to it and one back."""
 
-    def __init__(self, gguf: Path, threads: int, streams: int, stream_ctx: int) -> None:
+    def __init__(
+        self, gguf: Path, threads: int, streams: int, stream_ctx: int, our_isa: str = "native"
+    ) -> None:
         env = dict(os.environ)
-        build = peer_build()
+        build = peer_build(our_isa)
         if build is not None:  # found before the installed one
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(build), env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(

@@ -32,6 +32,7 @@ from tokenwire.bench.measures import ours_single, ours_streams
 from tokenwire.cli_args import add_model_args, settings_from
 from tokenwire.engine.engine import Engine
 from tokenwire.engine.factory import EngineSettings, build_engine
+from tokenwire.model.kernels import isa_choice
 
 
 class Counted:
@@ -71,7 +72,9 @@ def run_spec_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     llama = None
     if args.llamacpp and gguf is not None and llamacpp_baseline.available():
         room = max(len(p) for p in many) + n + 16  # each stream's context in llama.cpp's batch
-        llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), args.streams, room)
+        llama = llamacpp_baseline.LlamaCppProcess(
+            gguf, torch.get_num_threads(), args.streams, room, our_isa=isa_choice()
+        )
     runs: dict[str, dict[str, list[float]]] = {w: {} for w in ("edit", "chat", f"streams_{args.streams}")}
     counted = {w: Counted(on) for w in runs}
     generated = dict.fromkeys(runs, 0)
