@@ -43,8 +43,9 @@ struct TileIsa {
   // and 8192x2048 Q6_K matrices in turn, GB/s, three rounds interleaved: into L1 8 KB ahead
   // (the setting before, still AVX2's) 33/30/30, 27/31/29, 28/24/25; L2 12 KB 30/34/27,
   // 38/37/33, 38/39/28; L2 16 KB 29-39 (a torch sum reads 47-52 GB/s there). qwen2.5-1.5b
-  // Q4_K_M greedy decode 38.4 -> 49.6 tok/s in a quiet spell (medians of 3 runs each,
-  // interleaved), 31.3 -> 32.1 in a busy one. The last line: p is unaligned in Q6_K's odd rows.
+  // Q4_K_M greedy decode, this code against L1 8 KB (medians of 3 x 64 tokens, 3 interleaved
+  // pairs): 25.8 -> 41.9, 24.4 -> 30.8, 27.3 -> 30.0 tok/s; llama-1b 37.3 -> 56.5, 35.5 -> 40.3,
+  // 37.5 -> 40.8. The last line: p is unaligned in Q6_K's odd rows.
   static void prefetch_ahead(const I* p) {
     const char* at = reinterpret_cast<const char*>(p) + 12288;
     for (int line = 0; line < 4; ++line) _mm_prefetch(at + 64 * line, _MM_HINT_T1);
