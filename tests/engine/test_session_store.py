@@ -139,3 +139,21 @@ def test_a_restart_indexes_the_files_and_drops_unfinished_ones(tmp_path: Path) -
     assert again.has(digest) and again.read(digest) == b"\x01" * 64
     assert not leftover.exists()
     assert again.bytes_total == files.bytes_total
+
+
+def test_a_background_store_is_indexed_when_told_and_its_unfinished_files_dropped(tmp_path: Path) -> None:
+    """The write-behind thread's path (engine/kv_write_behind.py): `store` writes the file with
+    a temporary name of its own, `index` (under the engine lock) makes it known and counted."""
+    files = BlockFiles(tmp_path / "kv", 64)
+    digest = bytes(range(16))
+    size = files.store(digest, b"\x02" * 64, ".tmp-wb")
+    assert size == HEADER.size + 64 and files.path(digest).exists()
+    assert not files.has(digest) and files.writes == 0 and files.bytes_total == 0
+    files.index(digest, size)
+    files.index(digest, size)  # twice (the scheduler's write raced it): counted once
+    assert files.has(digest) and files.writes == 1 and files.bytes_total == size
+    assert files.read(digest) == b"\x02" * 64
+    leftover = files.path(digest).with_name("cafe.kv.tmp-wb")  # a crash mid-write
+    leftover.write_bytes(b"half")
+    again = BlockFiles(tmp_path / "kv", 64)
+    assert again.has(digest) and not leftover.exists()

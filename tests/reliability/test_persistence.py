@@ -13,6 +13,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.state_server import MODEL, StateServer
@@ -178,4 +179,56 @@ def test_a_small_state_budget_evicts_whole_idle_sessions_and_serving_goes_on(tmp
         assert [len(server.tokens(sid, key="key-a")) for sid in sessions] == lengths
         for sid in sessions:
             server.turn(sid, [13], key="key-a", max_tokens=1)
+        server.stop()
+
+
+def _wait_for_metric(server: StateServer, name: str, done: Callable[[float], bool]) -> float:
+    """The metric once `done` holds of it (the write-behind thread works in the background)."""
+    deadline = time.monotonic() + 60
+    while not done(value := server.metric(name)):
+        assert time.monotonic() < deadline, f"{name} still {value} after 60 s"
+        time.sleep(0.1)
+    return value
+
+
+def _full_blocks(server: StateServer, sid: str) -> int:
+    """The full KV blocks a session holds (its last token, generated, is not computed yet)."""
+    return (len(server.tokens(sid, key="key-a")) - 1) // 16
+
+
+def test_idle_kv_reaches_disk_in_the_background_so_a_sigkill_loses_none_of_it(tmp_path: Path) -> None:
+    """No eviction and no SIGTERM: the idle session's blocks are written by the write-behind
+    thread (engine/kv_write_behind.py), so after a SIGKILL its next turn reads them from disk."""
+    with StateServer(tmp_path) as server:
+        sid = _session(server)
+        server.turn(sid, [13], key="key-a")
+        twin = server.post(f"/v1/sessions/{sid}/fork", {}, "key-a")["id"]
+        reference = server.turn(twin, NEXT, key="key-a")  # (the twin's full blocks are the session's)
+        full = _full_blocks(server, sid)
+        _wait_for_metric(server, "tokenwire_kv_disk_blocks", lambda n: n >= full)
+        assert server.metric("tokenwire_kv_disk_evicted_sessions_total") == 0
+        server.kill()
+    with StateServer(tmp_path) as server:
+        assert server.turn(sid, NEXT, key="key-a") == reference
+        assert server.metric("tokenwire_kv_disk_reads_total") >= full
+        assert "disk_kv_tokens=" in server.log
+        server.stop()
+
+
+def test_a_closed_sessions_block_files_are_removed_and_the_others_kept(tmp_path: Path) -> None:
+    other = [t + 1 for t in PROMPT]  # no block in common with PROMPT
+    with StateServer(tmp_path) as server:
+        kept, closed = _session(server, prompt=other), _session(server)
+        for sid in (kept, closed):
+            server.turn(sid, [13], key="key-a")
+        kept_blocks, closed_blocks = _full_blocks(server, kept), _full_blocks(server, closed)
+        _wait_for_metric(server, "tokenwire_kv_disk_blocks", lambda n: n == kept_blocks + closed_blocks)
+        assert server.call("DELETE", f"/v1/sessions/{closed}", key="key-a")[0] == 200
+        _wait_for_metric(server, "tokenwire_kv_disk_blocks", lambda n: n == kept_blocks)
+        twin = server.post(f"/v1/sessions/{kept}/fork", {}, "key-a")["id"]
+        reference = server.turn(twin, NEXT, key="key-a")
+        server.kill()
+    with StateServer(tmp_path) as server:
+        assert server.turn(kept, NEXT, key="key-a") == reference  # its files were all kept
+        assert server.metric("tokenwire_kv_disk_reads_total") >= kept_blocks
         server.stop()

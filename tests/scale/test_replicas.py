@@ -4,7 +4,7 @@ cancel reaches the replica; a second ingress continues a session; metrics and `r
 the replicas; killing a replica ends its streams with each protocol's error and nothing else.
 
 The tests of this module share one replicated server (and one `--replicas 0` reference); the
-replica-kill test is last because it restarts a replica.
+replica-kill test comes late because it restarts a replica, and the whole-restart test last.
 """
 
 from __future__ import annotations
@@ -47,24 +47,27 @@ def run(coro: Any, timeout: float = 120) -> Any:
 
 @pytest.fixture(scope="module")
 def servers(ray_address, tiny_model_dir, tmp_path_factory):
-    """(replicated server, single-process reference server), started side by side; the
-    replicated one serves AICI too (its `aici_port`)."""
+    """[replicated server, single-process reference server], started side by side; the
+    replicated one serves AICI too (its `aici_port`) and keeps its arguments (`args`: the last
+    test starts it again on the same state dir)."""
     (aici_port,) = free_ports(1)
-    replicated = ServeProcess(
-        tiny_model_dir, "--replicas", "2", "--replica-cpus", "0.5", "--ray-address", ray_address,
+    args = (
+        "--replicas", "2", "--replica-cpus", "0.5", "--ray-address", ray_address,
         "--ray-namespace", NAMESPACE, "--aici", "--aici-port", str(aici_port),
         "--aici-store-dir", str(tmp_path_factory.mktemp("aici-store")),
-        "--state-dir", str(tmp_path_factory.mktemp("state")), persist=True,
+        "--state-dir", str(tmp_path_factory.mktemp("state")),
     )  # fmt: skip
-    replicated.aici_port = aici_port
+    replicated = ServeProcess(tiny_model_dir, *args, persist=True)
+    replicated.aici_port, replicated.args = aici_port, args
     reference = ServeProcess(tiny_model_dir)
+    both = [replicated, reference]
     try:
         replicated.wait_ready()
         reference.wait_ready()
-        yield replicated, reference
+        yield both
     finally:
         reference.stop()
-        assert replicated.stop() == 0, replicated.log[-3000:]
+        assert both[0].stop() == 0, both[0].log[-3000:]
         remove_all(NAMESPACE)  # on a joined cluster the replicas outlive the ingress (detached)
 
 
@@ -705,3 +708,61 @@ def test_killing_a_replica_ends_its_streams_with_each_protocols_error(servers) -
     tokens, turn, expected = run(recovered())
     assert tokens == kept_tokens and placement(kept)[0] == 0
     assert turn == expected
+
+
+# ---------------------------------------------------------------------------------- restart
+async def _kept_buffer(port: int, tokens: list[int] | None) -> list[dict[str, Any]]:
+    """LMTP: a kept buffer made (when `tokens`) and its next tokens (the buffer unchanged)."""
+    url = f"ws://127.0.0.1:{port}/"
+    async with await LmtpClient.connect(url, extensions=["buffers"], auth_token="key-a") as client:
+        if tokens is not None:
+            await client.buffer("kept", tokens, keep=True)
+        records = await client.generate_all([], buffer="kept", max_tokens=4, top_logprobs=2)
+        return [{k: v for k, v in r.items() if k != "stream_id"} for r in records]  # (the connection's)
+
+
+async def _salience_next(port: int, sid: str, tokens: list[int]) -> tuple[list[int], list[int]]:
+    async with AsyncClient(f"127.0.0.1:{port}") as client:
+        session = AsyncSession(client, SessionView(sid, 4096, list(tokens)))
+        fork = await session.fork(len(tokens))  # the session itself stays as it is
+        return await session.dump(), [t.id async for t in fork.generate([8], max_tokens=3, top_k=1)]
+
+
+def test_a_whole_restart_of_serve_replicas_keeps_every_protocols_sessions(servers, tiny_model_dir) -> None:
+    """The ingress and both replicas gone (the replicas killed: a crash, no flush), then `serve
+    --replicas 2` again on the same state dir: each replica restores its sessions and the new
+    session map finds them; Salience sessions, stored responses and kept LMTP buffers answer as
+    they did (greedy, batch-invariant arithmetic: the same tokens and logprobs)."""
+    import openai
+
+    replicated = servers[0]
+
+    def responses(server: ServeProcess) -> Any:
+        base = f"http://127.0.0.1:{server.http}/v1"
+        return openai.OpenAI(base_url=base, api_key="key-a", max_retries=0, timeout=60).responses
+
+    async def open_salience() -> tuple[str, list[int]]:
+        async with AsyncClient(f"127.0.0.1:{replicated.grpc}") as client:
+            session = await client.open()
+            [t async for t in session.generate([5, 6, 7, 9, 10], max_tokens=3, top_k=1)]
+            return session.id, await session.dump()
+
+    sid, tokens = run(open_salience())
+    _, salience_next = run(_salience_next(replicated.grpc, sid, tokens))
+    ask = {"model": "tiny", "temperature": 0, "max_output_tokens": 4}
+    first = responses(replicated).create(input="Tell me about rivers.", **ask)
+    follow = responses(replicated).create(input="And bridges?", previous_response_id=first.id, **ask)
+    buffer_next = run(_kept_buffer(replicated.lmtp, list(range(200, 240))))
+
+    assert replicated.stop() == 0, replicated.log[-3000:]
+    remove_all(NAMESPACE)
+    again = servers[0] = ServeProcess(tiny_model_dir, *replicated.args, persist=True)
+    again.aici_port, again.args = replicated.aici_port, replicated.args
+    again.wait_ready()
+
+    assert "session(s) the replicas restored are in the session map" in again.log
+    assert run(_salience_next(again.grpc, sid, tokens)) == (tokens, salience_next)
+    assert responses(again).retrieve(first.id).output_text == first.output_text
+    again_follow = responses(again).create(input="And bridges?", previous_response_id=first.id, **ask)
+    assert again_follow.output_text == follow.output_text
+    assert run(_kept_buffer(again.lmtp, None)) == buffer_next

@@ -85,8 +85,9 @@ class EngineAPI(Protocol):
         (JSON) persists with it."""
         ...
 
-    def claimed_sessions(self, protocol: str) -> list[dict[str, Any]]:
-        """The sessions `protocol` claimed: id, owner, metadata, idle_s; least recently used first."""
+    def claimed_sessions(self, protocol: str | None = None) -> list[dict[str, Any]]:
+        """The sessions `protocol` (None: any) claimed: id, owner, metadata, idle_s; least
+        recently used first."""
         ...
 
     def session_owner(self, session_id: str) -> str:

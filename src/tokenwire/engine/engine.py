@@ -129,6 +129,7 @@ class Engine(SessionCalls, EngineAPI):
         self.on_finish: Callable[[Request, FinishEvent], None] | None = None
         self.lock_holds = LockHolds()  # the model thread's holds of the lock per step (bench spec)
         self.state = state
+        self.write_behind = None  # started with the state (session_calls.py _open_state)
         loaded: Future[Loaded] = Future()
         assigned = threading.Event()
         self._thread = threading.Thread(
@@ -450,6 +451,8 @@ class Engine(SessionCalls, EngineAPI):
         request.emit(event)
         if self.state is not None and not session.ephemeral:
             self.state.commit(session)  # the turn is in the session store (engine/persistence.py)
+            if self.write_behind is not None and session.protocol:
+                self.write_behind.poke()  # its KV to disk once idle (engine/kv_write_behind.py)
         if session.ephemeral:
             self._sessions.pop(session.id, None)
             self._release(session)
@@ -508,6 +511,8 @@ class Engine(SessionCalls, EngineAPI):
                 fut.cancel()
             self._wake.notify_all()
         self._thread.join(timeout=timeout_s)
+        if self.write_behind is not None:  # after its chunk in flight: the flush writes the rest
+            self.write_behind.stop(max(0.1, deadline - time.monotonic()))
         if self.state is not None:  # the KV still in RAM to disk, every row committed
             with self._lock:
                 self.state.flush(list(self._sessions.values()), deadline, not self._thread.is_alive())

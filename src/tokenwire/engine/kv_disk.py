@@ -62,7 +62,7 @@ class BlockFiles:
                 continue
             for entry in os.scandir(sub):
                 name = entry.name
-                if not name.endswith(SUFFIX):  # a temporary file a crash left behind
+                if not name.endswith(SUFFIX):  # a temporary file (*.tmp, *.tmp-wb) a crash left
                     stale += _remove(Path(entry.path))
                     continue
                 try:
@@ -87,10 +87,19 @@ class BlockFiles:
         """Store one block (no-op where it is already stored). False where the disk refused."""
         if digest in self.sizes:
             return True
+        size = self.store(digest, payload, ".tmp")
+        if size is not None:
+            self.index(digest, size)
+        return size is not None
+
+    def store(self, digest: bytes, payload: bytes | memoryview, tmp_suffix: str) -> int | None:
+        """The file alone, not indexed (`index` does that): thread-safe for a `tmp_suffix` of the
+        caller's own (the write-behind thread's, engine/kv_write_behind.py). Its bytes, or None
+        where the disk refused (counted and logged)."""
         if len(payload) != self.payload_bytes:
             raise ValueError(f"KV block of {len(payload)} bytes, expected {self.payload_bytes}")
         path = self.path(digest)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(path.name + tmp_suffix)
         header = HEADER.pack(MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload), digest)
         try:
             path.parent.mkdir(exist_ok=True)
@@ -103,13 +112,17 @@ class BlockFiles:
             self.write_errors += 1
             if self.write_errors == 1 or self.write_errors % 100 == 0:
                 log.warning("KV block file %s not written: %s", path, exc.strerror or exc)
-            return False
-        size = HEADER.size + len(payload)
+            return None
+        return HEADER.size + len(payload)
+
+    def index(self, digest: bytes, size: int) -> None:
+        """A file `store` wrote is now known (and counted)."""
+        if digest in self.sizes:
+            return
         self.sizes[digest] = size
         self.bytes_total += size
         self.writes += 1
         self.write_bytes += size
-        return True
 
     def fetch(self, digest: bytes) -> tuple[bytearray | None, str | None]:
         """A block file's bytes and what is wrong with them (None: nothing). Thread-safe and

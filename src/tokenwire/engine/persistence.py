@@ -69,6 +69,8 @@ class SessionPersistence:
         self._ahead: dict[bytes, tuple[int, Future[Any]]] = {}
         self._host: list[tuple[Any, int]] | None = None  # the cache's tensors as bytes (_host_views)
         self._local = threading.local()  # each reader's reused buffer
+        self.writing: set[bytes] = set()  # blocks the write-behind thread is writing (kv_write_behind.py)
+        self.closes = 0  # persisted sessions closed: the write-behind's cue to collect files
 
     # ------------------------------------------------------------------ start
     def open(
@@ -131,6 +133,7 @@ class SessionPersistence:
     def forget(self, session: Session) -> None:
         if session.protocol:
             self.store.delete(session.id)
+            self.closes += 1
         self._chains.pop(session.id, None)
 
     def _row(self, session: Session) -> SessionRow:
@@ -148,7 +151,7 @@ class SessionPersistence:
             return 0
         written = 0
         for i, digest in enumerate(session.full_hashes[: len(session.block_table)]):
-            if files.has(digest):
+            if files.has(digest) or digest in self.writing:  # (the writer holds a reference)
                 continue
             if not files.write(digest, read_block(self.kv, session.block_table[i])):
                 break  # the disk refused (full): the rest stays RAM-only, computed again if evicted
@@ -230,6 +233,10 @@ class SessionPersistence:
         allocator.decref(block)
         return block
 
+    def reading(self, digest: bytes) -> bool:
+        """Whether a reader thread may be reading the block's file now (`prefetch`)."""
+        return digest in self._ahead
+
     def _host_views(self) -> list[tuple[Any, int]] | None:
         """The cache's tensors as [layers, blocks, bytes of a block's layer] uint8 arrays with
         their bytes per block; None where the cache is not in host memory."""
@@ -266,7 +273,7 @@ class SessionPersistence:
             return
         persisted = sorted((s for s in sessions if s.protocol), key=lambda s: s.last_used)
         users: dict[bytes, int] = {}
-        chains = {s.id: self._chain(s) for s in persisted}
+        chains = {s.id: self.chain(s) for s in persisted}
         for chain in chains.values():
             for digest in chain:
                 users[digest] = users.get(digest, 0) + 1
@@ -288,7 +295,7 @@ class SessionPersistence:
                 self.evicted_sessions += 1
                 log.info("session %s: KV block files evicted (--state-max-gb); its tokens stay", session.id)
 
-    def _chain(self, session: Session) -> list[bytes]:
+    def chain(self, session: Session) -> list[bytes]:
         """The prefix hashes of a session's full blocks (as Session.computed makes them)."""
         bs = self.kv.block_size
         full = len(session.tokens) // bs

@@ -19,6 +19,7 @@ from tokenwire.engine.errors import (
     SessionNotFoundError,
 )
 from tokenwire.engine.kv_cache import KVCache
+from tokenwire.engine.kv_write_behind import WriteBehind
 from tokenwire.engine.postprocess import Finish
 from tokenwire.engine.request import Request
 from tokenwire.engine.session import Session, Ttl
@@ -51,6 +52,7 @@ class SessionCalls:
     weights: str | None
     device_type: str
     sessions_outlive_server: bool
+    write_behind: WriteBehind | None  # idle sessions' KV to disk in the background
 
     def _open_state(self) -> None:
         """At start: the persisted sessions of this model back, and the hooks that keep them."""
@@ -62,12 +64,23 @@ class SessionCalls:
         self.scheduler.spill = self._spill
         self.state.make_room = self._free_idle
         self.sessions_outlive_server = True  # a protocol stopping must not close them
+        if self.state.files is not None:
+            self.write_behind = WriteBehind(
+                self.state, self._lock, self._idle_sessions, self._persisted_sessions, self._enforce_budget
+            )
+
+    def _persisted_sessions(self) -> list[Session]:
+        return [s for s in self._sessions.values() if s.protocol]
 
     def _spill(self, session: Session) -> None:
         """Must hold the lock: an idle session's KV leaves RAM, written to disk first."""
         assert self.state is not None
         if self.state.spill(session):
-            self.state.enforce_budget(list(self._sessions.values()), set(self._running))
+            self._enforce_budget()
+
+    def _enforce_budget(self) -> None:
+        assert self.state is not None
+        self.state.enforce_budget(list(self._sessions.values()), set(self._running))
 
     def _free_idle(self) -> bool:
         """Must hold the lock, no step running: the least recently used idle session's KV to disk
@@ -95,13 +108,14 @@ class SessionCalls:
                 session.metadata = metadata
             self._commit(session)
 
-    def claimed_sessions(self, protocol: str) -> list[dict[str, Any]]:
-        """The sessions `protocol` claimed (those a restart restored included): each one's id,
-        owner, metadata and idle seconds, least recently used first. How a protocol whose
-        clients address its sessions by another name (Responses' response ids) finds them."""
+    def claimed_sessions(self, protocol: str | None = None) -> list[dict[str, Any]]:
+        """The sessions `protocol` claimed (None: any protocol; those a restart restored
+        included): each one's id, owner, metadata and idle seconds, least recently used first.
+        How a protocol whose clients address its sessions by another name (Responses' response
+        ids) finds them, and a restarted replica its sessions (scale/replica.py)."""
         with self._lock:
             now = time.monotonic()
-            mine = [s for s in self._sessions.values() if s.protocol == protocol]
+            mine = [s for s in self._sessions.values() if s.protocol and protocol in (None, s.protocol)]
             mine.sort(key=lambda s: s.last_used)
             return [{"id": s.id, "owner": s.owner, "metadata": s.metadata, "idle_s": now - s.last_used}
                     for s in mine]  # fmt: skip
@@ -145,6 +159,8 @@ class SessionCalls:
             self._release(session)
             if self.state is not None:
                 self.state.forget(session)
+                if self.write_behind is not None and session.protocol:
+                    self.write_behind.poke()  # its files may go (kv_write_behind.py)
             return True
 
     def _release(self, session: Session) -> None:

@@ -116,4 +116,12 @@ def start_replicas(spec: ClusterSpec, settings: EngineSettings) -> tuple[list[An
     for info in infos:
         log.info("replica %d: pid %d on %s, device %s (%s)", info.index, info.pid, info.node, info.device,
                  info.incarnation)  # fmt: skip
+    # the sessions each replica restored from its state dir (engine/persistence.py), in the map: a
+    # session map made with this start asked the replicas before they existed
+    held = ray.get([a.sessions.remote() for a in actors], timeout=spec.start_timeout_s)
+    ray.get([directory.assign_many.remote(ids, i, incarnation) for i, (incarnation, ids) in enumerate(held)],
+            timeout=spec.start_timeout_s)  # fmt: skip
+    restored = sum(len(ids) for _, ids in held)
+    if restored:
+        log.info("%d session(s) the replicas restored are in the session map", restored)
     return actors, directory, infos

@@ -84,6 +84,11 @@ class SessionDirectory:
     def assign(self, session_id: str, replica: int, incarnation: str) -> None:
         self.table.assign(session_id, replica, incarnation)
 
+    def assign_many(self, session_ids: list[str], replica: int, incarnation: str) -> None:
+        """A replica's sessions at once: those it restored from its state dir at start."""
+        for session_id in session_ids:
+            self.table.assign(session_id, replica, incarnation)
+
     def lookup(self, session_id: str) -> tuple[int, str] | None:
         return self.table.lookup(session_id)
 

@@ -232,10 +232,14 @@ class ReplicaEngine(EngineAPI):
             session_id, lambda a: a.call.remote("claim_session", session_id, protocol, owner, metadata)
         )
 
-    def claimed_sessions(self, protocol: str) -> list[dict[str, Any]]:
-        """None here: the protocols that find their sessions by another name at start (stored
-        responses, kept LMTP buffers) do not restore them through replicas (docs/sessions.md)."""
-        return []
+    def claimed_sessions(self, protocol: str | None = None) -> list[dict[str, Any]]:
+        """Every replica's (those up), least recently used first: each replica restored its own
+        from its state dir, and start_replicas put them in the session map."""
+        found: list[dict[str, Any]] = []
+        for replica, actor in enumerate(self.replicas):
+            if self.up[replica]:
+                found += self._get(replica, actor.call.remote("claimed_sessions", protocol))
+        return sorted(found, key=lambda f: -f["idle_s"])
 
     def session_owner(self, session_id: str) -> str:
         return self._session_call(session_id, lambda a: a.call.remote("session_owner", session_id))

@@ -99,7 +99,9 @@ class EngineReplica:
         self.engine: Engine = build_engine(settings)
         self._active: dict[str, _Active] = {}
         self._outboxes: dict[str, Outbox] = {}
-        self._known: set[str] = set()  # sessions made here and not yet seen ended
+        # sessions made here and not yet seen ended, from the persisted ones a restart restored
+        # (engine/persistence.py: each replica its own state dir)
+        self._known: set[str] = {found["id"] for found in self.engine.claimed_sessions()}
         self._served: OrderedDict[str, int] = OrderedDict()  # session -> generate requests served
         self._forks: OrderedDict[str, str] = OrderedDict()  # child -> parent
         self._aici = ReplicaAici(self.engine)  # its AICI runtime starts at the first AICI call
@@ -283,5 +285,6 @@ _PASSTHROUGH: dict[str, Callable[..., Any]] = {
         Engine.image_tokens,
         Engine.claim_session,  # persisted sessions (issue 44): each replica its own state dir
         Engine.session_owner,
+        Engine.claimed_sessions,  # how Responses and LMTP find theirs again after a restart
     )
 }
