@@ -1,4 +1,5 @@
-"""The tiled int8 matmul (kernels/tiles.h) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K: within its
+"""The tiled int8 matmul (kernels/tiles.h) of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS, Q4_K, Q5_K and
+Q6_K: within its
 rounding bound of an fp32 matmul with the dequantised weight for any number of rows, each row's
 bits independent of the rows beside it, and int8 activations (not fewer bits) on a real-shape
 model. Run under TOKENWIRE_KERNELS_ISA=avx2 as well (the AVX2 build's 8-row strips and
@@ -25,13 +26,15 @@ TILED = [
     weight_types.Q5_0,
     weight_types.Q5_1,
     weight_types.Q8_0,
+    weight_types.IQ4_NL,
+    weight_types.IQ4_XS,
     weight_types.Q4_K,
     weight_types.Q5_K,
     weight_types.Q6_K,
 ]
 # each type's zero point: the quant byte that makes a weight weigh its block's offset alone
 # (Q4: nibble 8; Q5: nibble 0 with its qh bit set = 16; Q8_0: 0; Q6_K: ql 0 with qh bits 2 =
-# 32, in _centre)
+# 32, in _centre; IQ4: none, its table has no 0 and the integer dot takes the whole weight)
 ZERO_BYTE = {"Q4_0": 0x88, "Q4_1": 0x88, "Q5_0": 0x00, "Q5_1": 0x00, "Q8_0": 0x00, "Q4_K": 0x88}
 pytestmark = pytest.mark.skipif(not AVX2, reason="the tiled kernels need AVX2 (portable builds take fp32)")
 
@@ -52,6 +55,8 @@ def _quants_set_to(packed: np.ndarray, wt: WeightType, byte: int) -> np.ndarray:
     if wt.name in QUANTS:
         start, end = QUANTS[wt.name]
         blocks[:, start:end] = byte
+    elif wt.name == "IQ4_XS":  # d, scales_h, scales_l, then the nibbles
+        blocks[:, 8:] = byte
     else:  # the 32-weight types: the quants follow the fp16 fields
         head = wt.block_bytes - (32 if wt.name == "Q8_0" else 16)
         blocks[:, head:] = byte
@@ -64,6 +69,8 @@ def _centre(packed: np.ndarray, wt: WeightType) -> np.ndarray:
     """What each weight weighs with its quant at the type's zero point: the part of the weight
     the kernels leave to the exact fp32 block sums (Q4_1's m + 8 d, Q4_K's 8 d sc - dmin m; 0
     for the others). |w - centre| = |scale * (q - z)| is what meets the activations' rounding."""
+    if wt.name.startswith("IQ4"):
+        return np.zeros(wt.dequantize_reference(packed).shape, np.float32)
     blocks = packed.reshape(-1, wt.block_bytes).copy()
     if wt.name == "Q6_K":
         blocks[:, 0:128], blocks[:, 128:192] = 0x00, 0xAA
@@ -113,8 +120,9 @@ def test_tiled_matmul_is_within_the_int8_rounding_bound(wt: WeightType) -> None:
 
 
 # each type's largest quant as a byte pattern over its quant bytes (Q5: nibbles and qh bits all
-# set, 31; Q6_K: 63) and, for Q8_0, its most negative (-128: |w| = 128 on AVX2's vpsignb path)
-LARGEST_BYTE = {"Q8_0": 0x80}
+# set, 31; Q6_K: 63) and, for Q8_0, its most negative (-128: |w| = 128 on AVX2's vpsignb path);
+# IQ4's largest is its table's -127 (nibble 0: 241 unsigned on AVX-512, |w| 127 signed on AVX2)
+LARGEST_BYTE = {"Q8_0": 0x80, "IQ4_NL": 0x00, "IQ4_XS": 0x00}
 
 
 @pytest.mark.parametrize("wt", TILED, ids=lambda t: t.name)

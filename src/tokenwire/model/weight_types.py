@@ -227,9 +227,9 @@ Q8_0 = WeightType("Q8_0", 8, 32, (("d", 2), ("qs", 32)), "i8_32", _q8_0, tiled=T
 # Q5's high bits and nibbles stay together in the split row: a tile unit reads both (tiles_types.h)
 Q5_0 = WeightType("Q5_0", 6, 32, (("d", 2), ("qh_qs", 20)), "i8_32", _q5_0, tiled=True)
 Q5_1 = WeightType("Q5_1", 7, 32, (("d", 2), ("m", 2), ("qh_qs", 20)), "i8_32", _q5_1, tiled=True)
-IQ4_NL = WeightType("IQ4_NL", 20, 32, (("d", 2), ("qs", 16)), "i16_byte_pairs", _iq4_nl)
+IQ4_NL = WeightType("IQ4_NL", 20, 32, (("d", 2), ("qs", 16)), "i8_32", _iq4_nl, tiled=True)
 IQ4_XS = WeightType(
-    "IQ4_XS", 23, 256, (("d", 2), ("scales_h", 2), ("scales_l", 4), ("qs", 128)), "i16_byte_pairs", _iq4_xs
+    "IQ4_XS", 23, 256, (("d", 2), ("scales_h", 2), ("scales_l", 4), ("qs", 128)), "i8_32", _iq4_xs, tiled=True
 )
 # float matrices: a "block" of one value; no integer dot (fp32 activations, types_float.h)
 F16 = WeightType("F16", 1, 1, (("value", 2),), "", _f16)

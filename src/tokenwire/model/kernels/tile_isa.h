@@ -76,6 +76,8 @@ struct TileIsa {
   static I load(const I* p) { return _mm512_loadu_si512(p); }
   static void store(I* p, I v) { _mm512_store_si512(p, v); }
   static F halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // each byte (0..15) replaced by that byte of `table` (IQ4's non-linear values)
+  static I lookup16(__m128i table, I idx) { return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(table), idx); }
   // the fp16 values in the low / high halves of each dword
   static F half_lo(I a) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(a)); }
   static F half_hi(I a) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16))); }
@@ -155,6 +157,7 @@ struct TileIsa {
   static I load(const I* p) { return _mm256_loadu_si256(p); }
   static void store(I* p, I v) { _mm256_store_si256(p, v); }
   static F halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I lookup16(__m128i table, I idx) { return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), idx); }
   static F half_lo(I a) {  // the low halves (packus keeps 0..65535), lanes' order restored
     const I lo = _mm256_and_si256(a, _mm256_set1_epi32(0xffff));
     const I packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08);

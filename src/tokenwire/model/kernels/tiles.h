@@ -1,6 +1,6 @@
-// The register-tiled integer matmul of the tiled types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-// Q5_K, Q6_K), for any number of activation rows, decode included: ONE arithmetic per type
-// whatever M is.
+// The register-tiled integer matmul of the tiled types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
+// IQ4_XS, Q4_K, Q5_K, Q6_K), for any number of activation rows, decode included: ONE arithmetic
+// per type whatever M is.
 //
 // Activations: int8, one scale per 32 values (round to nearest, scale = max|x| / 127), with each
 // block's exact fp32 sum and its integer sums (ActI8, one format for every tiled type). Weights:

@@ -137,6 +137,104 @@ struct Tile<Q5_1> : Tile32<Q5_1> {
   static constexpr int kBias = 0;
 };
 
+// IQ4_NL, IQ4_XS: a unit is 16 bytes of nibbles (as Q4_0's) that index the non-linear table
+// (kIq4Values, -127..113) with one byte shuffle. AVX-512 takes the table + 128 (1..241, unsigned
+// for vpdpbusd, zero point 128: ActI8's -128 sum); AVX2 takes it signed (vpmaddubsw would
+// saturate 241 x 127 pairs), |w| times x with w's sign, one product an int16 sum (as Q8_0).
+// The unit's one float is its scale: IQ4_NL's d, IQ4_XS's d (ls - 32) (exact: 11 by 6 bits).
+// Before (int16 byte-pair rows, no GEMM): types_q5_iq4.h.
+struct TileIq4 {
+  static constexpr bool kHas = true, kOffset = false, kSigned = TileIsa::kSignedQ8;
+  static constexpr int kHalves = 1, kBias = kSigned ? -1 : 3, kBiasTimes = 1, kSum16 = sum16_of(127);
+  static bool laid(int64_t nb) { return nb % 2 == 0; }  // every part then starts at a multiple of 4
+  // 16 nibble bytes -> a unit's 8 weight vectors
+  static void unit(const TI q[4], TI* u) {
+    const __m128i table = iq4_table(!kSigned);
+    q4_unit(q, u);
+    for (int k = 0; k < 8; ++k) u[k] = TileIsa::lookup16(table, u[k]);
+  }
+};
+
+template <>
+struct Tile<IQ4_NL> : TileIq4, SameImage<IQ4_NL> {
+  template <class Src, class Sink>
+  static void convert(const Src& src, int64_t nb, Sink&& sink) {
+    using V = TileIsa;
+    const int64_t q_off = nb * IQ4_NL::part_offset(IQ4_NL::kQuantPart);
+    for (int64_t j = 0; j < nb; j += 8) {
+      TI d2[4];
+      src.get(nb * IQ4_NL::part_offset(IQ4_NL::kScalePart) + 2 * j, d2);
+      for (int64_t e = 0; e < std::min<int64_t>(8, nb - j); ++e) {
+        TI q[4], u[kUnitVecs];
+        src.get(q_off + 16 * (j + e), q);
+        unit(q, u);
+        u[8] = V::as_i(e % 2 ? V::half_hi(d2[e / 2]) : V::half_lo(d2[e / 2]));
+        u[9] = V::as_i(V::zerof());
+        sink(j + e, u);
+      }
+    }
+  }
+};
+
+// IQ4_XS: sub-block t of super-block s is unit 8 s + t, its nibbles the 16 bytes at 16 t of the
+// super-block's qs, its scale d (ls - 32), ls = the nibble at bit 4 t of scales_l's dword with
+// bits 2 t, 2 t + 1 of scales_h above it. Split rows put 2-byte d and scales_h parts first, so
+// with an odd number of super-blocks (qwen2.5's FFN width 8960: 35) scales_h would start at 2
+// mod 4; the laid-out image pairs them instead, a dword a super-block (d low, scales_h high),
+// so every part starts at a multiple of 4 and any row can be laid out (the same bytes).
+template <>
+struct Tile<IQ4_XS> : TileIq4 {
+  using T = IQ4_XS;
+  static bool laid(int64_t) { return true; }
+  template <bool kToImage>
+  static void reorder(const uint8_t* from, int64_t nb, uint8_t* to) {
+    for (int64_t s = 0; s < nb; ++s)
+      for (int part = 0; part < 2; ++part) {  // d, scales_h: split at 2 nb part + 2 s, image at 4 s + 2 part
+        const int64_t split = 2 * nb * part + 2 * s, image = 4 * s + 2 * part;
+        std::memcpy(to + (kToImage ? image : split), from + (kToImage ? split : image), 2);
+      }
+    std::memcpy(to + 4 * nb, from + 4 * nb, nb * (T::kBlockBytes - 4));  // scales_l and qs as they are
+  }
+  static void to_image(const uint8_t* row, int64_t nb, uint8_t* out) { reorder<true>(row, nb, out); }
+  static void from_image(const uint8_t* image, int64_t nb, uint8_t* out) { reorder<false>(image, nb, out); }
+  template <class Src, class Sink>
+  static void convert(const Src& src, int64_t nb, Sink&& sink) {
+    using V = TileIsa;
+    const int64_t q_off = nb * T::part_offset(T::kQuantPart), l_off = nb * T::part_offset(T::kLowPart);
+    for (int64_t j = 0; j < nb; j += 8) {
+      // per super-block e of these 8: a dword lane holding its d (low half) and scales_h (high)
+      TI dh[8], l4[8];
+      if constexpr (Src::kImage) {
+        src.get(4 * j, dh);
+        if (nb - j > 4) src.get(4 * j + 16, dh + 4);
+      } else {
+        TI d2[4], h2[4];
+        src.get(nb * T::part_offset(T::kScalePart) + 2 * j, d2);
+        src.get(nb * T::part_offset(T::kHighPart) + 2 * j, h2);
+        const TI low16 = V::set1(0xffff);
+        for (int e = 0; e < 8; ++e)
+          dh[e] = e % 2 ? V::or_(V::srli<16>(d2[e / 2]), V::and_(h2[e / 2], V::set1(static_cast<int>(0xffff0000u))))
+                        : V::or_(V::and_(d2[e / 2], low16), V::slli<16>(h2[e / 2]));
+      }
+      src.get(l_off + 4 * j, l4);
+      if (nb - j > 4) src.get(l_off + 4 * j + 16, l4 + 4);
+      for (int64_t e = 0; e < std::min<int64_t>(8, nb - j); ++e) {
+        const TF d = V::half_lo(dh[e]);
+        const TI high = V::srli<16>(dh[e]), low = l4[e];
+        for (int t = 0; t < 8; ++t) {
+          const TI ls = V::or_(V::and_(V::srl(low, 4 * t), V::set1(15)), V::slli<4>(V::and_(V::srl(high, 2 * t), V::set1(3))));
+          TI q[4], u[kUnitVecs];
+          src.get(q_off + 128 * (j + e) + 16 * t, q);
+          unit(q, u);
+          u[8] = V::as_i(V::mul(d, V::sub(V::cvt(ls), V::setf(32.0f))));
+          u[9] = V::as_i(V::zerof());
+          sink(8 * (j + e) + t, u);
+        }
+      }
+    }
+  }
+};
+
 // byte b of each dword as a float (unsigned / signed)
 template <int B>
 inline TF byte_u(TI v) {

@@ -102,8 +102,8 @@ TypeRow make_own_row() {
     i16 = &T::matmul_small_i16;
   }
 #endif
-  return {T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
-          act, &T::dequant_row, &T::matmul_small, i16};
+  return with_tiles<T>({T::kId, T::kName, T::kBlock, T::kBlockBytes, T::kPartBytes, T::kNumParts,
+                        act, &T::dequant_row, &T::matmul_small, i16});
 }
 
 // a K-quant type's row: its own functions (types_k.h's k_* templates over its traits)
