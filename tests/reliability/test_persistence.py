@@ -191,9 +191,11 @@ def _wait_for_metric(server: StateServer, name: str, done: Callable[[float], boo
     return value
 
 
-def _full_blocks(server: StateServer, sid: str) -> int:
-    """The full KV blocks a session holds (its last token, generated, is not computed yet)."""
-    return (len(server.tokens(sid, key="key-a")) - 1) // 16
+def _blocks(server: StateServer, sid: str) -> int:
+    """The KV blocks on disk a session holds: its full ones and the partial one at its computed
+    end (its last token, generated, is not computed yet)."""
+    computed = len(server.tokens(sid, key="key-a")) - 1
+    return computed // 16 + (computed % 16 > 0)
 
 
 def test_idle_kv_reaches_disk_in_the_background_so_a_sigkill_loses_none_of_it(tmp_path: Path) -> None:
@@ -201,17 +203,21 @@ def test_idle_kv_reaches_disk_in_the_background_so_a_sigkill_loses_none_of_it(tm
     thread (engine/kv_write_behind.py), so after a SIGKILL its next turn reads them from disk."""
     with StateServer(tmp_path) as server:
         sid = _session(server)
-        server.turn(sid, [13], key="key-a")
+        server.turn(sid, [13, 14], key="key-a")  # 306 tokens, 305 computed: 19 full blocks and 1
         twin = server.post(f"/v1/sessions/{sid}/fork", {}, "key-a")["id"]
         reference = server.turn(twin, NEXT, key="key-a")  # (the twin's full blocks are the session's)
-        full = _full_blocks(server, sid)
-        _wait_for_metric(server, "tokenwire_kv_disk_blocks", lambda n: n >= full)
+        computed = len(server.tokens(sid, key="key-a")) - 1  # (its last token, generated, is not)
+        assert computed % 16
+        # its full blocks and the partial one at its computed end (engine/persistence.py `tail`)
+        _wait_for_metric(server, "tokenwire_kv_disk_blocks", lambda n: n >= computed // 16 + 1)
         assert server.metric("tokenwire_kv_disk_evicted_sessions_total") == 0
         server.kill()
     with StateServer(tmp_path) as server:
         assert server.turn(sid, NEXT, key="key-a") == reference
-        assert server.metric("tokenwire_kv_disk_reads_total") >= full
-        assert "disk_kv_tokens=" in server.log
+        assert server.metric("tokenwire_kv_disk_reads_total") == computed // 16 + 1
+        # every computed position came from disk, the partial block's too: the turn computed
+        # only its own 5 (a full block's worth less would mean the tail was not read)
+        assert f"disk_kv_tokens={computed}" in server.log, server.log[-2000:]
         server.stop()
 
 
@@ -221,7 +227,7 @@ def test_a_closed_sessions_block_files_are_removed_and_the_others_kept(tmp_path:
         kept, closed = _session(server, prompt=other), _session(server)
         for sid in (kept, closed):
             server.turn(sid, [13], key="key-a")
-        kept_blocks, closed_blocks = _full_blocks(server, kept), _full_blocks(server, closed)
+        kept_blocks, closed_blocks = _blocks(server, kept), _blocks(server, closed)
         _wait_for_metric(server, "tokenwire_kv_disk_blocks", lambda n: n == kept_blocks + closed_blocks)
         assert server.call("DELETE", f"/v1/sessions/{closed}", key="key-a")[0] == 200
         _wait_for_metric(server, "tokenwire_kv_disk_blocks", lambda n: n == kept_blocks)

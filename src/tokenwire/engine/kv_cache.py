@@ -43,6 +43,10 @@ class LowerTier(Protocol):
     def load(self, digest: bytes) -> int | None:
         """The block back in a free block, registered under `digest`, unreferenced; or None."""
 
+    def load_tail(self, digest: bytes) -> int | None:
+        """A partial block (the positions past a sequence's last full block) back in a block of
+        the caller's own (one reference, not in the prefix cache); or None."""
+
     def finish(self) -> None:
         """The match is over: what was read ahead and not asked for is let go."""
 

@@ -5,7 +5,8 @@ Without it a persisted session's KV reached disk only when the scheduler took it
 another request (which then waited for the write: 47 MB for a 2k-token SmolLM2 history, 64 MB
 at Llama-3.2-1B's widths) or at SIGTERM, and a SIGKILL lost the KV of every session still in RAM
 (their next turns computed it again from their tokens). Now a persisted session idle for
-WRITE_AFTER_IDLE_S has the full blocks it holds that are not on disk yet written by one thread,
+WRITE_AFTER_IDLE_S has the blocks it holds that are not on disk yet (its full blocks, and the
+partial one at its computed end: persistence.py `tail`) written by one thread,
 CHUNK_BLOCKS at a time: under the engine lock it picks the blocks (least recently used session
 first) and takes a reference on each, so none is freed or reused while it is copied; without
 the lock it copies and writes them (the copy, the checksum and the file write release the GIL);
@@ -33,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tokenwire.engine.persistence import read_block
+from tokenwire.engine.kv_disk_layout import read_block
 
 if TYPE_CHECKING:
     from tokenwire.engine.persistence import SessionPersistence
@@ -142,15 +143,17 @@ class WriteBehind:
         for session in self._idle_sessions():  # least recently used first
             if not session.protocol or session.images:
                 continue
-            digests = session.full_hashes[: len(session.block_table)]
-            if not digests or self._done.get(session.id) == (len(digests), digests[-1]):
+            blocks = list(zip(session.full_hashes, session.block_table, strict=False))
+            tail = self.state.tail(session)  # the partial block at its computed end
+            blocks += [tail] if tail is not None else []
+            marker = (len(blocks), blocks[-1][0]) if blocks else None
+            if marker is None or self._done.get(session.id) == marker:
                 continue
             if now - session.last_used < WRITE_AFTER_IDLE_S:
                 return job, session.last_used + WRITE_AFTER_IDLE_S  # the rest are more recent
-            todo = [(d, session.block_table[i]) for i, d in enumerate(digests)
-                    if not files.has(d) and d not in writing]  # fmt: skip
+            todo = [(d, b) for d, b in blocks if not files.has(d) and d not in writing]
             if len(todo) <= CHUNK_BLOCKS - len(job):
-                self._done[session.id] = (len(digests), digests[-1])
+                self._done[session.id] = marker
             for digest, block in todo[: CHUNK_BLOCKS - len(job)]:
                 allocator.incref(block)
                 writing.add(digest)
@@ -174,7 +177,7 @@ class WriteBehind:
             del self._done[sid]
         held: set[bytes] = set(self.state.writing)
         for session in sessions:
-            held.update(self.state.chain(session))
+            held.update(self.state.held(session))
         stale = [d for d in self.files.sizes if d not in held and not self.state.reading(d)]
         for digest in stale:
             self.files.remove(digest)

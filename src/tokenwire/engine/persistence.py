@@ -26,8 +26,6 @@ again from their tokens (the block files are namespaced by all of these).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -40,7 +38,15 @@ import numpy as np
 import torch
 
 from tokenwire.engine.kv_cache import ROOT_HASH, KVCache, OutOfBlocksError, block_hash
-from tokenwire.engine.kv_disk import ENGINE_ARITHMETIC, HEADER, MAGIC, BlockFiles
+from tokenwire.engine.kv_disk import HEADER, BlockFiles
+from tokenwire.engine.kv_disk_layout import (
+    block_payload_bytes,
+    block_tensors,
+    kv_namespace,
+    model_identity,
+    read_block,
+    write_block,
+)
 from tokenwire.engine.session import Session
 from tokenwire.engine.session_store import SessionRow, open_store
 
@@ -48,7 +54,6 @@ if TYPE_CHECKING:
     from tokenwire.model.loader import ModelSource
 
 log = logging.getLogger("tokenwire.state")
-HASH_CHUNK = 8 << 20
 
 
 class SessionPersistence:
@@ -150,13 +155,39 @@ class SessionPersistence:
         if files is None or not session.protocol or session.images:
             return 0
         written = 0
-        for i, digest in enumerate(session.full_hashes[: len(session.block_table)]):
+        blocks = list(zip(session.full_hashes, session.block_table, strict=False))
+        tail = self.tail(session)
+        for digest, block in blocks + ([tail] if tail is not None else []):
             if files.has(digest) or digest in self.writing:  # (the writer holds a reference)
                 continue
-            if not files.write(digest, read_block(self.kv, session.block_table[i])):
+            if not files.write(digest, read_block(self.kv, block)):
                 break  # the disk refused (full): the rest stays RAM-only, computed again if evicted
             written += 1
         return written
+
+    def tail(self, session: Session) -> tuple[bytes, int] | None:
+        """The partial block after a session's full ones, as (the hash of the tokens up to its
+        computed end, the block), where it has computed positions there: stored beside the full
+        blocks, a turn after a restart computes only its own positions (Session._match_tail)."""
+        bs = self.kv.block_size
+        full, n = divmod(session.num_computed, bs)
+        if not n or session.images or len(session.block_table) <= full or len(session.full_hashes) < full:
+            return None
+        previous = session.full_hashes[full - 1] if full else ROOT_HASH
+        digest = block_hash(previous, session.tokens[full * bs : session.num_computed])
+        return digest, session.block_table[full]
+
+    def held(self, session: Session) -> list[bytes]:
+        """The block files a session's next turn may read: its full blocks' and its tail's (at
+        the end of its tokens, or one before: a generated last token is not computed yet)."""
+        bs, tokens = self.kv.block_size, session.tokens
+        chain = self.chain(session)
+        tails = []
+        for end in {len(tokens) - 1, len(tokens)}:
+            full, n = divmod(end, bs)
+            if end > 0 and n:
+                tails.append(block_hash(chain[full - 1] if full else ROOT_HASH, tokens[full * bs : end]))
+        return chain + tails
 
     def prefetch(self, digests: list[bytes]) -> None:
         """The prefix cache's lower tier (KVCache.lower_tier), told the blocks a sequence will ask
@@ -233,6 +264,25 @@ class SessionPersistence:
         allocator.decref(block)
         return block
 
+    def load_tail(self, digest: bytes) -> int | None:
+        """A session's partial block (`tail`) read from its file into a free block of the
+        caller's own, not registered in the prefix cache (its content is not a full block's)."""
+        files = self.files
+        if files is None or not files.has(digest):
+            return None
+        allocator = self.kv.allocator
+        if allocator.num_available == 0 and not self.make_room():
+            return None
+        payload = files.read(digest)
+        if payload is None:
+            return None
+        try:
+            block = allocator.allocate()
+        except OutOfBlocksError:
+            return None
+        write_block(self.kv, block, payload)
+        return block
+
     def reading(self, digest: bytes) -> bool:
         """Whether a reader thread may be reading the block's file now (`prefetch`)."""
         return digest in self._ahead
@@ -241,7 +291,7 @@ class SessionPersistence:
         """The cache's tensors as [layers, blocks, bytes of a block's layer] uint8 arrays with
         their bytes per block; None where the cache is not in host memory."""
         if self._host is None:
-            tensors = _block_tensors(self.kv)
+            tensors = block_tensors(self.kv)
             if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
                 return None
             self._host = []
@@ -273,7 +323,7 @@ class SessionPersistence:
             return
         persisted = sorted((s for s in sessions if s.protocol), key=lambda s: s.last_used)
         users: dict[bytes, int] = {}
-        chains = {s.id: self.chain(s) for s in persisted}
+        chains = {s.id: self.held(s) for s in persisted}
         for chain in chains.values():
             for digest in chain:
                 users[digest] = users.get(digest, 0) + 1
@@ -343,68 +393,3 @@ class SessionPersistence:
             "kv_disk_evicted_sessions": self.evicted_sessions,
             "state_write_errors": self.store.write_errors + (files.write_errors if files else 0),
         }
-
-
-# ---------------------------------------------------------------------- block payloads
-def _block_tensors(kv: KVCache) -> list[torch.Tensor]:
-    pool = kv.pool
-    return [t for t in (pool.k, pool.v, pool.k_scale, pool.v_scale) if t is not None]
-
-
-def block_payload_bytes(kv: KVCache) -> int:
-    return sum(t[:, 0].numel() * t.element_size() for t in _block_tensors(kv))
-
-
-def read_block(kv: KVCache, block: int) -> bytes:
-    """A block's keys and values (and q8 scales), every layer, as stored."""
-    parts = [t[:, block].contiguous().cpu().view(torch.uint8).reshape(-1) for t in _block_tensors(kv)]
-    return torch.cat(parts).numpy().tobytes()
-
-
-def write_block(kv: KVCache, block: int, payload: memoryview) -> None:
-    raw = torch.frombuffer(payload, dtype=torch.uint8)  # the read's own buffer: no copy
-    offset = 0
-    for t in _block_tensors(kv):
-        target = t[:, block]
-        n = target.numel() * t.element_size()
-        target.copy_(raw[offset : offset + n].view(t.dtype).view(target.shape))
-        offset += n
-
-
-# ---------------------------------------------------------------------- identities
-def kv_namespace(model_id: str, weights: str | None, kv: KVCache, device: str) -> str:
-    """The block files' directory: what must all match for stored KV to be this engine's."""
-    parts = (model_id, weights, kv.kv_dtype, kv.block_size, device, ENGINE_ARITHMETIC, MAGIC.hex())
-    ident = "\0".join(str(p) for p in parts)
-    return hashlib.sha256(ident.encode()).hexdigest()[:24]
-
-
-def model_identity(source: ModelSource, state_dir: Path) -> str:
-    """A hash of the model's files' content (the GGUF, or the directory's config and weights),
-    remembered in <state dir>/model_hashes.json by path, size and mtime so it is read once."""
-    files = [source.gguf] if source.gguf is not None else sorted(source.model_dir.glob("*.safetensors"))
-    files = [*files, source.model_dir / "config.json"]
-    memo_path = state_dir / "model_hashes.json"
-    try:
-        memo: dict[str, str] = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    whole = hashlib.sha256()
-    for path in files:
-        if not path.is_file():
-            continue
-        st = path.stat()
-        key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-        if key not in memo:
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                while chunk := f.read(HASH_CHUNK):
-                    digest.update(chunk)
-            memo[key] = digest.hexdigest()
-        whole.update(memo[key].encode())
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        memo_path.write_text(json.dumps(memo, indent=1) + "\n")
-    except OSError:
-        pass  # only a cache
-    return whole.hexdigest()[:32]

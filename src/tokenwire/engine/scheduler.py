@@ -108,7 +108,7 @@ class Scheduler:
                     )
                 if request.cached_tokens is None:
                     request.cached_tokens = session.num_computed
-                    request.disk_tokens = session.from_disk * self.kv.block_size
+                    request.disk_tokens = session.from_disk
         # most urgent first, so a request only ever preempts less urgent ones that have not
         # been scheduled in this step; within a priority, decodes before prefills
         order = sorted((r for r in self.running if not r.finished), key=_pack_order)

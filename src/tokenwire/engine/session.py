@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from tokenwire.engine.kv_cache import ROOT_HASH, BlockAllocator, KVCache, KVPool, block_hash
+from tokenwire.engine.kv_cache import ROOT_HASH, BlockAllocator, KVCache, KVPool, LowerTier, block_hash
 from tokenwire.engine.vision import block_key
 
 
@@ -60,7 +60,7 @@ class Session:
     owner: str = ""
     parent: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    from_disk: int = 0  # blocks the last match_prefix read from the block files
+    from_disk: int = 0  # positions the last match_prefix read from the block files
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -178,7 +178,7 @@ class Session:
                         tier.prefetch(self._hashes_ahead(digest, start, limit, bs))
                         prefetched = True
                     block = tier.load(digest)
-                    self.from_disk += block is not None
+                    self.from_disk += bs if block is not None else 0
                 if block is None:
                     break
                 if pool is not None:  # the windowed layers' block too, or the match ends here
@@ -192,11 +192,28 @@ class Session:
                 self.full_hashes.append(digest)
                 self.num_computed += bs
                 reused += bs
+            if tier is not None and pool is None and not self.images:
+                reused += self._match_tail(limit, kv, tier)
         finally:  # blocks read ahead and not taken go back (an exception included)
             if prefetched and tier is not None:
                 tier.finish()
         self._slide_window(kv)
         return reused
+
+    def _match_tail(self, limit: int, kv: KVCache, tier: LowerTier) -> int:
+        """The partial block after the full ones, where the lower tier keeps it (the positions a
+        session had computed past its last full block when it left RAM, under the hash of the
+        tokens there): a turn after a restart then computes only its new positions, as a turn
+        from RAM does. Longest first, below `limit`; the block is the session's own (not cached)."""
+        bs, start = kv.block_size, self.num_computed
+        for n in range(min(bs - 1, limit - start), 0, -1):
+            block = tier.load_tail(block_hash(self._prefix_hash(), self.tokens[start : start + n]))
+            if block is not None:
+                self.block_table.append(block)
+                self.num_computed += n
+                self.from_disk += n
+                return n
+        return 0
 
     def _hashes_ahead(self, digest: bytes, start: int, limit: int, bs: int) -> list[bytes]:
         """The prefix hashes of the full blocks from `start` (whose hash is `digest`) below `limit`."""
