@@ -222,12 +222,22 @@ def test_idle_kv_reaches_disk_in_the_background_so_a_sigkill_loses_none_of_it(tm
 
 
 def test_a_closed_sessions_block_files_are_removed_and_the_others_kept(tmp_path: Path) -> None:
+    """What no open session holds goes: a closed session's files, and a session's older partial
+    block once a turn wrote a newer one (engine/kv_write_behind.py's collection)."""
     other = [t + 1 for t in PROMPT]  # no block in common with PROMPT
     with StateServer(tmp_path) as server:
         kept, closed = _session(server, prompt=other), _session(server)
         for sid in (kept, closed):
-            server.turn(sid, [13], key="key-a")
-        kept_blocks, closed_blocks = _blocks(server, kept), _blocks(server, closed)
+            server.turn(sid, [13, 14], key="key-a")  # 305 computed: 19 full blocks and 1
+        both = _blocks(server, kept) + _blocks(server, closed)
+        _wait_for_metric(server, "tokenwire_kv_disk_blocks", lambda n: n == both)
+        closed_blocks = _blocks(server, closed)
+        server.turn(kept, [15], key="key-a")  # 310 computed: the same full blocks, a newer partial one
+        deadline = time.monotonic() + 60
+        while "KV block files: 1 no open session holds removed" not in server.log:  # the older one
+            assert time.monotonic() < deadline, server.log[-2000:]
+            time.sleep(0.1)
+        kept_blocks = _blocks(server, kept)
         _wait_for_metric(server, "tokenwire_kv_disk_blocks", lambda n: n == kept_blocks + closed_blocks)
         assert server.call("DELETE", f"/v1/sessions/{closed}", key="key-a")[0] == 200
         _wait_for_metric(server, "tokenwire_kv_disk_blocks", lambda n: n == kept_blocks)

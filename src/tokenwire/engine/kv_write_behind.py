@@ -20,9 +20,9 @@ Near --state-max-gb (over 90%) nothing is written here: the scheduler's eviction
 evicts and the bound removes the least recently used sessions' files, as without this thread.
 
 Files: content-addressed and written once; with every persisted session written, the files of
-closed sessions would stay for ever (--state-max-gb is unbounded by default), so once a session
-closed, at most every GC_EVERY_S, the files no open persisted session's chain holds are removed
-(at start too: a crash may have left a closed session's).
+closed sessions, and each turn's older partial block, would stay for ever (--state-max-gb is
+unbounded by default), so after either, at most every GC_EVERY_S, the files no open persisted
+session holds (persistence.py `held`) are removed (at start too: a crash may have left some).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class WriteBehind:
         self._done: dict[str, tuple[int, bytes]] = {}  # session -> (blocks, last hash) all on disk
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._closes_seen = -1  # state.closes at the last collection (-1: collect once at start)
+        self._orphaning_seen = -1  # state.orphaning at the last collection (-1: once at start)
         self._next_gc = 0.0
         self.written = 0  # blocks this thread wrote
         self._thread = threading.Thread(target=self._run, name="tokenwire-kv-write", daemon=True)
@@ -152,6 +152,8 @@ class WriteBehind:
             if now - session.last_used < WRITE_AFTER_IDLE_S:
                 return job, session.last_used + WRITE_AFTER_IDLE_S  # the rest are more recent
             todo = [(d, b) for d, b in blocks if not files.has(d) and d not in writing]
+            if tail is not None and todo and todo[-1][0] == tail[0]:
+                self.state.orphaning += 1  # a newer partial block: the older one's file goes
             if len(todo) <= CHUNK_BLOCKS - len(job):
                 self._done[session.id] = marker
             for digest, block in todo[: CHUNK_BLOCKS - len(job)]:
@@ -164,13 +166,14 @@ class WriteBehind:
 
     def _collect_garbage(self) -> float | None:
         """Must hold the lock. The block files no open persisted session holds, removed (after
-        a session closed, at most every GC_EVERY_S); when it is due next (None: no close since)."""
-        closes = self.state.closes
-        if closes == self._closes_seen:
+        a session closed or a partial block was written anew, at most every GC_EVERY_S); when
+        it is due next (None: nothing since)."""
+        orphaning = self.state.orphaning
+        if orphaning == self._orphaning_seen:
             return None
         if time.monotonic() < self._next_gc:
             return self._next_gc
-        self._closes_seen, self._next_gc = closes, time.monotonic() + GC_EVERY_S
+        self._orphaning_seen, self._next_gc = orphaning, time.monotonic() + GC_EVERY_S
         sessions = self._persisted()
         open_ids = {s.id for s in sessions}
         for sid in [sid for sid in self._done if sid not in open_ids]:

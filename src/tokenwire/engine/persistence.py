@@ -75,7 +75,9 @@ class SessionPersistence:
         self._host: list[tuple[Any, int]] | None = None  # the cache's tensors as bytes (_host_views)
         self._local = threading.local()  # each reader's reused buffer
         self.writing: set[bytes] = set()  # blocks the write-behind thread is writing (kv_write_behind.py)
-        self.closes = 0  # persisted sessions closed: the write-behind's cue to collect files
+        # what may leave block files no session holds (a persisted session closed, a partial
+        # block written over an older one): the write-behind's cue to collect them
+        self.orphaning = 0
 
     # ------------------------------------------------------------------ start
     def open(
@@ -138,7 +140,7 @@ class SessionPersistence:
     def forget(self, session: Session) -> None:
         if session.protocol:
             self.store.delete(session.id)
-            self.closes += 1
+            self.orphaning += 1
         self._chains.pop(session.id, None)
 
     def _row(self, session: Session) -> SessionRow:
@@ -163,6 +165,7 @@ class SessionPersistence:
             if not files.write(digest, read_block(self.kv, block)):
                 break  # the disk refused (full): the rest stays RAM-only, computed again if evicted
             written += 1
+            self.orphaning += tail is not None and digest == tail[0]  # the older partial block's
         return written
 
     def tail(self, session: Session) -> tuple[bytes, int] | None:
