@@ -253,18 +253,12 @@ class SessionPersistence:
             allocator.register(block, digest)
             allocator.decref(block)  # cached and unreferenced: match_prefix's lookup takes it
             return block
-        if allocator.num_available == 0 and not self.make_room():
-            return None
-        payload = files.read(digest) if ahead is None else files.accept(digest, ahead[1].result())
-        if payload is None:
-            return None
-        try:
-            block = allocator.allocate()
-        except OutOfBlocksError:
-            return None
-        write_block(self.kv, block, payload)
-        allocator.register(block, digest)
-        allocator.decref(block)
+        block = self._into_free_block(
+            lambda: files.read(digest) if ahead is None else files.accept(digest, ahead[1].result())
+        )
+        if block is not None:
+            allocator.register(block, digest)
+            allocator.decref(block)
         return block
 
     def load_tail(self, digest: bytes) -> int | None:
@@ -273,10 +267,15 @@ class SessionPersistence:
         files = self.files
         if files is None or not files.has(digest):
             return None
+        return self._into_free_block(lambda: files.read(digest))
+
+    def _into_free_block(self, payload_of: Callable[[], memoryview | None]) -> int | None:
+        """A free block (an idle session's RAM freed where none is) holding `payload_of()`, one
+        reference taken; None where there is no room or the file failed its checks."""
         allocator = self.kv.allocator
         if allocator.num_available == 0 and not self.make_room():
             return None
-        payload = files.read(digest)
+        payload = payload_of()
         if payload is None:
             return None
         try:
