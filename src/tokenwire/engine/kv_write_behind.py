@@ -6,7 +6,7 @@ another request (which then waited for the write: 47 MB for a 2k-token SmolLM2 h
 at Llama-3.2-1B's widths) or at SIGTERM, and a SIGKILL lost the KV of every session still in RAM
 (their next turns computed it again from their tokens). Now a persisted session idle for
 WRITE_AFTER_IDLE_S has the blocks it holds that are not on disk yet (its full blocks, and the
-partial one at its computed end: persistence.py `tail`) written by one thread,
+partial one at its computed end: persistence.py `stored_blocks`) written by one thread,
 CHUNK_BLOCKS at a time: under the engine lock it picks the blocks (least recently used session
 first) and takes a reference on each, so none is freed or reused while it is copied; without
 the lock it copies and writes them (the copy, the checksum and the file write release the GIL);
@@ -72,7 +72,6 @@ class WriteBehind:
         self._stop = threading.Event()
         self._orphaning_seen = -1  # state.orphaning at the last collection (-1: once at start)
         self._next_gc = 0.0
-        self.written = 0  # blocks this thread wrote
         self._thread = threading.Thread(target=self._run, name="tokenwire-kv-write", daemon=True)
         self._thread.start()
 
@@ -89,7 +88,7 @@ class WriteBehind:
     def _run(self) -> None:
         try:  # this thread only (Linux: a thread id is a process id to setpriority)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-        except (AttributeError, OSError):
+        except (AttributeError, OSError):  # no per-thread priority here: it runs at the default
             pass
         wait: float | None = 0.0
         while not self._stop.is_set():
@@ -125,7 +124,6 @@ class WriteBehind:
                 self.state.writing.discard(digest)
                 if size is not None:
                     self.files.index(digest, size)
-                    self.written += 1
             self._after_writes()
         return REFUSED_PAUSE_S if None in sizes and not self._stop.is_set() else 0.0
 
@@ -143,16 +141,14 @@ class WriteBehind:
         for session in self._idle_sessions():  # least recently used first
             if not session.protocol or session.images:
                 continue
-            blocks = list(zip(session.full_hashes, session.block_table, strict=False))
-            tail = self.state.tail(session)  # the partial block at its computed end
-            blocks += [tail] if tail is not None else []
+            blocks, tail = self.state.stored_blocks(session)
             marker = (len(blocks), blocks[-1][0]) if blocks else None
             if marker is None or self._done.get(session.id) == marker:
                 continue
             if now - session.last_used < WRITE_AFTER_IDLE_S:
                 return job, session.last_used + WRITE_AFTER_IDLE_S  # the rest are more recent
             todo = [(d, b) for d, b in blocks if not files.has(d) and d not in writing]
-            if tail is not None and todo and todo[-1][0] == tail[0]:
+            if tail is not None and todo and todo[-1][0] == tail:
                 self.state.orphaning += 1  # a newer partial block: the older one's file goes
             if len(todo) <= CHUNK_BLOCKS - len(job):
                 self._done[session.id] = marker

@@ -157,28 +157,29 @@ class SessionPersistence:
         if files is None or not session.protocol or session.images:
             return 0
         written = 0
-        blocks = list(zip(session.full_hashes, session.block_table, strict=False))
-        tail = self.tail(session)
-        for digest, block in blocks + ([tail] if tail is not None else []):
+        blocks, tail = self.stored_blocks(session)
+        for digest, block in blocks:
             if files.has(digest) or digest in self.writing:  # (the writer holds a reference)
                 continue
             if not files.write(digest, read_block(self.kv, block)):
                 break  # the disk refused (full): the rest stays RAM-only, computed again if evicted
             written += 1
-            self.orphaning += tail is not None and digest == tail[0]  # the older partial block's
+            self.orphaning += digest == tail  # a newer partial block: the older one's file goes
         return written
 
-    def tail(self, session: Session) -> tuple[bytes, int] | None:
-        """The partial block after a session's full ones, as (the hash of the tokens up to its
-        computed end, the block), where it has computed positions there: stored beside the full
-        blocks, a turn after a restart computes only its own positions (Session._match_tail)."""
+    def stored_blocks(self, session: Session) -> tuple[list[tuple[bytes, int]], bytes | None]:
+        """(hash, block) of what a session's files hold: its full blocks, then the partial one
+        at its computed end where it has positions there (stored under the hash of the tokens up
+        to that end, a turn after a restart computes only its own positions: Session._match_tail);
+        and that partial block's hash."""
+        blocks = list(zip(session.full_hashes, session.block_table, strict=False))
         bs = self.kv.block_size
         full, n = divmod(session.num_computed, bs)
         if not n or session.images or len(session.block_table) <= full or len(session.full_hashes) < full:
-            return None
+            return blocks, None
         previous = session.full_hashes[full - 1] if full else ROOT_HASH
-        digest = block_hash(previous, session.tokens[full * bs : session.num_computed])
-        return digest, session.block_table[full]
+        tail = block_hash(previous, session.tokens[full * bs : session.num_computed])
+        return [*blocks, (tail, session.block_table[full])], tail
 
     def held(self, session: Session) -> list[bytes]:
         """The block files a session's next turn may read: its full blocks' and its tail's (at
@@ -262,7 +263,7 @@ class SessionPersistence:
         return block
 
     def load_tail(self, digest: bytes) -> int | None:
-        """A session's partial block (`tail`) read from its file into a free block of the
+        """A session's partial block (`stored_blocks`) read from its file into a free block of the
         caller's own, not registered in the prefix cache (its content is not a full block's)."""
         files = self.files
         if files is None or not files.has(digest):

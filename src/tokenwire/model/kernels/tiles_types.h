@@ -57,7 +57,25 @@ struct SameImage {
   static void from_image(const uint8_t* image, int64_t nb, uint8_t* out) { std::memcpy(out, image, nb * T::kBlockBytes); }
 };
 
-// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: groups of 8 blocks (16 bytes of fp16 scales a row, one
+// IQ4_NL, IQ4_XS: a unit is 16 bytes of nibbles (as Q4_0's) that index the non-linear table
+// (kIq4Values, -127..113) with one byte shuffle. AVX-512 takes the table + 128 (1..241, unsigned
+// for vpdpbusd, zero point 128: ActI8's -128 sum); AVX2 takes it signed (vpmaddubsw would
+// saturate 241 x 127 pairs), |w| times x with w's sign, one product an int16 sum (as Q8_0).
+// The unit's one float is its scale: IQ4_NL's d, IQ4_XS's d (ls - 32) (exact: 11 by 6 bits).
+// Before (int16 byte-pair rows, no GEMM): types_q5_iq4.h.
+struct TileIq4 {
+  static constexpr bool kHas = true, kOffset = false, kSigned = TileIsa::kSignedQ8;
+  static constexpr int kHalves = 1, kBias = kSigned ? -1 : 3, kBiasTimes = 1, kSum16 = sum16_of(127);
+  static bool laid(int64_t nb) { return nb % 2 == 0; }  // every part then starts at a multiple of 4
+  // 16 nibble bytes -> a unit's 8 weight vectors
+  static void unit(const TI q[4], TI* u) {
+    const __m128i table = iq4_table(!kSigned);
+    q4_unit(q, u);
+    for (int k = 0; k < 8; ++k) u[k] = TileIsa::lookup16(table, u[k]);
+  }
+};
+
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: groups of 8 blocks (16 bytes of fp16 scales a row, one
 // transpose); a scale's 16 bytes may run past its part into the next one of the same row (only
 // the first nb - j of them are used)
 template <class T>
@@ -95,7 +113,8 @@ struct Tile32 : SameImage<T> {
           add_q5_high(h[0], u);
         } else {
           src.get(q_off + 16 * (j + e), q);
-          q4_unit(q, u);
+          if constexpr (T::kId == IQ4_NL::kId) TileIq4::unit(q, u);
+          else q4_unit(q, u);
         }
         u[8] = V::as_i(d);
         if constexpr (Block32<T>::kMin) {
@@ -136,44 +155,10 @@ struct Tile<Q5_1> : Tile32<Q5_1> {
   static constexpr bool kOffset = true, kSigned = false;
   static constexpr int kBias = 0;
 };
-
-// IQ4_NL, IQ4_XS: a unit is 16 bytes of nibbles (as Q4_0's) that index the non-linear table
-// (kIq4Values, -127..113) with one byte shuffle. AVX-512 takes the table + 128 (1..241, unsigned
-// for vpdpbusd, zero point 128: ActI8's -128 sum); AVX2 takes it signed (vpmaddubsw would
-// saturate 241 x 127 pairs), |w| times x with w's sign, one product an int16 sum (as Q8_0).
-// The unit's one float is its scale: IQ4_NL's d, IQ4_XS's d (ls - 32) (exact: 11 by 6 bits).
-// Before (int16 byte-pair rows, no GEMM): types_q5_iq4.h.
-struct TileIq4 {
-  static constexpr bool kHas = true, kOffset = false, kSigned = TileIsa::kSignedQ8;
-  static constexpr int kHalves = 1, kBias = kSigned ? -1 : 3, kBiasTimes = 1, kSum16 = sum16_of(127);
-  static bool laid(int64_t nb) { return nb % 2 == 0; }  // every part then starts at a multiple of 4
-  // 16 nibble bytes -> a unit's 8 weight vectors
-  static void unit(const TI q[4], TI* u) {
-    const __m128i table = iq4_table(!kSigned);
-    q4_unit(q, u);
-    for (int k = 0; k < 8; ++k) u[k] = TileIsa::lookup16(table, u[k]);
-  }
-};
-
 template <>
-struct Tile<IQ4_NL> : TileIq4, SameImage<IQ4_NL> {
-  template <class Src, class Sink>
-  static void convert(const Src& src, int64_t nb, Sink&& sink) {
-    using V = TileIsa;
-    const int64_t q_off = nb * IQ4_NL::part_offset(IQ4_NL::kQuantPart);
-    for (int64_t j = 0; j < nb; j += 8) {
-      TI d2[4];
-      src.get(nb * IQ4_NL::part_offset(IQ4_NL::kScalePart) + 2 * j, d2);
-      for (int64_t e = 0; e < std::min<int64_t>(8, nb - j); ++e) {
-        TI q[4], u[kUnitVecs];
-        src.get(q_off + 16 * (j + e), q);
-        unit(q, u);
-        u[8] = V::as_i(e % 2 ? V::half_hi(d2[e / 2]) : V::half_lo(d2[e / 2]));
-        u[9] = V::as_i(V::zerof());
-        sink(j + e, u);
-      }
-    }
-  }
+struct Tile<IQ4_NL> : Tile32<IQ4_NL> {  // Tile32's reads, TileIq4's table and products
+  static constexpr bool kOffset = false, kSigned = TileIq4::kSigned;
+  static constexpr int kBias = TileIq4::kBias, kSum16 = TileIq4::kSum16;
 };
 
 // IQ4_XS: sub-block t of super-block s is unit 8 s + t, its nibbles the 16 bytes at 16 t of the
