@@ -58,9 +58,13 @@ def _reference(q, keys, values, positions, tables, bs, window, scale) -> torch.T
     return torch.stack(out)
 
 
+# heads a KV head: 3, 2, 3, 4 (llama-1b's: one group of 4 on AVX2), 5 (groups of 3 and 2) and
+# gemma3-1b's 4 of 256 values (AVX-512: one head at a time)
+SHAPES = [(6, 2, 64), (4, 2, 128), (3, 1, 32), (8, 2, 64), (5, 1, 32), (4, 1, 256)]
+
+
 @pytest.mark.parametrize("kv", list(STORED))
-# heads a KV head: 3, 2, 3, 4 (llama-1b's: one group of 4 on AVX2) and 5 (groups of 3 and 2)
-@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (4, 2, 128), (3, 1, 32), (8, 2, 64), (5, 1, 32)])
+@pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 def test_attention_over_many_blocks_matches_float64(kv: str, heads: int, kv_heads: int, d: int) -> None:
     torch.manual_seed(heads * d)
     bs, blocks = 16, 180
@@ -109,7 +113,7 @@ def test_attention_over_many_blocks_matches_float64(kv: str, heads: int, kv_head
     [
         (kv, *shape)
         for kv in STORED
-        for shape in [(9, 3, 64), (6, 2, 16), (3, 1, 32), (8, 2, 64), (16, 2, 32)]
+        for shape in [(9, 3, 64), (6, 2, 16), (3, 1, 32), (8, 2, 64), (16, 2, 32), (4, 1, 256)]
         if kv != "q8" or shape[2] % Q8_BLOCK == 0  # q8 needs a head size that is a multiple of 32
     ],
 )

@@ -32,7 +32,8 @@ log = logging.getLogger("tokenwire.state")
 # 3: Q5_0 and Q5_1 joined them (tiles_types.h Tile32).
 # 4: and Q5_K (tiles_types.h TileK45).
 # 5: and IQ4_NL, IQ4_XS (tiles_types.h TileIq4).
-ENGINE_ARITHMETIC = 5
+# 6: AVX-512 attention over heads of 256 (Gemma 3) in the 16-lane grouped path (attention.h).
+ENGINE_ARITHMETIC = 6
 # The file format (part of the namespace: files of another format are never read). 2: XXH3-64
 # for CRC32, which took ~15 ms of CPU to check a 2k-token session's 47 MB (3-4 GB/s here;
 # XXH3 ~60 GB/s from cache, so the read itself is what is left).

@@ -111,10 +111,11 @@ inline void weigh_values(const float* weights, const ValueAt& value, int64_t fro
   for (int64_t t = from; t < len; ++t) axpy(weights[t - from], value(t), out, D);
 }
 
-// Whether attend_chunk takes the AVX-512 path below: a head of 16 to 128 values in whole vectors
+// Whether attend_chunk takes the AVX-512 path below: a head of 16 to 128 values in whole
+// vectors, or Gemma 3's 256 (one head at a time: 16 query vectors and 4 sums in registers)
 inline bool grouped_attention(int64_t D) {
 #ifdef TW_AVX512
-  return D % 16 == 0 && D >= 16 && D <= 128;
+  return (D % 16 == 0 && D >= 16 && D <= 128) || D == 256;
 #else
   (void)D;
   return false;
@@ -349,7 +350,8 @@ void attend_chunk_rows(int64_t D, int64_t count, const ChunkRow* rows, int64_t n
         case 5: run(std::integral_constant<int, 5>{}); break;
         case 6: run(std::integral_constant<int, 6>{}); break;
         case 7: run(std::integral_constant<int, 7>{}); break;
-        default: run(std::integral_constant<int, 8>{}); break;
+        case 8: run(std::integral_constant<int, 8>{}); break;
+        default: run(std::integral_constant<int, 16>{}); break;
       }
     }
     return;
