@@ -173,22 +173,43 @@ def test_the_heads_wide_activations_are_finer_and_keep_a_rows_bits(wt: WeightTyp
     w = torch.from_numpy(wt.dequantize_reference(packed)).double()
     integer_part = (w - torch.from_numpy(_centre(packed, wt)).double()).abs()
     layer = QuantLinear(torch.from_numpy(packed), wt.gguf_id, k)
+
+    def wide(x: torch.Tensor) -> torch.Tensor:  # the kernel's, for every tiled type (a head's: below)
+        return ops().qmatmul(x, layer.packed, wt.gguf_id, True, True)
+
     generator = torch.Generator().manual_seed(11)
     wide_squared, int8_squared = 0.0, 0.0
     for rows in (1, 2, 3, 4, 9, 33, 300):
         x = torch.randn(rows, k, generator=generator) * torch.rand(rows, k, generator=generator) * 4
         expected = x.double() @ w.T
-        got = layer(x, wide=True).double()
+        got = wide(x).double()
         step = x.abs().view(rows, -1, 32).amax(-1).double() / 32512
         bound = step @ integer_part.view(37, -1, 32).sum(-1).T + 1e-6 * (x.abs().double() @ w.abs().T) + 1e-30
         error = (got - expected).abs()
         assert (error <= bound).all(), (rows, (error - bound).max().item())
         wide_squared += error.pow(2).sum().item()
         int8_squared += (layer(x).double() - expected).pow(2).sum().item()
-        together = layer(x, wide=True)
-        assert torch.equal(torch.cat([layer(x[i : i + 1], wide=True) for i in range(rows)]), together)
-        assert torch.equal(torch.cat([layer(x[i : i + 5], wide=True) for i in range(0, rows, 5)]), together)
+        together = wide(x)
+        assert torch.equal(torch.cat([wide(x[i : i + 1]) for i in range(rows)]), together)
+        assert torch.equal(torch.cat([wide(x[i : i + 5]) for i in range(0, rows, 5)]), together)
     assert wide_squared < int8_squared / 1000, wide_squared / int8_squared
+
+
+@pytest.mark.parametrize("wt", TILED, ids=lambda t: t.name)
+def test_a_head_takes_wide_activations_where_llama_cpps_are_as_fine_as_int8(wt: WeightType) -> None:
+    """QuantLinear(wide=True), the lm_head: the wide activations for the 32-weight types, whose
+    llama.cpp dots take int8 a scale per 32 as ours do; int8 for the 256-weight ones (K-quants,
+    IQ4_XS), whose llama.cpp dots take Q8_K, a scale per 256 (weight_types.WeightType.wide_head)."""
+    k = 2 * 256
+    layer = QuantLinear(torch.from_numpy(_packed(wt, 16, k, seed=5)), wt.gguf_id, k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
+    as_head, int8 = layer(x, wide=True), layer(x)
+    assert wt.wide_head == (wt.name not in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS"))
+    if wt.wide_head:
+        assert torch.equal(as_head, ops().qmatmul(x, layer.packed, wt.gguf_id, True, True))
+        assert not torch.equal(as_head, int8)
+    else:
+        assert torch.equal(as_head, int8)
 
 
 @pytest.mark.parametrize("wt", TILED, ids=lambda t: t.name)

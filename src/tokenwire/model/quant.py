@@ -176,12 +176,13 @@ class QuantLinear(nn.Module):
         activations per block (int8 for the tiled types, int16 for the others) and integer block
         dots, each row summed in the same order alone or in a batch, so a token's logits do not
         depend on the batch or prefill chunk it ran in. `wide` (the lm_head): ~15-bit
-        activations where the type takes int8 ones (quant_cpu.cpp's qmatmul_into says why).
+        activations where the type takes int8 ones and WeightType.wide_head holds
+        (quant_cpu.cpp's qmatmul_into says why).
         (fp32 activations instead when the kernels' integer activations are switched off, or the
         type has none.)"""
         if x.dtype != torch.float32:
             raise TypeError(f"quantised linear layers take float32 activations, got {x.dtype}")
-        y = _ops().qmatmul(x, self.packed, self.qtype, True, wide)
+        y = _ops().qmatmul(x, self.packed, self.qtype, True, wide and weight_type(self.qtype).wide_head)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -187,6 +187,17 @@ class WeightType:
     def block_bytes(self) -> int:
         return sum(size for _, size in self.parts)
 
+    @property
+    def wide_head(self) -> bool:
+        """Whether an lm_head of this type takes the wide (~15-bit) activations (QuantLinear's
+        `wide`). The 32-weight types: llama.cpp multiplies them with int8 activations a scale
+        per 32 (Q8_0 / Q8_1), as fine as ours, and on the shipped model the head's rounding was
+        the largest share of the gap to the exact model (docs/engine.md). The 256-weight types
+        (K-quants, IQ4_XS) it multiplies with Q8_K, a scale per 256: our int8 a scale per 32 is
+        finer already, and the wide head's second row cost a 128,256 x 2,048 Q6_K head 0.8 ms
+        (AVX-512) and 1.7 ms (AVX2) a token, 4-8% of a llama-1b decode step."""
+        return self.block == 32
+
     def packed_shape(self, out_features: int, in_features: int) -> tuple[int, int]:
         """The GGUF bytes of a [out_features, in_features] weight (the split form is as large)."""
         if in_features % self.block:
