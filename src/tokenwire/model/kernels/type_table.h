@@ -24,7 +24,7 @@
 #include "types_float.h"
 #include "types_k.h"
 #include "types_k23.h"
-#include "tiles_types.h"
+#include "tiles_kquants.h"
 
 namespace tw {
 
