@@ -147,9 +147,7 @@ class WriteBehind:
                 continue
             if now - session.last_used < WRITE_AFTER_IDLE_S:
                 return job, session.last_used + WRITE_AFTER_IDLE_S  # the rest are more recent
-            todo = [(d, b) for d, b in blocks if not files.has(d) and d not in writing]
-            if tail is not None and todo and todo[-1][0] == tail:
-                self.state.orphaning += 1  # a newer partial block: the older one's file goes
+            todo = self.state.unwritten(blocks, tail)
             if len(todo) <= CHUNK_BLOCKS - len(job):
                 self._done[session.id] = marker
             for digest, block in todo[: CHUNK_BLOCKS - len(job)]:

@@ -157,15 +157,20 @@ class SessionPersistence:
         if files is None or not session.protocol or session.images:
             return 0
         written = 0
-        blocks, tail = self.stored_blocks(session)
-        for digest, block in blocks:
-            if files.has(digest) or digest in self.writing:  # (the writer holds a reference)
-                continue
+        for digest, block in self.unwritten(*self.stored_blocks(session)):
             if not files.write(digest, read_block(self.kv, block)):
                 break  # the disk refused (full): the rest stays RAM-only, computed again if evicted
             written += 1
-            self.orphaning += digest == tail  # a newer partial block: the older one's file goes
         return written
+
+    def unwritten(self, blocks: list[tuple[bytes, int]], tail: bytes | None) -> list[tuple[bytes, int]]:
+        """Must hold the engine lock. Of a session's `stored_blocks`, those no file holds and no
+        write is under way for (the write-behind holds a reference on those). A partial block
+        among them supersedes the session's older one, whose file then goes (`orphaning`)."""
+        files = self.files
+        todo = [(d, b) for d, b in blocks if files is not None and not files.has(d) and d not in self.writing]
+        self.orphaning += tail is not None and bool(todo) and todo[-1][0] == tail
+        return todo
 
     def stored_blocks(self, session: Session) -> tuple[list[tuple[bytes, int]], bytes | None]:
         """(hash, block) of what a session's files hold: its full blocks, then the partial one

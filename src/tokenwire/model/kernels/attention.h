@@ -351,7 +351,7 @@ void attend_chunk_rows(int64_t D, int64_t count, const ChunkRow* rows, int64_t n
         case 6: run(std::integral_constant<int, 6>{}); break;
         case 7: run(std::integral_constant<int, 7>{}); break;
         case 8: run(std::integral_constant<int, 8>{}); break;
-        default: run(std::integral_constant<int, 16>{}); break;
+        default: run(std::integral_constant<int, 16>{}); break;  // grouped_attention: D = 256
       }
     }
     return;
