@@ -61,6 +61,7 @@ def benchmarks() -> list[ModuleType]:
         engine_bench,
         evergreen_bench,
         fuzz_bench,
+        gemm_bench,
         graphpipe_bench,
         lmtp_bench,
         openai_bench,
@@ -75,6 +76,7 @@ def benchmarks() -> list[ModuleType]:
     return [
         salience_bench, engine_bench, graphpipe_bench, lmtp_bench, evergreen_bench, aici_bench, openai_bench,
         vision_bench, scale_bench, fuzz_bench, soak_bench, spec_bench, apis_bench, sessions_bench,
+        gemm_bench,
     ]  # fmt: skip
 
 

@@ -12,8 +12,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from tests.random_blocks import HALVES, offsets, random_blocks
+from tests.random_blocks import offsets
 from tests.tiny_models import hf_model
+from tokenwire.bench.random_blocks import HALVES, random_blocks
 from tokenwire.model import weight_types
 from tokenwire.model.families import build_model, experts, read_config
 from tokenwire.model.kernels import ops

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.random_blocks import HALVES, QUANTS, random_blocks
+from tokenwire.bench.random_blocks import HALVES, QUANTS, random_blocks
 from tokenwire.model import weight_types
 from tokenwire.model.kernels import compiler_flags, ops
 from tokenwire.model.quant import QuantLinear, quantize

@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from tests.random_blocks import HALVES, random_blocks
+from tokenwire.bench.random_blocks import HALVES, random_blocks
 from tokenwire.model import weight_types
 from tokenwire.model.kernels import compiler_flags, ops
 from tokenwire.model.quant import dequantize, quantize
