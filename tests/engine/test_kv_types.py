@@ -59,8 +59,8 @@ def _reference(q, keys, values, positions, tables, bs, window, scale) -> torch.T
 
 
 # heads a KV head: 3, 2, 3, 4 (llama-1b's: one group of 4 on AVX2), 5 (groups of 3 and 2) and
-# gemma3-1b's 4 of 256 values (AVX-512: one head at a time)
-SHAPES = [(6, 2, 64), (4, 2, 128), (3, 1, 32), (8, 2, 64), (5, 1, 32), (4, 1, 256)]
+# gemma3-1b's 4 of 256 values (AVX-512: one head at a time), and one (AVX2: a group of 1)
+SHAPES = [(6, 2, 64), (4, 2, 128), (3, 1, 32), (8, 2, 64), (5, 1, 32), (4, 1, 256), (2, 2, 32)]
 
 
 @pytest.mark.parametrize("kv", list(STORED))
@@ -113,7 +113,7 @@ def test_attention_over_many_blocks_matches_float64(kv: str, heads: int, kv_head
     [
         (kv, *shape)
         for kv in STORED
-        for shape in [(9, 3, 64), (6, 2, 16), (3, 1, 32), (8, 2, 64), (16, 2, 32), (4, 1, 256)]
+        for shape in [(9, 3, 64), (6, 2, 16), (3, 1, 32), (8, 2, 64), (16, 2, 32), (4, 1, 256), (2, 2, 64)]
         if kv != "q8" or shape[2] % Q8_BLOCK == 0  # q8 needs a head size that is a multiple of 32
     ],
 )
@@ -121,8 +121,9 @@ def test_rows_of_one_sequence_read_together_give_each_row_its_bits_alone(
     kv: str, heads: int, kv_heads: int, d: int
 ) -> None:
     """A decode row and its guesses (issue 45), and 20 rows of a prefill chunk (two groups):
-    rows of one sequence share each chunk's read of the cache (kernels/paged_attention.h); each
-    row's output is the bits it gets alone, and matches float64."""
+    rows of one sequence share each chunk's read of the cache (kernels/paged_attention.h; on
+    AVX2 a chunk converted to fp32 once for them); each row's output is the bits it gets alone
+    (read from the cache as it is), and matches float64."""
     torch.manual_seed(heads + d)
     bs, blocks = 16, 160
     table = torch.randperm(blocks)[:140]

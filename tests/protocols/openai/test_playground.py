@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -428,8 +429,12 @@ def test_the_engine_panel_shows_guesses_kept(browser: Any, server: str) -> None:
         return text if counts in text else ""
 
     label = wait_for(shown, timeout=15, what="the guesses kept")
-    kept = 100 * stats["spec_accepted"] / stats["spec_proposed"]
-    assert label.startswith(f"{kept:.1f}% {counts}, ") and label.endswith("tokens a step")
+    # JavaScript's toFixed rounds the double's exact value half up (57/80: "71.3"); Python's
+    # format rounds half to even ("71.2")
+    kept = Decimal(100 * stats["spec_accepted"] / stats["spec_proposed"]).quantize(
+        Decimal("0.1"), ROUND_HALF_UP
+    )
+    assert label.startswith(f"{kept}% {counts}, ") and label.endswith("tokens a step")
     # the requests of each API, as /metrics counts them (Anthropic's and Ollama's get their own)
     status, _, _ = http("POST", f"{server}/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
                                                          "options": {"num_predict": 2}})  # fmt: skip

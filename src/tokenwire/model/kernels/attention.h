@@ -219,25 +219,95 @@ void attend_heads(const float* q, int64_t count, const KeyAt& key, const ValueAt
 #endif
 
 #ifdef TW_AVX2
+// The dots of P positions from t with G query heads (D a multiple of 8): acc[g][i] = 8-lane FMAs
+// of q_g and key(t + i) in d order, as key_scores runs them one position at a time. The P keys are
+// read side by side so that G * P FMA chains are in flight: one position at a time kept only G
+// chains (the 4-cycle FMA latency over 1-3 of them: a sixth of the FMA peak, issue 42's AVX2
+// 4k-token prefill). Each accumulator sees the same FMAs in the same order: the same bits.
+template <int G, int P, class KeyAt>
+inline void position_dots(const float* q, int64_t D, const KeyAt& key, int64_t t, __m256 (&acc)[G][P]) {
+  decltype(key(t)) k[P];
+  for (int i = 0; i < P; ++i) k[i] = key(t + i);
+  for (auto& head : acc)
+    for (auto& r : head) r = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 kv[P];
+    for (int i = 0; i < P; ++i) kv[i] = k[i].load8(d);
+    for (int g = 0; g < G; ++g) {
+      const __m256 qv = _mm256_loadu_ps(q + g * D + d);
+      for (int i = 0; i < P; ++i) acc[g][i] = _mm256_fmadd_ps(qv, kv[i], acc[g][i]);
+    }
+  }
+}
+
+// four positions' 8-lane sums -> their four totals in the low 128 bits, each by the same tree
+inline __m128 sum4x8(__m256 pair01, __m256 pair23) {
+  const __m256 h = _mm256_hadd_ps(pair01, pair23);
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// out[g][c .. c + 8V) = sum over [a, b) of e_g(t) * value(t), 8-lane FMAs in position order (as
+// weigh_values): G * V chains in flight
+template <int G, int V, class ValueAt>
+inline void weigh_group8(const float* scores, int64_t n, const ValueAt& value, int64_t a, int64_t b, int64_t D,
+                         float* o) {
+  for (int64_t c = 0; c < D; c += 8 * V) {
+    __m256 out[G][V];
+    for (auto& head : out)
+      for (auto& r : head) r = _mm256_setzero_ps();
+    for (int64_t t = a; t < b; ++t) {
+      const auto v = value(t);
+      __m256 vv[V];
+      for (int j = 0; j < V; ++j) vv[j] = v.load8(c + 8 * j);
+      for (int g = 0; g < G; ++g) {
+        const __m256 w = _mm256_set1_ps(scores[g * n + t - a]);
+        for (int j = 0; j < V; ++j) out[g][j] = _mm256_fmadd_ps(w, vv[j], out[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < V; ++j) _mm256_storeu_ps(o + g * D + c + 8 * j, out[g][j]);
+  }
+}
+
 // AVX2: G query heads sharing a KV head over [a, b) (D a multiple of 16), each key and value read
 // and converted (kv_store.h's load8) once for the G heads, in registers: no fp32 copy of the
 // chunk. The arithmetic of key_scores and weigh_values exactly (a score: 8-lane FMAs in order and
 // the four-position hadd tree; the values: 8-lane FMAs in position order), so a score does not
-// depend on the row's step or company. G <= 3: the 4 positions' G accumulators and a key vector
-// in the 16 registers. Leaves each head's partial softmax as attend_group does.
+// depend on the row's step or company. G <= 3 (the 16 registers). Leaves each head's partial
+// softmax as attend_group does.
 // Measured (SmolLM2's 9 heads over 3 KV heads, one layer, 2 threads, AVX2 build, 4k fp16
 // positions): 1 row 0.335 ms with the chunk converted to fp32 first (8 at a time), 0.77 ms
-// converted one value at a time, 0.148 ms here (21 GB/s of KV; AVX-512 0.094 ms, 33 GB/s).
+// converted one value at a time, 0.148 ms one position's dots at a time (21 GB/s of KV; AVX-512
+// 0.094 ms, 33 GB/s); then the positions side by side (position_dots, weigh_group8's wider
+// passes): see docs/engine.md, issue 42's AVX2 prompt attention.
 template <int G, class KeyAt, class ValueAt>
 void attend_group8(const float* q, int64_t D, const KeyAt& key, const ValueAt& value, int64_t a, int64_t b,
                    float scale, float* scores, float* o, float* mx, float* sums) {
   const int64_t n = b - a;
-  for (int64_t t = a; t < b; t += 4) {
-    const int valid = static_cast<int>(std::min<int64_t>(4, b - t));
+  const __m128 vscale = _mm_set1_ps(scale);
+  int64_t t = a;
+  for (; t + 4 <= b; t += 4) {  // four positions' keys side by side (G = 3: two pairs, the registers)
+    __m128 four[G];
+    if constexpr (G <= 2) {
+      __m256 acc[G][4];
+      position_dots<G, 4>(q, D, key, t, acc);
+      for (int g = 0; g < G; ++g)
+        four[g] = sum4x8(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+    } else {
+      __m256 acc[G][2], first[G];
+      position_dots<G, 2>(q, D, key, t, acc);
+      for (int g = 0; g < G; ++g) first[g] = _mm256_hadd_ps(acc[g][0], acc[g][1]);
+      position_dots<G, 2>(q, D, key, t + 2, acc);
+      for (int g = 0; g < G; ++g) four[g] = sum4x8(first[g], _mm256_hadd_ps(acc[g][0], acc[g][1]));
+    }
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(scores + g * n + t - a, _mm_mul_ps(four[g], vscale));
+  }
+  if (t < b) {  // the last 1-3 positions: padding gives zero sums, not stored
+    const int valid = static_cast<int>(b - t);
     __m256 acc[G][4];
     for (auto& head : acc)
       for (auto& r : head) r = _mm256_setzero_ps();
-    for (int i = 0; i < valid; ++i) {  // padding: a zero score, not stored
+    for (int i = 0; i < valid; ++i) {
       const auto k = key(t + i);
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 kv = k.load8(d);
@@ -245,31 +315,18 @@ void attend_group8(const float* q, int64_t D, const KeyAt& key, const ValueAt& v
       }
     }
     for (int g = 0; g < G; ++g) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
-      const __m128 sums4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
       float four[4];
-      _mm_storeu_ps(four, _mm_mul_ps(sums4, _mm_set1_ps(scale)));
+      _mm_storeu_ps(four, _mm_mul_ps(sum4x8(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3])), vscale));
       for (int i = 0; i < valid; ++i) scores[g * n + t + i - a] = four[i];
     }
   }
   for (int g = 0; g < G; ++g) sums[g] = softmax_numerators(scores + g * n, n, mx + g);
-  for (int64_t c = 0; c < D; c += 16) {  // 16 values of each head's output at a time
-    __m256 out[G][2];
-    for (auto& head : out) head[0] = head[1] = _mm256_setzero_ps();
-    for (int64_t t = a; t < b; ++t) {
-      const auto v = value(t);
-      const __m256 v0 = v.load8(c), v1 = v.load8(c + 8);
-      for (int g = 0; g < G; ++g) {
-        const __m256 w = _mm256_set1_ps(scores[g * n + t - a]);
-        out[g][0] = _mm256_fmadd_ps(w, v0, out[g][0]);
-        out[g][1] = _mm256_fmadd_ps(w, v1, out[g][1]);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      _mm256_storeu_ps(o + g * D + c, out[g][0]);
-      _mm256_storeu_ps(o + g * D + c + 8, out[g][1]);
-    }
-  }
+  // each head's output 8V values a pass: G * V accumulators and V value vectors in registers
+  constexpr int V = G == 1 ? 8 : G == 2 ? 4 : 2;
+  if (D % (8 * V) == 0)
+    weigh_group8<G, V>(scores, n, value, a, b, D, o);
+  else
+    weigh_group8<G, 2>(scores, n, value, a, b, D, o);
 }
 
 // `count` heads sharing one KV head, in groups of at most 3 (the registers), as even as they go:
@@ -360,11 +417,25 @@ void attend_chunk_rows(int64_t D, int64_t count, const ChunkRow* rows, int64_t n
 #ifdef TW_AVX2
   if (D % 16 == 0) {  // each row in turn: its chunk is in L2 after the first
     s.scores.resize(3 * n);
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const ChunkRow& row = rows[r];
-      attend_heads8(row.q, count, D, key, value, a, row.b, scale, s.scores.data(), row.o, row.mx, row.sums);
+    auto each_row = [&](const auto& row_key, const auto& row_value) {
+      for (int64_t r = 0; r < n_rows; ++r) {
+        const ChunkRow& row = rows[r];
+        attend_heads8(row.q, count, D, row_key, row_value, a, row.b, scale, s.scores.data(), row.o, row.mx,
+                      row.sums);
+      }
+    };
+    if (n_rows == 1 || std::is_same_v<decltype(key(a)), KvF32>) return each_row(key, value);
+    // Several rows (a prefill chunk's, a step's guesses): the chunk converted to fp32 once for all
+    // of them rather than once a row and group of heads (fp16 -> fp32 and q8's scale are exact
+    // and the same products, so the same bits as the row alone)
+    s.keys.resize(n * D);
+    s.values.resize(n * D);
+    for (int64_t t = a; t < b; ++t) {
+      key(t).to_floats(D, s.keys.data() + (t - a) * D);
+      value(t).to_floats(D, s.values.data() + (t - a) * D);
     }
-    return;
+    const float *keys = s.keys.data() - a * D, *values = s.values.data() - a * D;
+    return each_row([&](int64_t t) { return KvF32{keys + t * D}; }, [&](int64_t t) { return KvF32{values + t * D}; });
   }
 #endif
   // each head on its own, over the chunk's rows in fp32, converted once for all the rows
