@@ -47,7 +47,7 @@ def test_short_soak_every_protocol(smollm2_source: Any) -> None:
     engine.source = smollm2_source  # the AICI runtime tokenizes with the model's files
     servers = Servers(engine, aici=True)
     try:
-        report = asyncio.run(CountedSoak(servers, engine, sessions=12, seconds=8, seed=1, ops=5).run())
+        report = asyncio.run(CountedSoak(servers, engine, sessions=12, seconds=4, seed=1, ops=5).run())
     finally:
         servers.stop()
         engine.shutdown()
