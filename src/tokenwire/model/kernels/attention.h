@@ -218,24 +218,34 @@ void attend_heads(const float* q, int64_t count, const KeyAt& key, const ValueAt
 }
 #endif
 
+// One row's share of a chunk: its `count` query heads (q: count rows of D), its end b (it sees
+// [a, b)) and where its partial softmaxes go: o [count, D], mx and sums [count]
+struct ChunkRow {
+  const float* q;
+  int64_t b;
+  float* o;
+  float* mx;
+  float* sums;
+};
+
 #ifdef TW_AVX2
-// The dots of P positions from t with G query heads (D a multiple of 8): acc[g][i] = 8-lane FMAs
-// of q_g and key(t + i) in d order, as key_scores runs them one position at a time. The P keys are
-// read side by side so that G * P FMA chains are in flight: one position at a time kept only G
-// chains (the 4-cycle FMA latency over 1-3 of them: a sixth of the FMA peak, issue 42's AVX2
-// 4k-token prefill). Each accumulator sees the same FMAs in the same order: the same bits.
-template <int G, int P, class KeyAt>
-inline void position_dots(const float* q, int64_t D, const KeyAt& key, int64_t t, __m256 (&acc)[G][P]) {
+// The dots of P positions from t with Q query vectors qs[i] (D a multiple of 8): acc[i][p] = 8-lane
+// FMAs of qs[i] and key(t + p) in d order, as key_scores runs them one position at a time. The P
+// keys are read side by side so that Q * P FMA chains are in flight: one position at a time kept
+// only Q chains (the 4-cycle FMA latency over 1-3 of them: a sixth of the FMA peak, issue 42's
+// AVX2 4k-token prefill). Each accumulator sees the same FMAs in the same order: the same bits.
+template <int Q, int P, class KeyAt>
+inline void position_dots(const float* const* qs, int64_t D, const KeyAt& key, int64_t t, __m256 (&acc)[Q][P]) {
   decltype(key(t)) k[P];
-  for (int i = 0; i < P; ++i) k[i] = key(t + i);
-  for (auto& head : acc)
-    for (auto& r : head) r = _mm256_setzero_ps();
+  for (int p = 0; p < P; ++p) k[p] = key(t + p);
+  for (auto& query : acc)
+    for (auto& r : query) r = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
     __m256 kv[P];
-    for (int i = 0; i < P; ++i) kv[i] = k[i].load8(d);
-    for (int g = 0; g < G; ++g) {
-      const __m256 qv = _mm256_loadu_ps(q + g * D + d);
-      for (int i = 0; i < P; ++i) acc[g][i] = _mm256_fmadd_ps(qv, kv[i], acc[g][i]);
+    for (int p = 0; p < P; ++p) kv[p] = k[p].load8(d);
+    for (int i = 0; i < Q; ++i) {
+      const __m256 qv = _mm256_loadu_ps(qs[i] + d);
+      for (int p = 0; p < P; ++p) acc[i][p] = _mm256_fmadd_ps(qv, kv[p], acc[i][p]);
     }
   }
 }
@@ -246,87 +256,100 @@ inline __m128 sum4x8(__m256 pair01, __m256 pair23) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// out[g][c .. c + 8V) = sum over [a, b) of e_g(t) * value(t), 8-lane FMAs in position order (as
-// weigh_values): G * V chains in flight
-template <int G, int V, class ValueAt>
-inline void weigh_group8(const float* scores, int64_t n, const ValueAt& value, int64_t a, int64_t b, int64_t D,
-                         float* o) {
-  for (int64_t c = 0; c < D; c += 8 * V) {
-    __m256 out[G][V];
-    for (auto& head : out)
-      for (auto& r : head) r = _mm256_setzero_ps();
-    for (int64_t t = a; t < b; ++t) {
-      const auto v = value(t);
-      __m256 vv[V];
-      for (int j = 0; j < V; ++j) vv[j] = v.load8(c + 8 * j);
-      for (int g = 0; g < G; ++g) {
-        const __m256 w = _mm256_set1_ps(scores[g * n + t - a]);
-        for (int j = 0; j < V; ++j) out[g][j] = _mm256_fmadd_ps(w, vv[j], out[g][j]);
-      }
+// Scores of positions [t, b) for Q query vectors, query i's at scores[i * n + position - a]: four
+// positions at a time (Q <= 2: their keys side by side, 4Q chains; more: two pairs, 2Q chains and
+// the first pair's sums held, the 16 registers), then the last 1-3 padded with zero sums
+template <int Q, class KeyAt>
+inline void scores_from(const float* const* qs, int64_t D, const KeyAt& key, int64_t a, int64_t t, int64_t b,
+                        int64_t n, float scale, float* scores) {
+  const __m128 vscale = _mm_set1_ps(scale);
+  for (; t + 4 <= b; t += 4) {
+    __m128 four[Q];
+    if constexpr (Q <= 2) {
+      __m256 acc[Q][4];
+      position_dots<Q, 4>(qs, D, key, t, acc);
+      for (int i = 0; i < Q; ++i)
+        four[i] = sum4x8(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3]));
+    } else {
+      __m256 acc[Q][2], first[Q];
+      position_dots<Q, 2>(qs, D, key, t, acc);
+      for (int i = 0; i < Q; ++i) first[i] = _mm256_hadd_ps(acc[i][0], acc[i][1]);
+      position_dots<Q, 2>(qs, D, key, t + 2, acc);
+      for (int i = 0; i < Q; ++i) four[i] = sum4x8(first[i], _mm256_hadd_ps(acc[i][0], acc[i][1]));
     }
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < V; ++j) _mm256_storeu_ps(o + g * D + c + 8 * j, out[g][j]);
+    for (int i = 0; i < Q; ++i) _mm_storeu_ps(scores + i * n + t - a, _mm_mul_ps(four[i], vscale));
+  }
+  if (t == b) return;
+  const int valid = static_cast<int>(b - t);  // padding: a zero sum, not stored
+  __m256 acc[Q][4];
+  for (auto& query : acc)
+    for (auto& r : query) r = _mm256_setzero_ps();
+  for (int p = 0; p < valid; ++p) {
+    const auto k = key(t + p);
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 kv = k.load8(d);
+      for (int i = 0; i < Q; ++i) acc[i][p] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[i] + d), kv, acc[i][p]);
+    }
+  }
+  for (int i = 0; i < Q; ++i) {
+    float four[4];
+    _mm_storeu_ps(four, _mm_mul_ps(sum4x8(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3])), vscale));
+    for (int p = 0; p < valid; ++p) scores[i * n + t + p - a] = four[p];
+  }
+}
+
+// out_i[c .. c + 8V), i in [First, Q), over values [t0, t1) weighed by weights[i] (indexed by position - a), 8-lane
+// FMAs in position order continuing from out (as weigh_values): Q * V chains in flight
+template <int Q, int V, int First = 0, class ValueAt>
+inline void weigh_into(__m256 (&out)[Q][V], const float* const* weights, const ValueAt& value, int64_t a,
+                       int64_t t0, int64_t t1, int64_t c) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const auto v = value(t);
+    __m256 vv[V];
+    for (int j = 0; j < V; ++j) vv[j] = v.load8(c + 8 * j);
+    for (int i = First; i < Q; ++i) {
+      const __m256 w = _mm256_set1_ps(weights[i][t - a]);
+      for (int j = 0; j < V; ++j) out[i][j] = _mm256_fmadd_ps(w, vv[j], out[i][j]);
+    }
   }
 }
 
 // AVX2: G query heads sharing a KV head over [a, b) (D a multiple of 16), each key and value read
-// and converted (kv_store.h's load8) once for the G heads, in registers: no fp32 copy of the
-// chunk. The arithmetic of key_scores and weigh_values exactly (a score: 8-lane FMAs in order and
-// the four-position hadd tree; the values: 8-lane FMAs in position order), so a score does not
-// depend on the row's step or company. G <= 3 (the 16 registers). Leaves each head's partial
-// softmax as attend_group does.
+// and converted (kv_store.h's load8) once for the G heads, in registers. The arithmetic of
+// key_scores and weigh_values exactly (a score: 8-lane FMAs in order and the four-position hadd
+// tree; the values: 8-lane FMAs in position order), so a score does not depend on the row's step
+// or company. G <= 3 (the 16 registers). Leaves each head's partial softmax as attend_group does.
 // Measured (SmolLM2's 9 heads over 3 KV heads, one layer, 2 threads, AVX2 build, 4k fp16
 // positions): 1 row 0.335 ms with the chunk converted to fp32 first (8 at a time), 0.77 ms
 // converted one value at a time, 0.148 ms one position's dots at a time (21 GB/s of KV; AVX-512
-// 0.094 ms, 33 GB/s); then the positions side by side (position_dots, weigh_group8's wider
-// passes): see docs/engine.md, issue 42's AVX2 prompt attention.
+// 0.094 ms, 33 GB/s); then the positions side by side (position_dots, wider value passes): see
+// docs/engine.md, issue 42's AVX2 prompt attention.
 template <int G, class KeyAt, class ValueAt>
 void attend_group8(const float* q, int64_t D, const KeyAt& key, const ValueAt& value, int64_t a, int64_t b,
                    float scale, float* scores, float* o, float* mx, float* sums) {
   const int64_t n = b - a;
-  const __m128 vscale = _mm_set1_ps(scale);
-  int64_t t = a;
-  for (; t + 4 <= b; t += 4) {  // four positions' keys side by side (G = 3: two pairs, the registers)
-    __m128 four[G];
-    if constexpr (G <= 2) {
-      __m256 acc[G][4];
-      position_dots<G, 4>(q, D, key, t, acc);
-      for (int g = 0; g < G; ++g)
-        four[g] = sum4x8(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
-    } else {
-      __m256 acc[G][2], first[G];
-      position_dots<G, 2>(q, D, key, t, acc);
-      for (int g = 0; g < G; ++g) first[g] = _mm256_hadd_ps(acc[g][0], acc[g][1]);
-      position_dots<G, 2>(q, D, key, t + 2, acc);
-      for (int g = 0; g < G; ++g) four[g] = sum4x8(first[g], _mm256_hadd_ps(acc[g][0], acc[g][1]));
-    }
-    for (int g = 0; g < G; ++g) _mm_storeu_ps(scores + g * n + t - a, _mm_mul_ps(four[g], vscale));
-  }
-  if (t < b) {  // the last 1-3 positions: padding gives zero sums, not stored
-    const int valid = static_cast<int>(b - t);
-    __m256 acc[G][4];
-    for (auto& head : acc)
-      for (auto& r : head) r = _mm256_setzero_ps();
-    for (int i = 0; i < valid; ++i) {
-      const auto k = key(t + i);
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 kv = k.load8(d);
-        for (int g = 0; g < G; ++g) acc[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), kv, acc[g][i]);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      float four[4];
-      _mm_storeu_ps(four, _mm_mul_ps(sum4x8(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3])), vscale));
-      for (int i = 0; i < valid; ++i) scores[g * n + t + i - a] = four[i];
-    }
-  }
+  const float* qs[G];
+  const float* weights[G];
+  for (int g = 0; g < G; ++g) qs[g] = q + g * D, weights[g] = scores + g * n;
+  scores_from<G>(qs, D, key, a, a, b, n, scale, scores);
   for (int g = 0; g < G; ++g) sums[g] = softmax_numerators(scores + g * n, n, mx + g);
   // each head's output 8V values a pass: G * V accumulators and V value vectors in registers
-  constexpr int V = G == 1 ? 8 : G == 2 ? 4 : 2;
-  if (D % (8 * V) == 0)
-    weigh_group8<G, V>(scores, n, value, a, b, D, o);
+  auto weigh = [&](auto vs) {
+    constexpr int V = decltype(vs)::value;
+    for (int64_t c = 0; c < D; c += 8 * V) {
+      __m256 out[G][V];
+      for (auto& head : out)
+        for (auto& r : head) r = _mm256_setzero_ps();
+      weigh_into<G, V>(out, weights, value, a, a, b, c);
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < V; ++j) _mm256_storeu_ps(o + g * D + c + 8 * j, out[g][j]);
+    }
+  };
+  constexpr int kWide = G == 1 ? 8 : G == 2 ? 4 : 2;
+  if (D % (8 * kWide) == 0)
+    weigh(std::integral_constant<int, kWide>{});
   else
-    weigh_group8<G, 2>(scores, n, value, a, b, D, o);
+    weigh(std::integral_constant<int, 2>{});
 }
 
 // `count` heads sharing one KV head, in groups of at most 3 (the registers), as even as they go:
@@ -351,6 +374,73 @@ void attend_heads8(const float* q, int64_t count, int64_t D, const KeyAt& key, c
     g0 += size;
   }
 }
+
+// Two rows of one sequence, r0 ending no later than r1, and their heads [h, h + G) (G <= 2) over
+// fp32 rows: the 2G query vectors share each key and value read, half the reads of a row at a
+// time (a prefill chunk's rows find the chunk in L2, whose bandwidth bounded the row at a time).
+// Each (row, head) runs attend_group8's arithmetic: the positions both rows see go side by side,
+// the rest of each row's on its own, and r1's values past r0's end continue its accumulators.
+template <int G, class KeyAt, class ValueAt>
+void attend_pair8(const ChunkRow& r0, const ChunkRow& r1, int64_t h, int64_t D, const KeyAt& key,
+                  const ValueAt& value, int64_t a, float scale, float* scores) {
+  const int64_t n0 = r0.b - a, n1 = r1.b - a;
+  float *s0 = scores, *s1 = scores + G * n0;
+  const float* qs[2 * G];
+  const float* weights[2 * G];
+  for (int g = 0; g < G; ++g) {
+    qs[g] = r0.q + (h + g) * D, qs[G + g] = r1.q + (h + g) * D;
+    weights[g] = s0 + g * n0, weights[G + g] = s1 + g * n1;
+  }
+  int64_t t = a;
+  const __m128 vscale = _mm_set1_ps(scale);
+  for (; t + 4 <= r0.b; t += 4) {
+    __m128 four[2 * G];
+    __m256 acc[2 * G][2], first[2 * G];  // 2G <= 4 queries: two pairs of positions (scores_from)
+    position_dots<2 * G, 2>(qs, D, key, t, acc);
+    for (int i = 0; i < 2 * G; ++i) first[i] = _mm256_hadd_ps(acc[i][0], acc[i][1]);
+    position_dots<2 * G, 2>(qs, D, key, t + 2, acc);
+    for (int i = 0; i < 2 * G; ++i) four[i] = sum4x8(first[i], _mm256_hadd_ps(acc[i][0], acc[i][1]));
+    for (int g = 0; g < G; ++g) {
+      _mm_storeu_ps(s0 + g * n0 + t - a, _mm_mul_ps(four[g], vscale));
+      _mm_storeu_ps(s1 + g * n1 + t - a, _mm_mul_ps(four[G + g], vscale));
+    }
+  }
+  scores_from<G>(qs, D, key, a, t, r0.b, n0, scale, s0);
+  scores_from<G>(qs + G, D, key, a, t, r1.b, n1, scale, s1);
+  for (int g = 0; g < G; ++g) {
+    r0.sums[h + g] = softmax_numerators(s0 + g * n0, n0, r0.mx + h + g);
+    r1.sums[h + g] = softmax_numerators(s1 + g * n1, n1, r1.mx + h + g);
+  }
+  constexpr int V = G == 1 ? 4 : 2;  // 2G * V accumulators
+  for (int64_t c = 0; c < D; c += 8 * V) {
+    __m256 out[2 * G][V];
+    for (auto& head : out)
+      for (auto& r : head) r = _mm256_setzero_ps();
+    weigh_into<2 * G, V>(out, weights, value, a, a, r0.b, c);
+    weigh_into<2 * G, V, G>(out, weights, value, a, r0.b, r1.b, c);  // r1's positions past r0's end
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < V; ++j) {
+        _mm256_storeu_ps(r0.o + (h + g) * D + c + 8 * j, out[g][j]);
+        _mm256_storeu_ps(r1.o + (h + g) * D + c + 8 * j, out[G + g][j]);
+      }
+  }
+}
+
+// the pair's `count` heads in groups of at most 2, as even as they go (D a multiple of 32 for a
+// group of one: V = 4; attend_chunk_rows sends the pairs only then)
+template <class KeyAt, class ValueAt>
+void attend_pair_heads8(const ChunkRow& r0, const ChunkRow& r1, int64_t count, int64_t D, const KeyAt& key,
+                        const ValueAt& value, int64_t a, float scale, float* scores) {
+  const int64_t groups = (count + 1) / 2;
+  for (int64_t i = 0, h = 0; i < groups; ++i) {
+    const int64_t size = (count - h + groups - i - 1) / (groups - i);
+    if (size == 1)
+      attend_pair8<1>(r0, r1, h, D, key, value, a, scale, scores);
+    else
+      attend_pair8<2>(r0, r1, h, D, key, value, a, scale, scores);
+    h += size;
+  }
+}
 #endif
 
 // Positions are taken in chunks of kAttnChunk from the first one a row sees. Each chunk leaves a
@@ -366,15 +456,6 @@ struct AttnScratch {
   std::vector<float> scores, keys, values;
 };
 
-// One row's share of a chunk: its `count` query heads (q: count rows of D), its end b (it sees
-// [a, b)) and where its partial softmaxes go: o [count, D], mx and sums [count]
-struct ChunkRow {
-  const float* q;
-  int64_t b;
-  float* o;
-  float* mx;
-  float* sums;
-};
 
 // The partial softmaxes of chunk [a, rows[i].b) for each of `n_rows` rows (rows of one sequence:
 // the same keys and values, each to its own end) and their `count` query heads sharing one KV
@@ -435,7 +516,21 @@ void attend_chunk_rows(int64_t D, int64_t count, const ChunkRow* rows, int64_t n
       value(t).to_floats(D, s.values.data() + (t - a) * D);
     }
     const float *keys = s.keys.data() - a * D, *values = s.values.data() - a * D;
-    return each_row([&](int64_t t) { return KvF32{keys + t * D}; }, [&](int64_t t) { return KvF32{values + t * D}; });
+    auto fkey = [&](int64_t t) { return KvF32{keys + t * D}; };
+    auto fvalue = [&](int64_t t) { return KvF32{values + t * D}; };
+    if (D % 32 != 0) return each_row(fkey, fvalue);
+    // two rows at a time (attend_pair8), an odd last one alone
+    s.scores.resize(4 * n);
+    int64_t r = 0;
+    for (; r + 1 < n_rows; r += 2) {
+      const bool ordered = rows[r].b <= rows[r + 1].b;
+      const ChunkRow &r0 = ordered ? rows[r] : rows[r + 1], &r1 = ordered ? rows[r + 1] : rows[r];
+      attend_pair_heads8(r0, r1, count, D, fkey, fvalue, a, scale, s.scores.data());
+    }
+    if (r < n_rows)
+      attend_heads8(rows[r].q, count, D, fkey, fvalue, a, rows[r].b, scale, s.scores.data(), rows[r].o, rows[r].mx,
+                    rows[r].sums);
+    return;
   }
 #endif
   // each head on its own, over the chunk's rows in fp32, converted once for all the rows
