@@ -22,6 +22,18 @@ struct AttnScratch {
   std::vector<float> scores, keys, values;
 };
 
+// positions [a, b) of a chunk's keys and values into s.keys / s.values in fp32 (exact: fp16, bf16
+// and q8's one product per value are the readers' own load8 values)
+template <class KeyAt, class ValueAt>
+void chunk_to_floats(const KeyAt& key, const ValueAt& value, int64_t a, int64_t b, int64_t D, AttnScratch& s) {
+  s.keys.resize((b - a) * D);
+  s.values.resize((b - a) * D);
+  for (int64_t t = a; t < b; ++t) {
+    key(t).to_floats(D, s.keys.data() + (t - a) * D);
+    value(t).to_floats(D, s.values.data() + (t - a) * D);
+  }
+}
+
 
 // The partial softmaxes of chunk [a, rows[i].b) for each of `n_rows` rows (rows of one sequence:
 // the same keys and values, each to its own end) and their `count` query heads sharing one KV
@@ -63,7 +75,7 @@ void attend_chunk_rows(int64_t D, int64_t count, const ChunkRow* rows, int64_t n
 #endif
 #ifdef TW_AVX2
   if (D % 16 == 0) {  // each row in turn: its chunk is in L2 after the first
-    s.scores.resize(3 * n);
+    s.scores.resize(4 * n);  // a row's 3 heads, or a pair's 2 heads each
     auto each_row = [&](const auto& row_key, const auto& row_value) {
       for (int64_t r = 0; r < n_rows; ++r) {
         const ChunkRow& row = rows[r];
@@ -75,18 +87,12 @@ void attend_chunk_rows(int64_t D, int64_t count, const ChunkRow* rows, int64_t n
     // Several rows (a prefill chunk's, a step's guesses): the chunk converted to fp32 once for all
     // of them rather than once a row and group of heads (fp16 -> fp32 and q8's scale are exact
     // and the same products, so the same bits as the row alone)
-    s.keys.resize(n * D);
-    s.values.resize(n * D);
-    for (int64_t t = a; t < b; ++t) {
-      key(t).to_floats(D, s.keys.data() + (t - a) * D);
-      value(t).to_floats(D, s.values.data() + (t - a) * D);
-    }
+    chunk_to_floats(key, value, a, b, D, s);
     const float *keys = s.keys.data() - a * D, *values = s.values.data() - a * D;
     auto fkey = [&](int64_t t) { return KvF32{keys + t * D}; };
     auto fvalue = [&](int64_t t) { return KvF32{values + t * D}; };
     if (D % 32 != 0) return each_row(fkey, fvalue);
     // two rows at a time (attend_pair8), an odd last one alone
-    s.scores.resize(4 * n);
     int64_t r = 0;
     for (; r + 1 < n_rows; r += 2) {
       const bool ordered = rows[r].b <= rows[r + 1].b;
@@ -101,12 +107,7 @@ void attend_chunk_rows(int64_t D, int64_t count, const ChunkRow* rows, int64_t n
 #endif
   // each head on its own, over the chunk's rows in fp32, converted once for all the rows
   s.scores.resize(n);
-  s.keys.resize(n * D);
-  s.values.resize(n * D);
-  for (int64_t t = a; t < b; ++t) {
-    key(t).to_floats(D, s.keys.data() + (t - a) * D);
-    value(t).to_floats(D, s.values.data() + (t - a) * D);
-  }
+  chunk_to_floats(key, value, a, b, D, s);
   auto key_row = [&](int64_t t) { return s.keys.data() + (t - a) * D; };
   auto value_row = [&](int64_t t) { return s.values.data() + (t - a) * D; };
   for (int64_t r = 0; r < n_rows; ++r) {

@@ -35,12 +35,12 @@ inline __m128 sum4x8(__m256 pair01, __m256 pair23) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// Scores of positions [t, b) for Q query vectors, query i's at scores[i * n + position - a]: four
+// Scores of positions [t, b) for Q query vectors, query i's at out[i][position - a]: four
 // positions at a time (Q <= 2: their keys side by side, 4Q chains; more: two pairs, 2Q chains and
 // the first pair's sums held, the 16 registers), then the last 1-3 padded with zero sums
 template <int Q, class KeyAt>
 inline void scores_from(const float* const* qs, int64_t D, const KeyAt& key, int64_t a, int64_t t, int64_t b,
-                        int64_t n, float scale, float* scores) {
+                        float scale, float* const* out) {
   const __m128 vscale = _mm_set1_ps(scale);
   for (; t + 4 <= b; t += 4) {
     __m128 four[Q];
@@ -56,7 +56,7 @@ inline void scores_from(const float* const* qs, int64_t D, const KeyAt& key, int
       position_dots<Q, 2>(qs, D, key, t + 2, acc);
       for (int i = 0; i < Q; ++i) four[i] = sum4x8(first[i], _mm256_hadd_ps(acc[i][0], acc[i][1]));
     }
-    for (int i = 0; i < Q; ++i) _mm_storeu_ps(scores + i * n + t - a, _mm_mul_ps(four[i], vscale));
+    for (int i = 0; i < Q; ++i) _mm_storeu_ps(out[i] + t - a, _mm_mul_ps(four[i], vscale));
   }
   if (t == b) return;
   const int valid = static_cast<int>(b - t);  // padding: a zero sum, not stored
@@ -73,23 +73,36 @@ inline void scores_from(const float* const* qs, int64_t D, const KeyAt& key, int
   for (int i = 0; i < Q; ++i) {
     float four[4];
     _mm_storeu_ps(four, _mm_mul_ps(sum4x8(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3])), vscale));
-    for (int p = 0; p < valid; ++p) scores[i * n + t + p - a] = four[p];
+    for (int p = 0; p < valid; ++p) out[i][t + p - a] = four[p];
   }
 }
 
-// out_i[c .. c + 8V), i in [First, Q), over values [t0, t1) weighed by weights[i] (indexed by position - a), 8-lane
-// FMAs in position order continuing from out (as weigh_values): Q * V chains in flight
-template <int Q, int V, int First = 0, class ValueAt>
-inline void weigh_into(__m256 (&out)[Q][V], const float* const* weights, const ValueAt& value, int64_t a,
-                       int64_t t0, int64_t t1, int64_t c) {
-  for (int64_t t = t0; t < t1; ++t) {
-    const auto v = value(t);
-    __m256 vv[V];
-    for (int j = 0; j < V; ++j) vv[j] = v.load8(c + 8 * j);
-    for (int i = First; i < Q; ++i) {
-      const __m256 w = _mm256_set1_ps(weights[i][t - a]);
-      for (int j = 0; j < V; ++j) out[i][j] = _mm256_fmadd_ps(w, vv[j], out[i][j]);
+// The weighed values of Q queries, out[i][0 .. D) = sum over positions of weights[i][position - a]
+// * value(position): queries [0, Split) over [a, b), queries [Split, Q) over [a, b_rest) (a pair's
+// longer row continues its accumulators past the shorter one's end). 8-lane FMAs in position
+// order (as weigh_values), 8V values of each output a pass: Q * V chains in flight.
+template <int Q, int V, int Split, class ValueAt>
+inline void weigh_rows(const float* const* weights, const ValueAt& value, int64_t a, int64_t b, int64_t b_rest,
+                       int64_t D, float* const* out) {
+  auto accumulate = [&](__m256(&acc)[Q][V], int first, int64_t t0, int64_t t1, int64_t c) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto v = value(t);
+      __m256 vv[V];
+      for (int j = 0; j < V; ++j) vv[j] = v.load8(c + 8 * j);
+      for (int i = first; i < Q; ++i) {
+        const __m256 w = _mm256_set1_ps(weights[i][t - a]);
+        for (int j = 0; j < V; ++j) acc[i][j] = _mm256_fmadd_ps(w, vv[j], acc[i][j]);
+      }
     }
+  };
+  for (int64_t c = 0; c < D; c += 8 * V) {
+    __m256 acc[Q][V];
+    for (auto& query : acc)
+      for (auto& r : query) r = _mm256_setzero_ps();
+    accumulate(acc, 0, a, b, c);
+    if constexpr (Split < Q) accumulate(acc, Split, b, b_rest, c);
+    for (int i = 0; i < Q; ++i)
+      for (int j = 0; j < V; ++j) _mm256_storeu_ps(out[i] + c + 8 * j, acc[i][j]);
   }
 }
 
@@ -108,27 +121,16 @@ void attend_group8(const float* q, int64_t D, const KeyAt& key, const ValueAt& v
                    float scale, float* scores, float* o, float* mx, float* sums) {
   const int64_t n = b - a;
   const float* qs[G];
-  const float* weights[G];
-  for (int g = 0; g < G; ++g) qs[g] = q + g * D, weights[g] = scores + g * n;
-  scores_from<G>(qs, D, key, a, a, b, n, scale, scores);
-  for (int g = 0; g < G; ++g) sums[g] = softmax_numerators(scores + g * n, n, mx + g);
+  float *heads[G], *outs[G];
+  for (int g = 0; g < G; ++g) qs[g] = q + g * D, heads[g] = scores + g * n, outs[g] = o + g * D;
+  scores_from<G>(qs, D, key, a, a, b, scale, heads);
+  for (int g = 0; g < G; ++g) sums[g] = softmax_numerators(heads[g], n, mx + g);
   // each head's output 8V values a pass: G * V accumulators and V value vectors in registers
-  auto weigh = [&](auto vs) {
-    constexpr int V = decltype(vs)::value;
-    for (int64_t c = 0; c < D; c += 8 * V) {
-      __m256 out[G][V];
-      for (auto& head : out)
-        for (auto& r : head) r = _mm256_setzero_ps();
-      weigh_into<G, V>(out, weights, value, a, a, b, c);
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < V; ++j) _mm256_storeu_ps(o + g * D + c + 8 * j, out[g][j]);
-    }
-  };
   constexpr int kWide = G == 1 ? 8 : G == 2 ? 4 : 2;
   if (D % (8 * kWide) == 0)
-    weigh(std::integral_constant<int, kWide>{});
+    weigh_rows<G, kWide, G>(heads, value, a, b, b, D, outs);
   else
-    weigh(std::integral_constant<int, 2>{});
+    weigh_rows<G, 2, G>(heads, value, a, b, b, D, outs);
 }
 
 // `count` heads sharing one KV head, in groups of at most 3 (the registers), as even as they go:
@@ -163,46 +165,22 @@ template <int G, class KeyAt, class ValueAt>
 void attend_pair8(const ChunkRow& r0, const ChunkRow& r1, int64_t h, int64_t D, const KeyAt& key,
                   const ValueAt& value, int64_t a, float scale, float* scores) {
   const int64_t n0 = r0.b - a, n1 = r1.b - a;
-  float *s0 = scores, *s1 = scores + G * n0;
   const float* qs[2 * G];
-  const float* weights[2 * G];
+  float *heads[2 * G], *outs[2 * G];
   for (int g = 0; g < G; ++g) {
     qs[g] = r0.q + (h + g) * D, qs[G + g] = r1.q + (h + g) * D;
-    weights[g] = s0 + g * n0, weights[G + g] = s1 + g * n1;
+    heads[g] = scores + g * n0, heads[G + g] = scores + G * n0 + g * n1;
+    outs[g] = r0.o + (h + g) * D, outs[G + g] = r1.o + (h + g) * D;
   }
-  int64_t t = a;
-  const __m128 vscale = _mm_set1_ps(scale);
-  for (; t + 4 <= r0.b; t += 4) {
-    __m128 four[2 * G];
-    __m256 acc[2 * G][2], first[2 * G];  // 2G <= 4 queries: two pairs of positions (scores_from)
-    position_dots<2 * G, 2>(qs, D, key, t, acc);
-    for (int i = 0; i < 2 * G; ++i) first[i] = _mm256_hadd_ps(acc[i][0], acc[i][1]);
-    position_dots<2 * G, 2>(qs, D, key, t + 2, acc);
-    for (int i = 0; i < 2 * G; ++i) four[i] = sum4x8(first[i], _mm256_hadd_ps(acc[i][0], acc[i][1]));
-    for (int g = 0; g < G; ++g) {
-      _mm_storeu_ps(s0 + g * n0 + t - a, _mm_mul_ps(four[g], vscale));
-      _mm_storeu_ps(s1 + g * n1 + t - a, _mm_mul_ps(four[G + g], vscale));
-    }
-  }
-  scores_from<G>(qs, D, key, a, t, r0.b, n0, scale, s0);
-  scores_from<G>(qs + G, D, key, a, t, r1.b, n1, scale, s1);
+  const int64_t both = a + n0 / 4 * 4;  // the four-position groups both rows see whole
+  scores_from<2 * G>(qs, D, key, a, a, both, scale, heads);
+  scores_from<G>(qs, D, key, a, both, r0.b, scale, heads);
+  scores_from<G>(qs + G, D, key, a, both, r1.b, scale, heads + G);
   for (int g = 0; g < G; ++g) {
-    r0.sums[h + g] = softmax_numerators(s0 + g * n0, n0, r0.mx + h + g);
-    r1.sums[h + g] = softmax_numerators(s1 + g * n1, n1, r1.mx + h + g);
+    r0.sums[h + g] = softmax_numerators(heads[g], n0, r0.mx + h + g);
+    r1.sums[h + g] = softmax_numerators(heads[G + g], n1, r1.mx + h + g);
   }
-  constexpr int V = G == 1 ? 4 : 2;  // 2G * V accumulators
-  for (int64_t c = 0; c < D; c += 8 * V) {
-    __m256 out[2 * G][V];
-    for (auto& head : out)
-      for (auto& r : head) r = _mm256_setzero_ps();
-    weigh_into<2 * G, V>(out, weights, value, a, a, r0.b, c);
-    weigh_into<2 * G, V, G>(out, weights, value, a, r0.b, r1.b, c);  // r1's positions past r0's end
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < V; ++j) {
-        _mm256_storeu_ps(r0.o + (h + g) * D + c + 8 * j, out[g][j]);
-        _mm256_storeu_ps(r1.o + (h + g) * D + c + 8 * j, out[G + g][j]);
-      }
-  }
+  weigh_rows<2 * G, G == 1 ? 4 : 2, G>(heads, value, a, r0.b, r1.b, D, outs);  // 2G * V accumulators
 }
 
 // the pair's `count` heads in groups of at most 2, as even as they go (D a multiple of 32 for a
