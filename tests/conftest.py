@@ -12,8 +12,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Tests convert GGUF files into throw-away cache directories dozens of times, nearly all over the
 # shipped vocabulary: one tokenizer cache for the run (model/gguf.py) converts each tokenizer once
 # (4-8 s each, in a child process) instead of once a test. Set before any server child starts,
-# so theirs share it too; the cold-start test clears it for its own process.
-os.environ.setdefault("TOKENWIRE_TOKENIZER_CACHE", tempfile.mkdtemp(prefix="tokenwire-test-tokenizers-"))
+# so theirs share it too; the cold-start test clears it for its own process. `make test`'s
+# workers (pytest-xdist) share one through their run's id (its writes are atomic renames).
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN:
+    _TOKENIZERS = os.path.join(tempfile.gettempdir(), f"tokenwire-test-tokenizers-{_RUN}")
+    os.makedirs(_TOKENIZERS, exist_ok=True)
+else:
+    _TOKENIZERS = tempfile.mkdtemp(prefix="tokenwire-test-tokenizers-")
+os.environ.setdefault("TOKENWIRE_TOKENIZER_CACHE", _TOKENIZERS)
 # `serve` persists sessions under the cache directory by default (--state-dir): the suite's many
 # servers would all restore each other's sessions from the user's cache (coupled tests, slower
 # starts, state left behind). Off for every child server unless a test turns it on with a
