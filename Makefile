@@ -29,9 +29,9 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/tokenwire serve $(SERVE_ARGS)
 
-# Two workers, a test module each (its module-scoped servers start once): 1,398 s of tests in one
-# process against 862 s in two on a 2-core AVX2-only EPYC (161% of a CPU used: many tests wait on
-# a child server's start-up, a socket or a deadline)
+# Two workers, a test module each (its module-scoped servers start once): on a 2-core AVX2-only
+# EPYC 1,398 s of tests in one process (~60 s of it a kernel rebuild) against 862 s in two (161%
+# of a CPU used: many tests wait on a child server's start-up, a socket or a deadline)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n 2 --dist loadfile --durations=15
 
