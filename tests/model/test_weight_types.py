@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -103,3 +109,30 @@ def test_the_isa_can_be_narrowed_to_build_the_avx2_path(monkeypatch: pytest.Monk
     monkeypatch.setenv(kernels.ISA_ENV, "avx3")
     with pytest.raises(ValueError, match="TOKENWIRE_KERNELS_ISA"):
         compiler_flags()
+
+
+def test_a_built_library_is_loaded_as_it_is_whatever_the_sources_mtimes(tmp_path: Path) -> None:
+    """The kernel directory is named by the sources' hash, so a library found there is loaded
+    without ninja (which rebuilt it, 45-57 s, whenever a source's mtime was newer: a checkout, a
+    fresh clone on a machine that had built it). A fresh process with its cache in tmp_path
+    holding only the built library: it loads it, writes no build files and its ops run."""
+    from tokenwire.model import kernels
+
+    kernels.load_kernels()
+    built = kernels.kernel_dir() / "tokenwire_quant_cpu.so"
+    cache = tmp_path / "cache"
+    target = cache / kernels.kernel_dir().relative_to(kernels.default_cache_dir())
+    target.mkdir(parents=True)
+    shutil.copy(built, target / built.name)
+    os.utime(target / built.name, (0, 0))  # older than every source
+    code = (
+        "import logging, torch; logging.basicConfig(level=logging.INFO)\n"
+        "from tokenwire.model import kernels; kernels.load_kernels()\n"
+        "print(kernels.kernel_dir()); print(torch.ops.tokenwire.paged_attention is not None)\n"
+    )
+    env = dict(os.environ, TOKENWIRE_CACHE_DIR=str(cache))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(target), "True"]
+    assert "tokenwire CPU kernels loaded" in run.stderr and "compil" not in run.stderr
+    assert sorted(p.name for p in target.iterdir()) == [built.name]  # no build.ninja, no object
