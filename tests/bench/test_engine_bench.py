@@ -41,7 +41,10 @@ def test_engine_bench_json_reports_every_measure() -> None:
     result = json.loads(out.stdout)
     for measure in ("single_stream", "streams_2", "prefill_40"):  # --prefill-tokens=40
         assert result[measure]["tokenwire_tok_s"] > 0
+        # each round's figure beside the median: one round here (--repeats=1)
+        assert result[measure]["tokenwire_rounds_tok_s"] == [result[measure]["tokenwire_tok_s"]]
         assert "llamacpp_tok_s" not in result[measure]  # not run: no ratio is made up
+        assert "rounds_ratio_vs_llamacpp" not in result[measure]
     assert "prefill_1k" not in result  # a 40-token prompt is not named a 1k one
     assert result["turn2_ttft"]["reuse_s"] > 0 and result["turn2_ttft"]["ratio"] > 0
     assert result["weights"] == "gguf"

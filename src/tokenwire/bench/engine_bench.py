@@ -258,13 +258,17 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     step_bytes = weight_bytes(gguf) if gguf is not None else None
     hf_keys = {"single_stream": "single_decode_tok_s", key: "streams_tok_s"}
     for measure, runs in ours.items():
-        row: dict[str, float] = {"tokenwire_tok_s": statistics.median(runs)}
+        # each round's figures too: on a shared VM the rounds of one measure can differ by half,
+        # and two medians alone hid that (docs/engine.md, the AVX2-only EPYC's table)
+        row: dict[str, Any] = {"tokenwire_tok_s": statistics.median(runs), "tokenwire_rounds_tok_s": runs}
         if hf is not None and measure in hf_keys:
             row["hf_tok_s"] = hf[hf_keys[measure]]
             row["ratio"] = row["tokenwire_tok_s"] / row["hf_tok_s"]
         if peer[measure]:
             row["llamacpp_tok_s"] = statistics.median(peer[measure])
             row["ratio_vs_llamacpp"] = row["tokenwire_tok_s"] / row["llamacpp_tok_s"]
+            row["llamacpp_rounds_tok_s"] = peer[measure]
+            row["rounds_ratio_vs_llamacpp"] = [o / t for o, t in zip(runs, peer[measure], strict=True)]
         for engine_key, loaded in (("tokenwire", ours_loaded), ("llamacpp", peer_loaded)):
             if loaded[measure]:  # speed beside the neighbours, and kept against the quiet runs
                 row[f"{engine_key}_loaded_tok_s"] = statistics.median(loaded[measure])
@@ -346,7 +350,9 @@ def _print_table(
         row = result[measure]
         hf = cell(row, "hf_tok_s", "ratio")
         peer = cell(row, "llamacpp_tok_s", "ratio_vs_llamacpp")
-        print(f"{label:<24}{row['tokenwire_tok_s']:>8.1f} t/s{peer}  {hf}")
+        ratios = row.get("rounds_ratio_vs_llamacpp", [])
+        spread = f"  rounds {min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 else ""
+        print(f"{label:<24}{row['tokenwire_tok_s']:>8.1f} t/s{peer}  {hf}{spread}")
     if "neighbours" in result:
         _print_kept(result, labels)
     t = result["turn2_ttft"]

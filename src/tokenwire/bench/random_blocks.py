@@ -28,4 +28,3 @@ def random_blocks(
         blocks[:, start : start + 2] = halves.view(np.uint8).reshape(n, 2)
     blocks[0] = 0
     return blocks.reshape(rows, -1)
-
