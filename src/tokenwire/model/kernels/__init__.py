@@ -29,6 +29,7 @@ from tokenwire.model.cache_dir import default_cache_dir
 log = logging.getLogger("tokenwire.kernels")
 
 _SOURCE = Path(__file__).with_name("quant_cpu.cpp")
+_NAME = "tokenwire_quant_cpu"  # the extension; its library is <kernel_dir>/<_NAME>.so
 _lock = threading.Lock()
 _loaded = False
 
@@ -105,7 +106,7 @@ def load_kernels() -> None:
 
         build = kernel_dir()
         build.mkdir(parents=True, exist_ok=True)
-        library = build / "tokenwire_quant_cpu.so"
+        library = build / f"{_NAME}.so"
         started = time.monotonic()
         # The directory is named by the sources' hash, so a finished library there was built from
         # these very sources: it is loaded as it is. Through cpp_extension.load, ninja compared
@@ -124,7 +125,7 @@ def load_kernels() -> None:
         if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         cpp_extension.load(
-            name="tokenwire_quant_cpu",
+            name=_NAME,
             sources=[str(_SOURCE)],
             extra_cflags=compiler_flags(),
             extra_ldflags=["-fopenmp"],
