@@ -120,10 +120,11 @@ def test_attention_over_many_blocks_matches_float64(kv: str, heads: int, kv_head
 def test_rows_of_one_sequence_read_together_give_each_row_its_bits_alone(
     kv: str, heads: int, kv_heads: int, d: int
 ) -> None:
-    """A decode row and its guesses (issue 45), and 20 rows of a prefill chunk (two groups):
-    rows of one sequence share each chunk's read of the cache (kernels/paged_attention.h; on
-    AVX2 a chunk converted to fp32 once for them); each row's output is the bits it gets alone
-    (read from the cache as it is), and matches float64."""
+    """A decode row and its guesses (issue 45), and 20 and 70 rows of a prefill chunk (groups of
+    16, or up to 64 where the chunk is converted: two groups either way): rows of one sequence
+    share each chunk's read of the cache (kernels/paged_attention.h; on AVX2 a chunk converted to
+    fp32 once for them); each row's output is the bits it gets alone (read from the cache as it
+    is), and matches float64."""
     torch.manual_seed(heads + d)
     bs, blocks = 16, 160
     table = torch.randperm(blocks)[:140]
@@ -133,7 +134,7 @@ def test_rows_of_one_sequence_read_together_give_each_row_its_bits_alone(
     k, ks = _cache(kv, blocks, bs, kv_heads, d, keys_given, slots)
     v, vs = _cache(kv, blocks, bs, kv_heads, d, values_given, slots)
     scale = d**-0.5
-    for first, rows in ((2047, 5), (2060, 20)):  # 5 rows across a chunk boundary (2048)
+    for first, rows in ((2047, 5), (2060, 20), (1990, 70)):  # 5 and 70 across a chunk boundary (2048)
         q = torch.randn(rows, heads, d)
         positions = torch.arange(first, first + rows)
         tables = table.repeat(rows, 1).contiguous()
@@ -149,7 +150,8 @@ def test_rows_of_one_sequence_read_together_give_each_row_its_bits_alone(
                     q, k, v, ks, vs, positions, tables, window, scale, split
                 )
                 assert torch.equal(together, got)
-            for m in range(rows):
+            # every row of the short cases; of 70, each group's first and last rows and two inside
+            for m in range(rows) if rows <= 20 else (0, 1, 15, 16, 31, 32, 40, 63, 64, 69):
                 alone = kernels.ops().paged_attention(
                     q[m : m + 1], k, v, ks, vs, positions[m : m + 1], tables[m : m + 1], window, scale
                 )
