@@ -16,7 +16,8 @@ namespace tw {
 // of the matvec inputs itself (a few microseconds, done twice in parallel instead of once while
 // the other thread waits at a barrier); the matvecs are shared out by rows: q/k/v on head
 // boundaries, so a thread applies RoPE and writes the cache for the heads it computed, and
-// gate/up as matching gate and up rows, so a thread's SwiGLU needs only its own outputs.
+// gate/up as matching gate and up rows, so a thread's SwiGLU needs only its own outputs (o,
+// gate/up and down in chunks claimed while they run when the step has many rows: claim_chunks).
 // The op it replaced (one decode layer per call) took a Python call per layer, opened a parallel
 // region per large matvec, ran o_proj, attention and the SwiGLU on one thread and used libm's
 // expf: SmolLM2's 30 layers on 2 threads, 80 interleaved rounds in one process, median 7.63 ->
@@ -267,6 +268,12 @@ struct DecodeStack : torch::CustomClassHolder {
     PagedAttention paged(num_heads, num_kv_heads, D, M, pos, tables, max_blocks, bs, threads);
     std::optional<PagedAttention> windowed;
     if (pools) windowed.emplace(num_heads, num_kv_heads, D, M, pos, wtables, window_width, bs, threads);
+    // a step of many rows (a prefill chunk, a large batch) shares each layer's o, gate/up and down
+    // rows out in chunks of kClaimRows claimed while they run (claim_chunks); a decode step keeps
+    // fixed halves, each streamed front to back
+    constexpr int64_t kClaimRows = 64, kClaimFrom = 16;
+    const bool claimed = M >= kClaimFrom;
+    std::unique_ptr<std::atomic<int64_t>[]> claims(new std::atomic<int64_t>[3 * (last - first) + 1]());
     SpinThenSleepBarrier barrier;
     const bool omp_barrier = g_spin_ns.load() < 0;  // A/B measurement only
     std::atomic<int64_t> waited{0};
@@ -348,8 +355,13 @@ SYNC
           layer_paged.merge(attn_thread, attn.data(), tid, nt);
         }
 SYNC
-        matvec_rows(attn.data(), quantized_for(attn.data(), M, q_size, L.o_type, int16, qa), M, q_size, L.o, L.o_type, o0,
-                    o1, proj.data());
+        const QuantizedActivations* o_in = quantized_for(attn.data(), M, q_size, L.o_type, int16, qa);
+        if (claimed)
+          claim_chunks(claims[3 * (l - first)], H, kClaimRows, [&](int64_t a, int64_t b) {
+            matvec_rows(attn.data(), o_in, M, q_size, L.o, L.o_type, a, b, proj.data());
+          });
+        else
+          matvec_rows(attn.data(), o_in, M, q_size, L.o, L.o_type, o0, o1, proj.data());
 SYNC
         add_output(resid.data(), proj.data(), L.attn_out_norm, L.eps, M, H, h.data());
         rms_norm_rows(resid.data(), L.mlp_norm.data_ptr<float>(), L.eps, M, H, h.data());
@@ -360,18 +372,33 @@ SYNC
           continue;
         }
         const int64_t ab = swiglu_blocks[l - first];
-        const auto [g0, g1] = share(inter / ab, tid, nt);  // gate/up rows in blocks of down's format
-        proj_rows(h.data(), M, H, L.gate_up, {{g0 * ab, g1 * ab}, {inter + g0 * ab, inter + g1 * ab}}, gu.data(), int16,
-                  qa);
         QuantizedActivations* down_q = int16 ? down_in[l - first] : nullptr;
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t b = g0; b < g1; ++b) {  // the gated activation of this thread's gate/up rows
-            float* a = act.data() + m * inter + b * ab;
-            gated(gu.data() + m * 2 * inter + b * ab, gu.data() + m * 2 * inter + inter + b * ab, a, ab, L.activation);
-            if (down_q != nullptr) down_q->quantize_block(a, m, b);
-          }
+        // gate/up rows in blocks of down's format [b0, b1), then their gated activation
+        auto gate_up = [&](int64_t b0, int64_t b1, bool quantized) {
+          proj_rows(h.data(), M, H, L.gate_up, {{b0 * ab, b1 * ab}, {inter + b0 * ab, inter + b1 * ab}}, gu.data(),
+                    int16, qa, quantized);
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t b = b0; b < b1; ++b) {
+              float* a = act.data() + m * inter + b * ab;
+              gated(gu.data() + m * 2 * inter + b * ab, gu.data() + m * 2 * inter + inter + b * ab, a, ab, L.activation);
+              if (down_q != nullptr) down_q->quantize_block(a, m, b);
+            }
+        };
+        if (claimed && one_format(L.gate_up)) {
+          quantized_for(h.data(), M, H, L.gate_up.type[0], int16, qa);
+          claim_chunks(claims[3 * (l - first) + 1], inter / ab, std::max<int64_t>(1, kClaimRows / ab),
+                       [&](int64_t b0, int64_t b1) { gate_up(b0, b1, true); });
+        } else {
+          const auto [g0, g1] = share(inter / ab, tid, nt);
+          gate_up(g0, g1, false);
+        }
 SYNC
-        matvec_rows(act.data(), down_q, M, inter, L.down, L.down_type, o0, o1, proj.data());
+        if (claimed)
+          claim_chunks(claims[3 * (l - first) + 2], H, kClaimRows, [&](int64_t a, int64_t b) {
+            matvec_rows(act.data(), down_q, M, inter, L.down, L.down_type, a, b, proj.data());
+          });
+        else
+          matvec_rows(act.data(), down_q, M, inter, L.down, L.down_type, o0, o1, proj.data());
 SYNC
         add_output(resid.data(), proj.data(), L.mlp_out_norm, L.eps, M, H, h.data());
       }
