@@ -283,7 +283,7 @@ struct DecodeStack : torch::CustomClassHolder {
     {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       int64_t my_wait = 0;
-      std::vector<float> resid(xp, xp + M * H), h(M * H), rotated(D), whole_norm(2 * M);
+      std::vector<float> resid(xp, xp + M * H), h(M * H), rotated(D), whole_norm(2 * M), gu_chunk;
       PagedAttention::Thread attn_thread;
       QuantizedActivations qa;  // this thread's copy of the current matvec input
       const auto [s0, s1] = share(slices, tid, nt);                          // q/k/v head slices
@@ -373,24 +373,35 @@ SYNC
         }
         const int64_t ab = swiglu_blocks[l - first];
         QuantizedActivations* down_q = int16 ? down_in[l - first] : nullptr;
-        // gate/up rows in blocks of down's format [b0, b1), then their gated activation
-        auto gate_up = [&](int64_t b0, int64_t b1, bool quantized) {
-          proj_rows(h.data(), M, H, L.gate_up, {{b0 * ab, b1 * ab}, {inter + b0 * ab, inter + b1 * ab}}, gu.data(),
-                    int16, qa, quantized);
+        // the gated activation of blocks [b0, b1) of down's format from their gate/up outputs at g:
+        // row m's gate values of block b at g[m * ldg + (b - b0) * ab], its up values `up` further
+        auto swiglu = [&](int64_t b0, int64_t b1, const float* g, int64_t ldg, int64_t up) {
           for (int64_t m = 0; m < M; ++m)
             for (int64_t b = b0; b < b1; ++b) {
               float* a = act.data() + m * inter + b * ab;
-              gated(gu.data() + m * 2 * inter + b * ab, gu.data() + m * 2 * inter + inter + b * ab, a, ab, L.activation);
+              const float* gate = g + m * ldg + (b - b0) * ab;
+              gated(gate, gate + up, a, ab, L.activation);
               if (down_q != nullptr) down_q->quantize_block(a, m, b);
             }
         };
         if (claimed && one_format(L.gate_up)) {
-          quantized_for(h.data(), M, H, L.gate_up.type[0], int16, qa);
+          // a chunk's gate and up rows into a buffer of their own, [M, 2R]: in gu a row's 64
+          // outputs lay 71 KB from the next (qwen2.5), and the SwiGLU stalled on their reads
+          const QuantizedActivations* gu_in = quantized_for(h.data(), M, H, L.gate_up.type[0], int16, qa);
           claim_chunks(claims[3 * (l - first) + 1], inter / ab, std::max<int64_t>(1, kClaimRows / ab),
-                       [&](int64_t b0, int64_t b1) { gate_up(b0, b1, true); });
-        } else {
+                       [&](int64_t b0, int64_t b1) {
+                         const int64_t R = (b1 - b0) * ab;
+                         gu_chunk.resize(M * 2 * R);
+                         float* g = gu_chunk.data();
+                         proj_rows_into(h.data(), gu_in, M, H, L.gate_up, b0 * ab, b1 * ab, g, 2 * R);
+                         proj_rows_into(h.data(), gu_in, M, H, L.gate_up, inter + b0 * ab, inter + b1 * ab, g + R, 2 * R);
+                         swiglu(b0, b1, g, 2 * R, R);
+                       });
+        } else {  // this thread's gate/up rows, as matching gate and up rows
           const auto [g0, g1] = share(inter / ab, tid, nt);
-          gate_up(g0, g1, false);
+          proj_rows(h.data(), M, H, L.gate_up, {{g0 * ab, g1 * ab}, {inter + g0 * ab, inter + g1 * ab}}, gu.data(),
+                    int16, qa);
+          swiglu(g0, g1, gu.data() + g0 * ab, 2 * inter, inter);
         }
 SYNC
         if (claimed)

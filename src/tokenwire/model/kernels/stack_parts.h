@@ -92,19 +92,16 @@ inline const QuantizedActivations* quantized_for(const float* in, int64_t M, int
 }
 
 // rows [n0, n1) of each range of a stacked projection, each part by its own type (the
-// activations quantised once per format in a row, into `qa`; `quantized`: qa holds them already,
-// in the one format of every part: one_format)
+// activations quantised once per format in a row, into `qa`)
 inline void proj_rows(const float* in, int64_t M, int64_t K, const Proj& P,
                       std::initializer_list<std::pair<int64_t, int64_t>> ranges, float* out, bool int16,
-                      QuantizedActivations& qa, bool quantized = false) {
+                      QuantizedActivations& qa) {
   const QuantizedActivations* q = nullptr;
   const ActFormat* quantized_as = nullptr;
   for (size_t i = 0; i < P.w.size(); ++i) {
     const int64_t r0 = P.first[i], r1 = r0 + P.w[i].size(0);
     const ActFormat* format = type_row(P.type[i]).act;
-    if (quantized) {
-      q = int16 && format != nullptr ? &qa : nullptr;
-    } else if (format != quantized_as || q == nullptr) {
+    if (format != quantized_as || q == nullptr) {
       q = quantized_for(in, M, K, P.type[i], int16, qa);
       quantized_as = format;
     }
@@ -112,6 +109,16 @@ inline void proj_rows(const float* in, int64_t M, int64_t K, const Proj& P,
       const int64_t a = std::max(n0, r0), b = std::min(n1, r1);
       if (a < b) matvec_rows(in, q, M, K, P.w[i], P.type[i], a - r0, b - r0, out + r0, P.rows);
     }
+  }
+}
+
+// rows [n0, n1) of a stacked projection into out[m * ldo + n - n0], from activations `q`
+// quantised for every part (one_format; nullptr: fp32)
+inline void proj_rows_into(const float* in, const QuantizedActivations* q, int64_t M, int64_t K, const Proj& P,
+                           int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  for (size_t i = 0; i < P.w.size(); ++i) {
+    const int64_t r0 = P.first[i], a = std::max(n0, r0), b = std::min(n1, r0 + P.w[i].size(0));
+    if (a < b) matvec_rows(in, q, M, K, P.w[i], P.type[i], a - r0, b - r0, out + (r0 - n0), ldo);
   }
 }
 
