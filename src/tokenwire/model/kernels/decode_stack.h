@@ -268,12 +268,11 @@ struct DecodeStack : torch::CustomClassHolder {
     PagedAttention paged(num_heads, num_kv_heads, D, M, pos, tables, max_blocks, bs, threads);
     std::optional<PagedAttention> windowed;
     if (pools) windowed.emplace(num_heads, num_kv_heads, D, M, pos, wtables, window_width, bs, threads);
-    // a step of many rows (a prefill chunk, a large batch) shares each layer's o, gate/up and down
-    // rows out in chunks of kClaimRows claimed while they run (claim_chunks); a decode step keeps
-    // fixed halves, each streamed front to back
-    constexpr int64_t kClaimRows = 64, kClaimFrom = 16;
-    const bool claimed = M >= kClaimFrom;
+    // a step of 16 rows or more (a prefill chunk, a large batch) shares each layer's o, gate/up and
+    // down rows out in chunks claimed while they run (claim_chunks); a decode step keeps fixed
+    // halves, each streamed front to back
     std::unique_ptr<std::atomic<int64_t>[]> claims(new std::atomic<int64_t>[3 * (last - first) + 1]());
+    auto claims_of = [&](int64_t l, int part) { return M >= 16 ? &claims[3 * (l - first) + part] : nullptr; };
     SpinThenSleepBarrier barrier;
     const bool omp_barrier = g_spin_ns.load() < 0;  // A/B measurement only
     std::atomic<int64_t> waited{0};
@@ -355,13 +354,8 @@ SYNC
           layer_paged.merge(attn_thread, attn.data(), tid, nt);
         }
 SYNC
-        const QuantizedActivations* o_in = quantized_for(attn.data(), M, q_size, L.o_type, int16, qa);
-        if (claimed)
-          claim_chunks(claims[3 * (l - first)], H, kClaimRows, [&](int64_t a, int64_t b) {
-            matvec_rows(attn.data(), o_in, M, q_size, L.o, L.o_type, a, b, proj.data());
-          });
-        else
-          matvec_rows(attn.data(), o_in, M, q_size, L.o, L.o_type, o0, o1, proj.data());
+        matvec_share(attn.data(), quantized_for(attn.data(), M, q_size, L.o_type, int16, qa), M, q_size, L.o, L.o_type,
+                     claims_of(l, 0), o0, o1, proj.data());
 SYNC
         add_output(resid.data(), proj.data(), L.attn_out_norm, L.eps, M, H, h.data());
         rms_norm_rows(resid.data(), L.mlp_norm.data_ptr<float>(), L.eps, M, H, h.data());
@@ -371,45 +365,11 @@ SYNC
           add_output(resid.data(), proj.data(), L.mlp_out_norm, L.eps, M, H, h.data());
           continue;
         }
-        const int64_t ab = swiglu_blocks[l - first];
         QuantizedActivations* down_q = int16 ? down_in[l - first] : nullptr;
-        // the gated activation of blocks [b0, b1) of down's format from their gate/up outputs at g:
-        // row m's gate values of block b at g[m * ldg + (b - b0) * ab], its up values `up` further
-        auto swiglu = [&](int64_t b0, int64_t b1, const float* g, int64_t ldg, int64_t up) {
-          for (int64_t m = 0; m < M; ++m)
-            for (int64_t b = b0; b < b1; ++b) {
-              float* a = act.data() + m * inter + b * ab;
-              const float* gate = g + m * ldg + (b - b0) * ab;
-              gated(gate, gate + up, a, ab, L.activation);
-              if (down_q != nullptr) down_q->quantize_block(a, m, b);
-            }
-        };
-        if (claimed && one_format(L.gate_up)) {
-          // a chunk's gate and up rows into a buffer of their own, [M, 2R]: in gu a row's 64
-          // outputs lay 71 KB from the next (qwen2.5), and the SwiGLU stalled on their reads
-          const QuantizedActivations* gu_in = quantized_for(h.data(), M, H, L.gate_up.type[0], int16, qa);
-          claim_chunks(claims[3 * (l - first) + 1], inter / ab, std::max<int64_t>(1, kClaimRows / ab),
-                       [&](int64_t b0, int64_t b1) {
-                         const int64_t R = (b1 - b0) * ab;
-                         gu_chunk.resize(M * 2 * R);
-                         float* g = gu_chunk.data();
-                         proj_rows_into(h.data(), gu_in, M, H, L.gate_up, b0 * ab, b1 * ab, g, 2 * R);
-                         proj_rows_into(h.data(), gu_in, M, H, L.gate_up, inter + b0 * ab, inter + b1 * ab, g + R, 2 * R);
-                         swiglu(b0, b1, g, 2 * R, R);
-                       });
-        } else {  // this thread's gate/up rows, as matching gate and up rows
-          const auto [g0, g1] = share(inter / ab, tid, nt);
-          proj_rows(h.data(), M, H, L.gate_up, {{g0 * ab, g1 * ab}, {inter + g0 * ab, inter + g1 * ab}}, gu.data(),
-                    int16, qa);
-          swiglu(g0, g1, gu.data() + g0 * ab, 2 * inter, inter);
-        }
+        gate_up_rows(L.gate_up, L.activation, h.data(), M, H, inter, swiglu_blocks[l - first], claims_of(l, 1), tid, nt,
+                     int16, qa, gu.data(), gu_chunk, act.data(), down_q);
 SYNC
-        if (claimed)
-          claim_chunks(claims[3 * (l - first) + 2], H, kClaimRows, [&](int64_t a, int64_t b) {
-            matvec_rows(act.data(), down_q, M, inter, L.down, L.down_type, a, b, proj.data());
-          });
-        else
-          matvec_rows(act.data(), down_q, M, inter, L.down, L.down_type, o0, o1, proj.data());
+        matvec_share(act.data(), down_q, M, inter, L.down, L.down_type, claims_of(l, 2), o0, o1, proj.data());
 SYNC
         add_output(resid.data(), proj.data(), L.mlp_out_norm, L.eps, M, H, h.data());
       }
