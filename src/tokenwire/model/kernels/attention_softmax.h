@@ -51,9 +51,7 @@ inline float softmax_numerators(float* scores, int64_t len, float* max) {
 #ifdef TW_AVX2
   __m256 vmax = _mm256_set1_ps(-INFINITY);
   for (; t + 8 <= len; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + t));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  for (const float lane : lanes) mx = std::max(mx, lane);
+  mx = hmax(vmax);
 #endif
   for (; t < len; ++t) mx = std::max(mx, scores[t]);
   *max = mx;

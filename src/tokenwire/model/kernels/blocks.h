@@ -84,6 +84,13 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+// the largest of 8 lanes (exact, whatever the order)
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
 #endif
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -168,9 +175,7 @@ void quantize_block_i16(const float* xb, int16_t* row, int64_t j, float* scale, 
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 vmax = _mm256_setzero_ps();
   for (int i = 0; i < F::kBlock; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  for (const float lane : lanes) mx = std::max(mx, lane);
+  mx = hmax(vmax);
   const __m256 inv = _mm256_set1_ps(mx > 0 ? 32767.0f / mx : 0.0f);
   for (int i = 0; i < F::kBlock; i += 8)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv)));

@@ -239,7 +239,13 @@ struct DecodeStack : torch::CustomClassHolder {
     const int64_t slices = num_heads + 2 * num_kv_heads, qkv_n = slices * D;
     const int64_t half = D / 2;
     const float feps = static_cast<float>(eps), default_scale = 1.0f / std::sqrt(static_cast<float>(D));
-    std::vector<float> qkv(M * qkv_n), attn(M * q_size), proj(M * H), gu(M * 2 * inter), act(M * inter);
+    // gu: the gate/up outputs of layers that take fixed halves (claimed chunks keep theirs in a
+    // buffer of the thread's own: gate_up_rows)
+    const bool claimed = M >= kClaimFrom;
+    const bool halves = !claimed || std::any_of(layers.begin() + first, layers.begin() + last, [](const StackLayer& L) {
+                          return !L.experts.has_value() && !one_format(L.gate_up);
+                        });
+    std::vector<float> qkv(M * qkv_n), attn(M * q_size), proj(M * H), gu(halves ? M * 2 * inter : 0), act(M * inter);
     // a mixture of experts: router logits, and each (row, chosen expert)'s output
     std::vector<float> router_logits(M * experts), expert_out(M * top_k * H);
     const bool int16 = kInt16Rows && g_int16_activations;
@@ -268,11 +274,9 @@ struct DecodeStack : torch::CustomClassHolder {
     PagedAttention paged(num_heads, num_kv_heads, D, M, pos, tables, max_blocks, bs, threads);
     std::optional<PagedAttention> windowed;
     if (pools) windowed.emplace(num_heads, num_kv_heads, D, M, pos, wtables, window_width, bs, threads);
-    // a step of 16 rows or more (a prefill chunk, a large batch) shares each layer's o, gate/up and
-    // down rows out in chunks claimed while they run (claim_chunks); a decode step keeps fixed
-    // halves, each streamed front to back
-    std::unique_ptr<std::atomic<int64_t>[]> claims(new std::atomic<int64_t>[3 * (last - first) + 1]());
-    auto claims_of = [&](int64_t l, int part) { return M >= 16 ? &claims[3 * (l - first) + part] : nullptr; };
+    // each layer's o, gate/up and down claims (kClaimFrom rows or more)
+    std::unique_ptr<std::atomic<int64_t>[]> claims(new std::atomic<int64_t>[3 * (last - first)]());
+    auto claims_of = [&](int64_t l, int part) { return claimed ? &claims[3 * (l - first) + part] : nullptr; };
     SpinThenSleepBarrier barrier;
     const bool omp_barrier = g_spin_ns.load() < 0;  // A/B measurement only
     std::atomic<int64_t> waited{0};

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <functional>
 #include <initializer_list>
 #include <utility>
 
@@ -91,6 +90,13 @@ inline const QuantizedActivations* quantized_for(const float* in, int64_t M, int
   return &qa;
 }
 
+// rows [n0, n1) of part i of a stacked projection (those inside it) into out[m * ldo + n - base]
+inline void part_rows(const float* in, const QuantizedActivations* q, int64_t M, int64_t K, const Proj& P, size_t i,
+                      int64_t n0, int64_t n1, float* out, int64_t ldo, int64_t base) {
+  const int64_t r0 = P.first[i], a = std::max(n0, r0), b = std::min(n1, r0 + P.w[i].size(0));
+  if (a < b) matvec_rows(in, q, M, K, P.w[i], P.type[i], a - r0, b - r0, out + (r0 - base), ldo);
+}
+
 // rows [n0, n1) of each range of a stacked projection, each part by its own type (the
 // activations quantised once per format in a row, into `qa`)
 inline void proj_rows(const float* in, int64_t M, int64_t K, const Proj& P,
@@ -99,16 +105,12 @@ inline void proj_rows(const float* in, int64_t M, int64_t K, const Proj& P,
   const QuantizedActivations* q = nullptr;
   const ActFormat* quantized_as = nullptr;
   for (size_t i = 0; i < P.w.size(); ++i) {
-    const int64_t r0 = P.first[i], r1 = r0 + P.w[i].size(0);
     const ActFormat* format = type_row(P.type[i]).act;
     if (format != quantized_as || q == nullptr) {
       q = quantized_for(in, M, K, P.type[i], int16, qa);
       quantized_as = format;
     }
-    for (const auto& [n0, n1] : ranges) {
-      const int64_t a = std::max(n0, r0), b = std::min(n1, r1);
-      if (a < b) matvec_rows(in, q, M, K, P.w[i], P.type[i], a - r0, b - r0, out + r0, P.rows);
-    }
+    for (const auto& [n0, n1] : ranges) part_rows(in, q, M, K, P, i, n0, n1, out, P.rows, 0);
   }
 }
 
@@ -116,18 +118,18 @@ inline void proj_rows(const float* in, int64_t M, int64_t K, const Proj& P,
 // quantised for every part (one_format; nullptr: fp32)
 inline void proj_rows_into(const float* in, const QuantizedActivations* q, int64_t M, int64_t K, const Proj& P,
                            int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  for (size_t i = 0; i < P.w.size(); ++i) {
-    const int64_t r0 = P.first[i], a = std::max(n0, r0), b = std::min(n1, r0 + P.w[i].size(0));
-    if (a < b) matvec_rows(in, q, M, K, P.w[i], P.type[i], a - r0, b - r0, out + (r0 - n0), ldo);
-  }
+  for (size_t i = 0; i < P.w.size(); ++i) part_rows(in, q, M, K, P, i, n0, n1, out, ldo, n0);
 }
 
 // whether every part of a projection takes its activations in one format
 inline bool one_format(const Proj& P) {
-  for (const int64_t t : P.type)
-    if (type_row(t).act != type_row(P.type[0]).act) return false;
-  return true;
+  return std::all_of(P.type.begin(), P.type.end(), [&](int64_t t) { return type_row(t).act == type_row(P.type[0]).act; });
 }
+
+// Steps of kClaimFrom rows or more (a prefill chunk, a large batch) share o, gate/up and down out
+// in chunks of kClaimRows rows claimed while they run (claim_chunks); fewer (decode) keep fixed
+// halves, each streamed front to back
+constexpr int64_t kClaimRows = 64, kClaimFrom = 16;
 
 // Units [0, n) of a matmul shared out while it runs: chunks of `chunk` claimed in turn from
 // `next` by whichever thread is free, rather than a fixed half each. Which thread computes a
@@ -135,8 +137,8 @@ inline bool one_format(const Proj& P) {
 // to moment, and with fixed halves the faster one waited at the barrier after each matmul:
 // qwen2.5-1.5b Q4_K_M 1,000-token prefills (AVX2-only EPYC, 2 threads) spent 4.5-8.5 % of the
 // team's time waiting, three quarters of it after gate/up and down, whose halves are equal.
-inline void claim_chunks(std::atomic<int64_t>& next, int64_t n, int64_t chunk,
-                         const std::function<void(int64_t, int64_t)>& run) {
+template <class Run>
+void claim_chunks(std::atomic<int64_t>& next, int64_t n, int64_t chunk, Run&& run) {
   for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c * chunk < n;
        c = next.fetch_add(1, std::memory_order_relaxed))
     run(c * chunk, std::min(n, (c + 1) * chunk));
@@ -145,7 +147,7 @@ inline void claim_chunks(std::atomic<int64_t>& next, int64_t n, int64_t chunk,
 // A layer's gate/up rows (P: gate rows [0, inter), up rows [inter, 2 inter)) in blocks of `ab`
 // values (down's activation format) and their gated activation into act [M, inter], quantised
 // for down into down_q: this thread's fixed half, gate and up rows that match (its SwiGLU needs
-// only its own outputs, in gu [M, 2 inter]), or, given `claims`, chunks of 64 rows claimed while
+// only its own outputs, in gu [M, 2 inter]), or, given `claims`, chunks of kClaimRows claimed while
 // they run, each chunk's outputs in the thread's own buffer [M, 2 x 64]: in gu a row's 64
 // outputs lay 71 KB from the next (qwen2.5), and the SwiGLU stalled on their reads (57 % of its
 // samples, 2 % of a 1,000-token prefill).
@@ -165,7 +167,7 @@ inline void gate_up_rows(const Proj& P, int64_t activation, const float* h, int6
   };
   if (claims != nullptr && one_format(P)) {
     const QuantizedActivations* q = quantized_for(h, M, H, P.type[0], int16, qa);
-    claim_chunks(*claims, inter / ab, std::max<int64_t>(1, 64 / ab), [&](int64_t b0, int64_t b1) {
+    claim_chunks(*claims, inter / ab, std::max<int64_t>(1, kClaimRows / ab), [&](int64_t b0, int64_t b1) {
       const int64_t R = (b1 - b0) * ab;
       gu_chunk.resize(M * 2 * R);
       float* g = gu_chunk.data();
@@ -180,12 +182,12 @@ inline void gate_up_rows(const Proj& P, int64_t activation, const float* h, int6
   swiglu(g0, g1, gu + g0 * ab, 2 * inter, inter);
 }
 
-// rows [n0, n1) of out = x W^T, or, given `claims`, chunks of 64 rows of [0, N) claimed while
+// rows [n0, n1) of out = x W^T, or, given `claims`, chunks of kClaimRows of [0, N) claimed while
 // they run (claim_chunks)
 inline void matvec_share(const float* x, const QuantizedActivations* q, int64_t M, int64_t K, const at::Tensor& w,
                          int64_t qtype, std::atomic<int64_t>* claims, int64_t n0, int64_t n1, float* out) {
   if (claims == nullptr) return matvec_rows(x, q, M, K, w, qtype, n0, n1, out);
-  claim_chunks(*claims, w.size(0), 64, [&](int64_t a, int64_t b) { matvec_rows(x, q, M, K, w, qtype, a, b, out); });
+  claim_chunks(*claims, w.size(0), kClaimRows, [&](int64_t a, int64_t b) { matvec_rows(x, q, M, K, w, qtype, a, b, out); });
 }
 
 // every thread of the stack's parallel region waits here for the others (barrier.h; an OpenMP

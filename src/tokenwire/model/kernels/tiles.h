@@ -84,9 +84,7 @@ inline void quantize_block_i8(const float* xb, int16_t* row, int64_t j, float* s
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 vmax = _mm256_setzero_ps();
   for (int i = 0; i < 32; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  for (const float lane : lanes) mx = std::max(mx, lane);
+  mx = hmax(vmax);
   const __m256 inv = _mm256_set1_ps(mx > 0 ? 127.0f / mx : 0.0f);
   for (int i = 0; i < 32; i += 8)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), inv)));
