@@ -68,6 +68,48 @@ def test_python_controller_past_its_deadline_is_interrupted(env, tmp_path):
     assert (bias[: env.vocab_size] == 0).all()  # the failed sequence's row is neutral
 
 
+class Collector(Spinner):
+    """pre_process runs a full garbage collection over a large heap that is not its own, then
+    answers; mid_process answers at once."""
+
+    gc_cpu_s = 0.0
+
+    def pre_process(self, deadline):
+        import gc
+        import time
+
+        start = time.thread_time()
+        gc.collect()
+        Collector.gc_cpu_s = time.thread_time() - start
+        return PreResult()
+
+    def mid_process(self, deadline):
+        from tokenwire.protocols.aici.controller import MidResult
+
+        return MidResult(bias=np.zeros(self.env.vocab_size, dtype=np.float32))
+
+
+class CollectingSpinner(Spinner):
+    """A spinner that collects garbage all the time: the collections are credited, the loop is not."""
+
+    def mid_process(self, deadline):
+        import gc
+
+        while True:
+            gc.collect(0)
+
+
+def test_garbage_collection_is_not_charged_to_the_controller_it_interrupts(env, tmp_path):
+    heap = [[i] for i in range(1_500_000)]  # the server's objects, walked by every full collection
+    pre, seqs, _ = _two_sequences(env, tmp_path, Collector, Collector)
+    assert Collector.gc_cpu_s > 0.006  # the collection alone took more than the whole budget
+    assert pre["1"]["error"] == "" and pre["2"]["error"] == ""
+    assert seqs["1"]["error"] == "" and seqs["2"]["error"] == ""
+    _, seqs, _ = _two_sequences(env, tmp_path, CollectingSpinner)
+    assert "time limit" in seqs["1"]["error"]
+    del heap
+
+
 def test_tags_persist_across_restarts(tmp_path):
     import wasmtime
 
