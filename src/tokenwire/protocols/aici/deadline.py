@@ -72,9 +72,11 @@ _ON_GC_CODE = _on_gc.__code__
 def _on_alarm(signum: int, frame: Any) -> None:
     global _cpu_deadline
     if _armed:
-        # never raised inside _on_gc: the gc would swallow it (printing it) and the collection
-        # about to be credited would be charged; the next tick decides instead
-        if _thread_time() >= _cpu_deadline and (frame is None or frame.f_code is not _ON_GC_CODE):
+        # never raised during a collection (in _on_gc itself or in the finalizers the collector
+        # runs): the exception would be unraisable, swallowed, and the collection about to be
+        # credited charged; the first tick after it decides instead
+        in_gc = _gc_started >= 0 or (frame is not None and frame.f_code is _ON_GC_CODE)
+        if not in_gc and _thread_time() >= _cpu_deadline:
             raise ControllerTimeout("controller ran past its time limit (interrupted)")
         _cpu_deadline += _tick_cost
 
