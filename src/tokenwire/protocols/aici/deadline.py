@@ -15,11 +15,12 @@ controller that loops or allocates still burns its own CPU time and is stopped.
 Off the main thread (side-channel instantiate) the limit is checked when the call returns.
 
 Python's garbage collector runs inside whichever call happens to allocate and walks the whole
-process's objects, not the controller's: its CPU time is credited back to the running call
-(`_on_gc`). Measured: one full collection in a process holding 3M objects took 0.4 s inside a
-regex controller's pre_process and failed its 6 ms budget (a CI run of tests/protocols/aici,
-in a test worker that had loaded models, failed that way). A controller's own work between
-collections still counts.
+process's objects, not the controller's: its CPU time, with the other gc hooks and the
+finalizers it runs, is credited back to the running call (`_on_gc_start`, `_on_gc_stop`), up to
+GC_CREDIT_S a call. Measured: one full collection in a process holding 3M objects took 0.4 s
+inside a regex controller's pre_process and failed its 6 ms budget (a CI run of
+tests/protocols/aici, in a test worker that had loaded models, failed that way; `serve` freezes
+its start-up heap, heap.py). A controller's own work between collections still counts.
 """
 
 from __future__ import annotations
@@ -52,30 +53,53 @@ _thread_time = time.thread_time
 # 2 ms pre_process budget).
 _tick_cost = 0.0
 _gc_started = -1.0  # thread_time() at which a collection began inside an armed call
+# the most collection time one call is credited: a call that makes collections without end
+# (gc.collect in a loop) still runs out (a full collection over 3M objects took 0.4 s)
+GC_CREDIT_S = 0.5
+_gc_credit_left = GC_CREDIT_S
 
 
-def _on_gc(phase: str, info: dict[str, Any]) -> None:
-    """gc.callbacks hook: a collection inside an armed call moves the deadline by its CPU time."""
-    global _cpu_deadline, _gc_started
-    if not _armed or threading.get_ident() != _MAIN_IDENT:
-        return
-    if phase == "start":
+def _on_gc_start(phase: str, info: dict[str, Any]) -> None:
+    """gc.callbacks' first hook: a collection inside an armed call starts being credited."""
+    global _gc_started
+    if phase == "start" and _armed and threading.get_ident() == _MAIN_IDENT:
         _gc_started = _thread_time()
-    elif _gc_started >= 0:
-        _cpu_deadline += _thread_time() - _gc_started
+
+
+def _on_gc_stop(phase: str, info: dict[str, Any]) -> None:
+    """gc.callbacks' last hook: the collection's CPU time moves the deadline."""
+    global _cpu_deadline, _gc_started, _gc_credit_left
+    if phase == "stop" and _gc_started >= 0 and threading.get_ident() == _MAIN_IDENT:
+        spent = min(_thread_time() - _gc_started, _gc_credit_left)
+        _cpu_deadline += spent
+        _gc_credit_left -= spent
         _gc_started = -1.0
 
 
-_ON_GC_CODE = _on_gc.__code__
+def _hooks_around_other_callbacks() -> None:
+    """Ours first and last in gc.callbacks, so every other hook (hypothesis inserts one at the
+    front) and every finalizer runs inside the credited span."""
+    callbacks = gc.callbacks
+    if not callbacks or callbacks[0] is not _on_gc_start:
+        with contextlib.suppress(ValueError):
+            callbacks.remove(_on_gc_start)
+        callbacks.insert(0, _on_gc_start)
+    if callbacks[-1] is not _on_gc_stop:
+        with contextlib.suppress(ValueError):
+            callbacks.remove(_on_gc_stop)
+        callbacks.append(_on_gc_stop)
+
+
+_GC_HOOK_CODES = (_on_gc_start.__code__, _on_gc_stop.__code__)
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
     global _cpu_deadline
     if _armed:
-        # never raised during a collection (in _on_gc itself or in the finalizers the collector
+        # never raised during a collection (in gc.callbacks or the finalizers the collector
         # runs): the exception would be unraisable, swallowed, and the collection about to be
         # credited charged; the first tick after it decides instead
-        in_gc = _gc_started >= 0 or (frame is not None and frame.f_code is _ON_GC_CODE)
+        in_gc = _gc_started >= 0 or (frame is not None and frame.f_code in _GC_HOOK_CODES)
         if not in_gc and _thread_time() >= _cpu_deadline:
             raise ControllerTimeout("controller ran past its time limit (interrupted)")
         _cpu_deadline += _tick_cost
@@ -85,7 +109,6 @@ def _install() -> None:
     global _installed, _tick_cost
     if not _installed:  # signal.getsignal costs microseconds (enum lookups): remember instead
         signal.signal(signal.SIGALRM, _on_alarm)
-        gc.callbacks.append(_on_gc)
         _installed = True
         ticks = 20
         signal.setitimer(signal.ITIMER_REAL, TICK_S, TICK_S)
@@ -119,8 +142,9 @@ def ticker() -> Iterator[None]:
 def _armed_call(fn: Callable[..., T], args: tuple[Any, ...], cpu_deadline: float) -> tuple[T, float]:
     """`fn(*args)` with the alarm armed: a tick past `cpu_deadline` raises ControllerTimeout.
     Returns the result and the deadline with the ticks' own cost credited."""
-    global _armed, _cpu_deadline, _gc_started
-    _cpu_deadline, _armed, _gc_started = cpu_deadline, True, -1.0
+    global _armed, _cpu_deadline, _gc_started, _gc_credit_left
+    _hooks_around_other_callbacks()
+    _cpu_deadline, _armed, _gc_started, _gc_credit_left = cpu_deadline, True, -1.0, GC_CREDIT_S
     try:
         return fn(*args), _cpu_deadline
     finally:
