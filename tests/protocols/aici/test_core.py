@@ -99,6 +99,15 @@ class CollectingSpinner(Spinner):
             gc.collect(0)
 
 
+def _burn_cpu(seconds: float) -> None:
+    """Busy for `seconds` of this thread's CPU time (what the deadlines count)."""
+    import time
+
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        continue
+
+
 class Finalized:
     """Cyclic garbage whose finalizer (run by the collector) takes 20 ms of CPU."""
 
@@ -108,21 +117,13 @@ class Finalized:
         self.cycle = self
 
     def __del__(self):
-        import time
-
-        end = time.thread_time() + 0.02
-        while time.thread_time() < end:
-            pass
+        _burn_cpu(0.02)
         Finalized.finished += 1
 
 
 def _other_gc_hook(phase, info):
     """Another library's gc callback (hypothesis inserts one at the front), 5 ms of CPU a call."""
-    import time
-
-    end = time.thread_time() + 0.005
-    while time.thread_time() < end:
-        pass
+    _burn_cpu(0.005)
 
 
 def test_garbage_collection_is_not_charged_to_the_controller_it_interrupts(env, tmp_path, monkeypatch):

@@ -242,9 +242,9 @@ struct DecodeStack : torch::CustomClassHolder {
     // gu: the gate/up outputs of layers that take fixed halves (claimed chunks keep theirs in a
     // buffer of the thread's own: gate_up_rows)
     const bool claimed = M >= kClaimFrom;
-    const bool halves = !claimed || std::any_of(layers.begin() + first, layers.begin() + last, [](const StackLayer& L) {
-                          return !L.experts.has_value() && !one_format(L.gate_up);
-                        });
+    const bool halves = std::any_of(layers.begin() + first, layers.begin() + last, [&](const StackLayer& L) {
+      return !L.experts.has_value() && !gate_up_claimed(L.gate_up, claimed);
+    });
     std::vector<float> qkv(M * qkv_n), attn(M * q_size), proj(M * H), gu(halves ? M * 2 * inter : 0), act(M * inter);
     // a mixture of experts: router logits, and each (row, chosen expert)'s output
     std::vector<float> router_logits(M * experts), expert_out(M * top_k * H);

@@ -144,6 +144,10 @@ void claim_chunks(std::atomic<int64_t>& next, int64_t n, int64_t chunk, Run&& ru
     run(c * chunk, std::min(n, (c + 1) * chunk));
 }
 
+// whether a layer's gate/up rows are claimed in chunks (gate_up_rows): a step of kClaimFrom
+// rows or more, and one activation format for all its parts; else this thread's fixed half
+inline bool gate_up_claimed(const Proj& P, bool claimed) { return claimed && one_format(P); }
+
 // A layer's gate/up rows (P: gate rows [0, inter), up rows [inter, 2 inter)) in blocks of `ab`
 // values (down's activation format) and their gated activation into act [M, inter], quantised
 // for down into down_q: this thread's fixed half, gate and up rows that match (its SwiGLU needs
@@ -165,7 +169,7 @@ inline void gate_up_rows(const Proj& P, int64_t activation, const float* h, int6
         if (down_q != nullptr) down_q->quantize_block(a, m, b);
       }
   };
-  if (claims != nullptr && one_format(P)) {
+  if (gate_up_claimed(P, claims != nullptr)) {
     const QuantizedActivations* q = quantized_for(h, M, H, P.type[0], int16, qa);
     claim_chunks(*claims, inter / ab, std::max<int64_t>(1, kClaimRows / ab), [&](int64_t b0, int64_t b1) {
       const int64_t R = (b1 - b0) * ab;
