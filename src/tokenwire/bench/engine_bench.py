@@ -5,6 +5,12 @@ Same model directory, same prompts, same machine, measured side by side:
   which includes the prefill, is excluded on both sides);
 - streams_32: aggregate tok/s of N concurrent streams, wall clock including prefill
   (transformers gets them as one left-padded batch, its best case);
+  both decode measures run one token a step on our side too (the requests' `speculate` off), as
+  llama.cpp's and transformers' do: a random-weight model's greedy text loops, and prompt lookup
+  (engine/speculation.py) then keeps guesses a real text would not earn. Measured on the
+  gemma3-1b Q4_K_M shape (AVX-512 Zen 5, 64 tokens): 43-64 tok/s from 23-34 steps/s with
+  lookup, 32 tok/s without, which had read as 62 GB/s of weights (`tokenwire bench spec` measures
+  speculation on real text);
 - prefill_1k: prompt tokens/s of a 1,000-token prompt until its first generated token
   (`--prefill-tokens N`: prefill_N);
 - turn2_ttft: time to the first token of a second turn on a long session, reusing the
@@ -215,7 +221,7 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
         model_dir, name = str(engine.source.model_dir), engine.name
         resident_mb = engine.call_on_model_thread(partial(resident_bytes, engine.model)).result() / 2**20
         freeze_startup_heap()  # as `serve` does after start-up (heap.py: a full GC costs ~170 ms)
-        ours_single(engine, prompts[0], 8)  # warm-up
+        ours_single(engine, prompts[0], 8, speculate=False)  # warm-up
         if llama is not None:
             llama.single_decode(prompts[0], 8)
         # interleaved rounds: each measure runs ours then llama.cpp, so both see the same machine;
@@ -225,8 +231,8 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
             for busy in conditions:
                 mine, theirs = (ours, peer) if busy == 0 else (ours_loaded, peer_loaded)
                 with busy_neighbours(busy, own_session=not args.neighbours_same_session):
-                    mine["single_stream"].append(ours_single(engine, prompts[0], n))
-                    mine[key].append(ours_streams(engine, prompts, n))
+                    mine["single_stream"].append(ours_single(engine, prompts[0], n, speculate=False))
+                    mine[key].append(ours_streams(engine, prompts, n, speculate=False))
                     mine[prefill].append(ours_prefill(engine, long))
                     if llama is not None:
                         theirs["single_stream"].append(llama.single_decode(prompts[0], n))

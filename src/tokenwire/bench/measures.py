@@ -8,27 +8,31 @@ from tokenwire.engine.engine import Engine
 from tokenwire.engine.request import GenerateOptions, SamplingParams, TokenEvent, iter_events
 
 
-def greedy(n: int, use_prefix_cache: bool = True) -> GenerateOptions:
+def greedy(n: int, use_prefix_cache: bool = True, speculate: bool = True) -> GenerateOptions:
     return GenerateOptions(
         max_tokens=n,
         sampling=SamplingParams(temperature=0.0),
         ignore_eos=True,
         use_prefix_cache=use_prefix_cache,
+        speculate=speculate,
     )
 
 
-def ours_single(engine: Engine, prompt: list[int], n: int, use_prefix_cache: bool = False) -> float:
-    """Greedy decode tok/s, the first token (whose time holds the prefill) excluded."""
+def ours_single(
+    engine: Engine, prompt: list[int], n: int, use_prefix_cache: bool = False, speculate: bool = True
+) -> float:
+    """Greedy decode tok/s, the first token (whose time holds the prefill) excluded. speculate
+    False: one token a step, whatever the engine's --speculate (engine/speculation.py)."""
     stamps = []
-    for event in iter_events(engine.generate(None, prompt, greedy(n, use_prefix_cache))):
+    for event in iter_events(engine.generate(None, prompt, greedy(n, use_prefix_cache, speculate))):
         if isinstance(event, TokenEvent):
             stamps.append(time.perf_counter())
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def ours_streams(engine: Engine, prompts: list[list[int]], n: int) -> float:
+def ours_streams(engine: Engine, prompts: list[list[int]], n: int, speculate: bool = True) -> float:
     start = time.perf_counter()
-    handles = [engine.generate(None, p, greedy(n, use_prefix_cache=False)) for p in prompts]
+    handles = [engine.generate(None, p, greedy(n, False, speculate)) for p in prompts]
     total = sum(len(h.result()[0]) for h in handles)
     return total / (time.perf_counter() - start)
 
