@@ -4,20 +4,21 @@ compared with do (engine_bench.py's docstring has the measurement that made it s
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 from tokenwire.bench.measures import ours_single, ours_streams
+from tokenwire.engine.engine import Engine
 
 TOKENS = 24
 
 
-def _steps(engine: Any, measure: Any) -> int:
+def _steps(engine: Engine, measure: Callable[[], float]) -> int:
     before = engine.stats()["steps"]
     measure()
     return int(engine.stats()["steps"] - before)
 
 
-def test_the_decode_measures_take_one_token_a_step_with_speculation_off(smollm2_engine: Any) -> None:
+def test_the_decode_measures_take_one_token_a_step_with_speculation_off(smollm2_engine: Engine) -> None:
     engine = smollm2_engine
     looping = engine.tokenizer.encode(" one two three four five" * 40)  # prompt lookup finds it
     with_lookup = _steps(engine, lambda: ours_single(engine, looping, TOKENS))
