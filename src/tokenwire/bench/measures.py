@@ -32,7 +32,8 @@ def ours_single(
 
 def ours_streams(engine: Engine, prompts: list[list[int]], n: int, speculate: bool = True) -> float:
     start = time.perf_counter()
-    handles = [engine.generate(None, p, greedy(n, False, speculate)) for p in prompts]
+    options = greedy(n, use_prefix_cache=False, speculate=speculate)
+    handles = [engine.generate(None, p, options) for p in prompts]
     total = sum(len(h.result()[0]) for h in handles)
     return total / (time.perf_counter() - start)
 

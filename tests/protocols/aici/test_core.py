@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -76,7 +78,6 @@ class Collector(Spinner):
 
     def pre_process(self, deadline):
         import gc
-        import time
 
         start = time.thread_time()
         gc.collect()
@@ -101,8 +102,6 @@ class CollectingSpinner(Spinner):
 
 def _burn_cpu(seconds: float) -> None:
     """Busy for `seconds` of this thread's CPU time (what the deadlines count)."""
-    import time
-
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         continue
@@ -220,7 +219,6 @@ def test_a_callback_without_a_result_fails_its_own_sequence(env, tmp_path):
 
 def test_channel_spin_is_bounded_by_the_timeout_and_sees_messages():
     import threading
-    import time
 
     from tokenwire.protocols.aici.shm import MessageChannel, pid_prefix
 
@@ -261,8 +259,6 @@ class Descheduled(Spinner):
     the model's forward pass holds every core and the runtime is preempted."""
 
     def pre_process(self, deadline):
-        import time
-
         time.sleep(0.03)
         return PreResult()
 
