@@ -3,7 +3,11 @@ text on the real default model: each KV type against an fp32 cache with the same
 
 from __future__ import annotations
 
-from tokenwire.bench.quality_bench import score_kv_types
+import numpy as np
+import pytest
+
+from tokenwire.bench.quality_bench import compare, paired, score_decode, score_kv_types, score_reference
+from tokenwire.model.kernels import ops
 
 
 def test_each_kv_type_is_scored_against_an_fp32_cache(smollm2_engine) -> None:
@@ -25,20 +29,17 @@ def test_each_kv_type_is_scored_against_an_fp32_cache(smollm2_engine) -> None:
 
 
 def test_the_decode_pass_scores_its_kl_divergence_from_the_reference_rows(smollm2_engine) -> None:
-    """score_reference keeps the dense pass's log-softmax rows; score_decode scores each decode
-    step's KL against them: the fp32-activation decode pass (the same arithmetic up to fp32
-    order) near 0, the int8 one a larger KL that compare() averages."""
-    import numpy as np
-
-    from tokenwire.bench.quality_bench import compare, score_decode, score_reference
-    from tokenwire.model.kernels import ops
-
+    """score_reference keeps the dense fp32 pass's log-softmax rows (the file's weights
+    dequantised, read a layer at a time; keys and values rounded as the engine's cache stores
+    them); score_decode scores each decode step's KL against them: the fp32-activation decode
+    pass (the same arithmetic up to fp32 order) near 0, the int8 one a larger KL that compare()
+    averages."""
     engine = smollm2_engine
     tokens = engine.tokenizer.encode("The licenses for most software are designed to take away your freedom.")
     rows = np.zeros((len(tokens) - 1, engine.model.config.vocab_size), dtype=np.float32)
-    ops().set_int16_activations(False)  # the file's weights with exact activations: the reference
+    reference = score_reference(engine, engine.kv.kv_dtype, tokens, rows)
+    ops().set_int16_activations(False)  # the file's weights with exact activations
     try:
-        reference = score_reference(engine, tokens, rows)
         exact = score_decode(engine, tokens, reference=rows)
     finally:
         ops().set_int16_activations(True)
@@ -48,3 +49,19 @@ def test_the_decode_pass_scores_its_kl_divergence_from_the_reference_rows(smollm
     assert -1e-6 <= exact_kl < 1e-4 and int8_kl > 10 * exact_kl, (exact_kl, int8_kl)
     assert [top for _, top, _ in exact] == [top for _, top, _ in reference]
     assert np.allclose(np.exp(rows.astype(np.float64)).sum(-1), 1, atol=1e-4)
+
+
+def test_ours_against_llama_cpp_is_told_apart_from_chance_per_position() -> None:
+    """paired(): each position's |Δlogprob| (and KL) of ours minus llama.cpp's, the mean and its
+    standard error; positions either side scores no KL for are left out of the KL's."""
+    nan = float("nan")
+    reference = [(-1.0, 0, nan), (-2.0, 1, nan), (-3.0, 2, nan), (-4.0, 3, nan)]
+    ours = [(-1.1, 0, 0.01), (-2.0, 1, 0.02), (-3.3, 2, 0.03), (-4.0, 3, nan)]
+    theirs = [(-1.0, 0, 0.02), (-2.2, 1, 0.02), (-3.1, 2, 0.01), (-4.0, 3, 0.5)]
+    out = paired(reference, ours, theirs)
+    # |Δ| differences 0.1, -0.2, 0.2, 0: mean 0.025, sample deviation 0.17078
+    assert out["abs_logprob_diff"]["mean"] == pytest.approx(0.025)
+    assert out["abs_logprob_diff"]["stderr"] == pytest.approx(0.17078 / 2, rel=1e-4)
+    # KL differences -0.01, 0, 0.02 (the fourth position has none of ours): sample deviation 0.015275
+    assert out["kl"]["mean"] == pytest.approx(0.01 / 3)
+    assert out["kl"]["stderr"] == pytest.approx(0.015275 / 3**0.5, rel=1e-4)

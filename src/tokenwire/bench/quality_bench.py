@@ -1,6 +1,7 @@
 """`tokenwire bench quality`: the quantised path's logits against the fp32 reference.
 
-Both run the same GGUF: the reference dequantises it to fp32 (`--weights fp32`); the candidate
+Both run the same GGUF: the reference dequantises it to fp32 (`--weights fp32`, read a layer at a
+time as the pass runs, so a model whose fp32 copy outgrows memory is measured too); the candidate
 keeps its blocks (`--weights gguf`, or what --weights names). The text is teacher-forced: every
 position's logprob of the true next token and the top-1 token are compared, and (decode, and
 llama.cpp) the KL divergence of the whole next-token distribution from the reference's (its
@@ -14,12 +15,12 @@ weights: the cache's rounding alone.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
 import tempfile
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,8 @@ import torch
 from tokenwire.bench import llamacpp_baseline
 from tokenwire.bench.divergence import kl_divergence
 from tokenwire.engine.engine import Engine
-from tokenwire.engine.factory import EngineSettings, build_engine
-from tokenwire.engine.kv_cache import KVCache, kv_bytes_per_token
+from tokenwire.engine.factory import EngineSettings, build_engine, load_model
+from tokenwire.engine.kv_cache import KVCache, as_stored, kv_bytes_per_token, resolve_kv_dtype
 from tokenwire.engine.request import GenerateOptions, TokenEvent
 from tokenwire.model import kernels
 from tokenwire.model.layers.attention import DenseCausalAttention
@@ -51,26 +52,26 @@ def score_prefill(engine: Engine, tokens: list[int]) -> Scored:
     return [(e.logprob, e.top_logprobs[0][0], math.nan) for e in events if isinstance(e, TokenEvent)]
 
 
-def score_reference(engine: Engine, tokens: list[int], rows_into: np.ndarray) -> Scored:
-    """The reference pass: the whole text through the model at once (dense causal attention,
-    keys and values rounded as its cache stores them), every position's log-softmax row kept
-    in `rows_into` [positions, vocab] for the candidates' KL divergence."""
-
-    def run() -> Scored:
-        model = engine.model
-        ids = torch.tensor(tokens[:-1])
-        attention = DenseCausalAttention(1, len(ids), round_kv=engine.kv.as_stored)
-        out: Scored = []
-        with torch.inference_mode():
-            hidden, _ = model(ids, torch.arange(len(ids)), attention)
-            for start in range(0, len(ids), 256):
-                logp = torch.log_softmax(model.logits(hidden[start : start + 256]).double(), -1).numpy()
-                rows_into[start : start + len(logp)] = logp
-                for i, row in enumerate(logp):
-                    out.append((float(row[tokens[start + i + 1]]), int(row.argmax()), math.nan))
-        return out
-
-    return engine.call_on_model_thread(run).result()
+def score_reference(engine: Engine, kv_dtype: str, tokens: list[int], rows_into: np.ndarray) -> Scored:
+    """The reference pass: the engine's model in fp32 (a GGUF's blocks dequantised exactly, as
+    `--weights fp32` loads them), the whole text through it at once (dense causal attention,
+    keys and values rounded as a `kv_dtype` cache stores them), every position's log-softmax row
+    kept in `rows_into` [positions, vocab] for the candidates' KL divergence. Its layers are read
+    one at a time as they run (families.build_model's `stream_layers`): the fp32 copy of
+    OLMoE-1B-7B (28 GB) does not fit a 24 GiB machine, one layer of it (1.6 GB) does."""
+    assert engine.source is not None, "the reference is loaded from the engine's model files"
+    model = load_model(engine.source, "fp32", engine.model.device, len(tokens), stream_layers=True)
+    ids = torch.tensor(tokens[:-1])
+    attention = DenseCausalAttention(1, len(ids), round_kv=functools.partial(as_stored, kv_dtype=kv_dtype))
+    out: Scored = []
+    with torch.inference_mode():
+        hidden, _ = model(ids, torch.arange(len(ids)), attention)
+        for start in range(0, len(ids), 256):
+            logp = torch.log_softmax(model.logits(hidden[start : start + 256]).double(), -1).numpy()
+            rows_into[start : start + len(logp)] = logp
+            for i, row in enumerate(logp):
+                out.append((float(row[tokens[start + i + 1]]), int(row.argmax()), math.nan))
+    return out
 
 
 def score_decode(engine: Engine, tokens: list[int], reference: np.ndarray | None = None) -> Scored:
@@ -114,28 +115,42 @@ def compare(reference: Scored, candidate: Scored) -> dict[str, float | None]:
     }
 
 
+def paired(reference: Scored, ours: Scored, theirs: Scored) -> dict[str, dict[str, float]]:
+    """Per position, ours' |Δlogprob| minus theirs' (and KL likewise): the mean and its standard
+    error (the positions' spread over sqrt(n), as if independent; neighbouring positions are
+    not quite, so it is if anything too small). A difference of the means within two standard
+    errors is one this text cannot tell from chance."""
+    out: dict[str, dict[str, float]] = {}
+    abs_diffs = [abs(o[0] - r[0]) - abs(t[0] - r[0]) for r, o, t in zip(reference, ours, theirs, strict=True)]
+    kls = [o[2] - t[2] for o, t in zip(ours, theirs, strict=True) if not math.isnan(o[2] + t[2])]
+    for name, values in (("abs_logprob_diff", abs_diffs), ("kl", kls)):
+        if len(values) > 1:
+            stderr = statistics.stdev(values) / math.sqrt(len(values))
+            out[name] = {"mean": statistics.fmean(values), "stderr": stderr}
+    return out
+
+
 def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     settings.progress = False
     text = Path(args.text).read_text(encoding="utf-8", errors="replace")
     with tempfile.TemporaryDirectory(prefix="tokenwire-quality-") as tmp:
-        # the reference's log-softmax rows, on disk (positions x vocab float32: 0.4 GB for 2,000
-        # tokens of a 49k vocabulary), read by the candidate's pass and llama.cpp's child process
-        rows_path = Path(tmp) / "reference.npy"
-        reference_engine = build_engine(replace(settings, weights="fp32"))
-        try:
-            tokens = reference_engine.tokenizer.encode(text)[: args.tokens]
-            shape = (len(tokens) - 1, reference_engine.model.config.vocab_size)
-            rows = np.lib.format.open_memmap(rows_path, mode="w+", dtype=np.float32, shape=shape)
-            reference = score_reference(reference_engine, tokens, rows)
-            rows.flush()
-            gguf = reference_engine.source.source if reference_engine.source is not None else None
-        finally:
-            reference_engine.shutdown()
-        llamacpp = score_llamacpp(gguf, tokens, rows_path)
         engine = build_engine(settings)
         kv_types = [kv for kv in args.kv_types.split(",") if kv]
         try:
             weights, kv_dtype = engine.weights, engine.kv.kv_dtype
+            tokens = engine.tokenizer.encode(text)[: args.tokens]
+            # the reference's log-softmax rows, on disk (positions x vocab float32: 0.4 GB for
+            # 2,000 tokens of a 49k vocabulary), read by the candidate's pass and llama.cpp's
+            # child process
+            rows_path = Path(tmp) / "reference.npy"
+            shape = (len(tokens) - 1, engine.model.config.vocab_size)
+            rows = np.lib.format.open_memmap(rows_path, mode="w+", dtype=np.float32, shape=shape)
+            # the reference's cache: fp32 unless --kv-dtype names one (auto is the fp32 model's)
+            reference_kv = resolve_kv_dtype(settings.kv_dtype, torch.float32, quantized=False)
+            reference = score_reference(engine, reference_kv, tokens, rows)
+            rows.flush()
+            gguf = engine.source.source if engine.source is not None else None
+            llamacpp = score_llamacpp(gguf, tokens, rows_path)
             prefill = score_prefill(engine, tokens)
             decode = score_decode(engine, tokens, reference=rows)
             by_kv = score_kv_types(engine, tokens, kv_types) if kv_types else None
@@ -152,6 +167,7 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
     }
     if llamacpp is not None:  # llama.cpp on the same file and text, against the same reference
         result["llamacpp"] = compare(reference, llamacpp)
+        result["decode_minus_llamacpp"] = paired(reference, decode, llamacpp)
     if by_kv is not None:
         result["kv_vs_fp32_kv"] = by_kv
     if args.json:
@@ -170,6 +186,13 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
             f"{path:<10}{r['top1_agreement'] * 100:>12.2f}%{r['mean_abs_logprob_diff']:>14.2e}"
             f"{r['max_abs_logprob_diff']:>13.2e}{kl:>11}{r['perplexity']:>12.3f}"
         )
+    if "decode_minus_llamacpp" in result:
+        diffs = [
+            f"{label} {d['mean']:+.2e} ± {d['stderr']:.1e}"
+            for key, label in (("abs_logprob_diff", "|dlogp|"), ("kl", "KL"))
+            if (d := result["decode_minus_llamacpp"].get(key)) is not None
+        ]
+        print("decode - llamacpp per position, mean ± standard error: " + ", ".join(diffs))
     print(f"text: {args.text}, teacher-forced; decode = one token per step through the fused kernel")
     print("reference: fp32 weights and activations, the text in one pass; KL(reference || path) per position")
     print(f"KV cache: {kv_dtype} in the rows above")

@@ -140,7 +140,15 @@ def _with_kernels(settings: EngineSettings, weights: str) -> str:
     return weights
 
 
-def load_model(source: ModelSource, weights: str, device: torch.device, max_len: int | None) -> DecoderModel:
+def load_model(
+    source: ModelSource,
+    weights: str,
+    device: torch.device,
+    max_len: int | None,
+    *,
+    stream_layers: bool = False,
+) -> DecoderModel:
+    """`stream_layers` (fp32 and bf16): each layer's weights read as it runs (families.build_model)."""
     positions = min(max_len or source.config.max_position_embeddings, source.config.max_position_embeddings)
     if source.config.vision is not None and weights not in ("fp32", "bf16"):
         raise ValueError(
@@ -161,7 +169,10 @@ def load_model(source: ModelSource, weights: str, device: torch.device, max_len:
         qtype = Q8_0 if weights == "int8" else Q4_1
         tensors, qtypes = quantize_state(state, qtype)
         return build_model(source.config, tensors, qtypes, max_positions=positions)
-    model = build_model(source.config, state, dtype=DTYPES[weights], device=device, max_positions=positions)
+    model = build_model(
+        source.config, state, dtype=DTYPES[weights], device=device, max_positions=positions,
+        stream_layers=stream_layers,
+    )  # fmt: skip
     if source.config.vision is not None:  # Qwen2-VL: the image preprocessor of its directory
         model.images = ImagePreprocessor.from_dir(source.model_dir)
     return model

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from tokenwire.model.config import ModelConfig, UnsupportedArchitectureError
 from tokenwire.model.families import (
@@ -25,7 +26,7 @@ from tokenwire.model.families import (
 )
 from tokenwire.model.families.base import Family
 from tokenwire.model.layers.decoder import DecoderModel
-from tokenwire.model.layers.weights import Tensors, load_weights, meta_init_skipped
+from tokenwire.model.layers.weights import Tensors, WeightNames, load_weights, meta_init_skipped
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, qwen2.FAMILY, qwen2_vl.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY, gemma3.FAMILY,
@@ -63,9 +64,15 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
+    stream_layers: bool = False,
 ) -> DecoderModel:
     """`qtypes`: the block type of each quantised tensor (a GGUF's own blocks, or weights
-    quantised at load); those stay quantised, fp32 only, on the CPU."""
+    quantised at load); those stay quantised, fp32 only, on the CPU. `stream_layers` (float
+    weights): each decoder layer's weights are read from `tensors` as the layer runs and dropped
+    after it, so a model larger than memory runs a layer at a time (`bench quality`'s fp32
+    reference: OLMoE-1B-7B is 28 GB in fp32; `tensors` must then stay readable, as a GGUF's do)."""
+    if stream_layers and qtypes:
+        raise ValueError("stream_layers runs float weights; quantised ones are resident anyway")
     family = family_of(config)
     with meta_init_skipped():
         with torch.device("meta"):
@@ -79,6 +86,38 @@ def build_model(
         if config.tie_word_embeddings or "lm_head.weight" not in tensors:
             names.pop("lm_head", None)
             tie = ("embed", "lm_head")
-        load_weights(model, names, tensors, qtypes, dtype=dtype, device=device, tie=tie)
+        if stream_layers:
+            names = _stream_layers(model, names, tensors, dtype, device)
+        load_weights(
+            model, names, tensors, qtypes, dtype=dtype, device=device, tie=tie, complete=not stream_layers
+        )
     model.finish_build(device)
     return model.eval().requires_grad_(False)
+
+
+def _stream_layers(
+    model: DecoderModel, names: WeightNames, tensors: Tensors, dtype: torch.dtype, device: str | torch.device
+) -> WeightNames:
+    """Hooks that load each decoder layer's weights before it runs and put them back on the meta
+    device after; the names left to load now (the embeddings, the final norm, the head)."""
+    by_layer: dict[int, WeightNames] = {i: {} for i in range(len(model.layers))}
+    rest: WeightNames = {}
+    for path, stems in names.items():
+        head, _, tail = path.partition(".")
+        if head == "layers":
+            by_layer[int(tail.partition(".")[0])][path] = stems
+        else:
+            rest[path] = stems
+
+    for i, layer in enumerate(model.layers):
+
+        def load(module: nn.Module, args: Any, own: WeightNames = by_layer[i]) -> None:
+            with meta_init_skipped():
+                load_weights(model, own, tensors, dtype=dtype, device=device, complete=False)
+
+        def drop(module: nn.Module, args: Any, output: Any) -> None:
+            module.to("meta")
+
+        layer.register_forward_pre_hook(load)
+        layer.register_forward_hook(drop)
+    return rest

@@ -148,10 +148,11 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tie: tuple[str, str] | None = None,
+    complete: bool = True,
 ) -> None:
     """Fill every module `names` lists; `tie` = (embedding path, lm_head path) shares the
     embedding's table as the lm_head (a tied or head-less checkpoint). Then every tensor of the
-    model must be loaded."""
+    model must be loaded (unless not `complete`: some of it, the rest loaded later)."""
     loader = WeightLoader(tensors, qtypes, dtype, device)
     for path, stems in names.items():
         parent_path, _, attr = path.rpartition(".")
@@ -179,7 +180,7 @@ def load_weights(
             head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
         setattr(parent, attr, head)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
+    if left and complete:
         raise ValueError(f"the checkpoint left tensors unloaded: {left[:5]}")
     if loader.arena.mappings:  # the quantised weights' memory (weight_arena.py): kept alive
         model._weight_arena = loader.arena  # type: ignore[assignment]
