@@ -18,7 +18,7 @@ from tokenwire.engine.persistence import SessionPersistence
 from tokenwire.engine.threads import apply_threads
 from tokenwire.model.config import ModelConfig
 from tokenwire.model.families import build_model
-from tokenwire.model.gguf_weights import GgufWeights, return_freed_memory
+from tokenwire.model.gguf_weights import GgufWeights
 from tokenwire.model.images import ImagePreprocessor
 from tokenwire.model.kernels import load_kernels
 from tokenwire.model.layers.decoder import DecoderModel
@@ -32,6 +32,7 @@ from tokenwire.model.loader import (
     resolve_model,
 )
 from tokenwire.model.quant import Q4_1, Q8_0
+from tokenwire.model.weight_arena import return_freed_memory
 from tokenwire.progress import StartupProgress
 
 log = logging.getLogger("tokenwire")

@@ -17,7 +17,6 @@ resident (and counted) once touched, reads into a buffer freed after each tensor
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -39,17 +38,6 @@ _FLOATS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F64: np.fl
 # float types a tensor may also come in; kept in their type where the kernels run it as a matrix
 _WIDE_FLOATS = {GGMLQuantizationType.F16, GGMLQuantizationType.BF16, *_FLOATS}
 _READ_CHUNK = 1 << 30  # readinto() of more than 2 GiB at once is not portable
-
-
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's malloc_trim) once a load is done:
-    what building the model allocated and freed stays resident otherwise, before the KV cache's
-    allocation sets the start's peak (read buffers are mappings of their own, `_read`; still,
-    without the trim SmolLM2's start peaked 30 MiB higher, the 1B shape's 31). Elsewhere than
-    glibc: nothing."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 class UnsupportedWeightTypeError(ValueError):

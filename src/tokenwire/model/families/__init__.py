@@ -27,6 +27,7 @@ from tokenwire.model.families import (
 from tokenwire.model.families.base import Family
 from tokenwire.model.layers.decoder import DecoderModel
 from tokenwire.model.layers.weights import Tensors, WeightNames, load_weights, meta_init_skipped
+from tokenwire.model.weight_arena import return_freed_memory
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, qwen2.FAMILY, qwen2_vl.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY, gemma3.FAMILY,
@@ -117,6 +118,7 @@ def _stream_layers(
 
         def drop(module: nn.Module, args: Any, output: Any) -> None:
             module.to("meta")
+            return_freed_memory()
 
         layer.register_forward_pre_hook(load)
         layer.register_forward_hook(drop)
