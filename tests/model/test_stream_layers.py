@@ -28,14 +28,20 @@ def loaded_layers(model: DecoderModel) -> list[int]:
     ]
 
 
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One conversions' cache for the module: the files share the shipped tokenizer, converted once."""
+    return tmp_path_factory.mktemp("cache")
+
+
 # a dense family with a tied head, Gemma 3's sandwich norms and sliding window, and experts
 @pytest.mark.parametrize("arch", ["smollm3", "gemma3_gguf", "olmoe"])
 def test_a_streamed_model_gives_the_whole_models_logits_one_layer_in_memory_at_a_time(
-    tmp_path: Path, arch: str
+    tmp_path: Path, shared_cache: Path, arch: str
 ) -> None:
     path = tmp_path / f"tiny-{arch}.gguf"
     write_like_llama_cpp(hf_model(arch), path, "Q8_0")
-    source = resolve_model(path, cache_dir=tmp_path / "cache")
+    source = resolve_model(path, cache_dir=shared_cache)
     whole = load_model(source, "fp32", torch.device("cpu"), None)
     streamed = load_model(source, "fp32", torch.device("cpu"), None, stream_layers=True)
     assert loaded_layers(whole) == list(range(len(whole.layers)))
@@ -60,10 +66,10 @@ def test_a_streamed_model_gives_the_whole_models_logits_one_layer_in_memory_at_a
     assert during == [[i] for i in range(len(streamed.layers))]
 
 
-def test_quantised_weights_are_not_streamed(tmp_path: Path) -> None:
+def test_quantised_weights_are_not_streamed(tmp_path: Path, shared_cache: Path) -> None:
     path = tmp_path / "tiny.gguf"
     write_like_llama_cpp(hf_model("smollm3"), path, "Q8_0")
-    source = resolve_model(path, cache_dir=tmp_path / "cache")
+    source = resolve_model(path, cache_dir=shared_cache)
     blocks = GgufWeights(path, source.config)
     with pytest.raises(ValueError, match="stream_layers runs float weights"):
         build_model(source.config, blocks, blocks.qtypes, stream_layers=True)
