@@ -150,7 +150,7 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
             reference = score_reference(engine, reference_kv, tokens, rows)
             rows.flush()
             gguf = engine.source.source if engine.source is not None else None
-            llamacpp = score_llamacpp(gguf, tokens, rows_path)
+            peer = score_llamacpp(gguf, tokens, rows_path)
             prefill = score_prefill(engine, tokens)
             decode = score_decode(engine, tokens, reference=rows)
             by_kv = score_kv_types(engine, tokens, kv_types) if kv_types else None
@@ -165,7 +165,9 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
         "decode": compare(reference, decode),
         "kv_dtype": kv_dtype,
     }
-    if llamacpp is not None:  # llama.cpp on the same file and text, against the same reference
+    result["kernels"] = f"{kernels.kernel_path()} ({kernels.isa_choice()} build)"
+    if peer is not None:  # llama.cpp on the same file and text, against the same reference
+        llamacpp, result["llamacpp_kernels"] = peer
         result["llamacpp"] = compare(reference, llamacpp)
         result["decode_minus_llamacpp"] = paired(reference, decode, llamacpp)
     if by_kv is not None:
@@ -196,6 +198,8 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
     print(f"text: {args.text}, teacher-forced; decode = one token per step through the fused kernel")
     print("reference: fp32 weights and activations, the text in one pass; KL(reference || path) per position")
     print(f"KV cache: {kv_dtype} in the rows above")
+    peer_kernels = result.get("llamacpp_kernels")
+    print(f"kernels: {result['kernels']}" + ("" if peer_kernels is None else f"; llama.cpp: {peer_kernels}"))
     if by_kv is not None:
         print(
             f"\n{'KV type':<10}{'top-1 agree':>13}{'mean |dlogp|':>14}{'max |dlogp|':>13}{'perplexity':>12}"
@@ -213,15 +217,16 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
     return 0
 
 
-def score_llamacpp(gguf: Path | None, tokens: list[int], reference_rows: Path) -> Scored | None:
-    """llama.cpp's own teacher-forced scores of the text (its f16 cache, 512-token batches), where
-    the model is a GGUF and the `bench` extra is installed: the peer the quantised path is held
-    to (issue 42: at least as faithful as llama.cpp on the same file)."""
+def score_llamacpp(gguf: Path | None, tokens: list[int], reference_rows: Path) -> tuple[Scored, str] | None:
+    """llama.cpp's own teacher-forced scores of the text (its f16 cache, 512-token batches) and
+    the instruction set its build runs, where the model is a GGUF and the `bench` extra is
+    installed: the peer the quantised path is held to (issue 42: at least as faithful as
+    llama.cpp on the same file)."""
     if gguf is None or gguf.suffix.lower() != ".gguf" or not llamacpp_baseline.available():
         return None
-    llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), 1, 512)
+    llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), 1, 512, kernels.isa_choice())
     try:
-        return llama.teacher_forced(tokens, "f16", reference_rows)
+        return llama.teacher_forced(tokens, "f16", reference_rows), llama.kernels
     finally:
         llama.close()
 
@@ -250,7 +255,7 @@ def score_kv_types(engine: Engine, tokens: list[int], kv_types: list[str]) -> di
     gguf = engine.source.source if engine.source is not None else None
     if gguf is not None and gguf.suffix.lower() == ".gguf" and llamacpp_baseline.available():
         # llama.cpp's own q8_0 cache against its f16 one, the same text, the same measures
-        llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), 1, 512)
+        llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), 1, 512, kernels.isa_choice())
         try:
             out["llamacpp_q8_0_vs_f16"] = compare(
                 llama.teacher_forced(tokens, "f16"), llama.teacher_forced(tokens, "q8_0")

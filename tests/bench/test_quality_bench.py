@@ -1,11 +1,14 @@
-"""`tokenwire bench quality`'s KV rows (bench/quality_bench.py score_kv_types), cut to a short
-text on the real default model: each KV type against an fp32 cache with the same weights."""
+"""`tokenwire bench quality` (bench/quality_bench.py) cut to short texts on the real default
+model: the reference's rows and the decode pass's KL divergence from them, each KV type against
+an fp32 cache with the same weights, ours against llama.cpp per position, and the command end to
+end."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from tests.bench.bench_cli import bench_json
 from tokenwire.bench.quality_bench import compare, paired, score_decode, score_kv_types, score_reference
 from tokenwire.model.kernels import ops
 
@@ -65,3 +68,23 @@ def test_ours_against_llama_cpp_is_told_apart_from_chance_per_position() -> None
     # KL differences -0.01, 0, 0.02 (the fourth position has none of ours): sample deviation 0.015275
     assert out["kl"]["mean"] == pytest.approx(0.01 / 3)
     assert out["kl"]["stderr"] == pytest.approx(0.015275 / 3**0.5, rel=1e-4)
+
+
+def test_quality_bench_json_scores_both_paths_against_the_reference() -> None:
+    """`tokenwire bench quality --json` end to end on the default model, cut to 40 tokens: the
+    reference (read a layer at a time) and the candidate come from the same files; llama.cpp's
+    row and the per-position difference only where the bench extra is installed."""
+    result = bench_json("quality", "--tokens=40", "--kv-types=")
+    assert result["tokens"] == 40 and result["weights"] == "gguf" and result["reference_perplexity"] > 1
+    assert result["kernels"].endswith(" build)")
+    for path in ("prefill", "decode"):
+        row = result[path]
+        assert 0.8 <= row["top1_agreement"] <= 1  # the int8 path beside the exact model (96% on 2,000)
+        assert 0 < row["mean_abs_logprob_diff"] <= row["max_abs_logprob_diff"] < 2
+    assert result["prefill"]["mean_kl"] is None and 0 < result["decode"]["mean_kl"] < 0.05
+    if "llamacpp" in result:
+        assert result["llamacpp_kernels"]
+        for measure in result["decode_minus_llamacpp"].values():
+            assert measure["stderr"] > 0
+    else:
+        assert "decode_minus_llamacpp" not in result
