@@ -149,8 +149,7 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
             reference_kv = resolve_kv_dtype(settings.kv_dtype, torch.float32, quantized=False)
             reference = score_reference(engine, reference_kv, tokens, rows)
             rows.flush()
-            gguf = engine.source.source if engine.source is not None else None
-            peer = score_llamacpp(gguf, tokens, rows_path)
+            peer = score_llamacpp(engine, tokens, rows_path)
             prefill = score_prefill(engine, tokens)
             decode = score_decode(engine, tokens, reference=rows)
             by_kv = score_kv_types(engine, tokens, kv_types) if kv_types else None
@@ -164,8 +163,8 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
         "prefill": compare(reference, prefill),
         "decode": compare(reference, decode),
         "kv_dtype": kv_dtype,
+        "kernels": f"{kernels.kernel_path()} ({kernels.isa_choice()} build)",
     }
-    result["kernels"] = f"{kernels.kernel_path()} ({kernels.isa_choice()} build)"
     if peer is not None:  # llama.cpp on the same file and text, against the same reference
         llamacpp, result["llamacpp_kernels"] = peer
         result["llamacpp"] = compare(reference, llamacpp)
@@ -217,14 +216,23 @@ def run_quality_bench(args: argparse.Namespace, settings: EngineSettings) -> int
     return 0
 
 
-def score_llamacpp(gguf: Path | None, tokens: list[int], reference_rows: Path) -> tuple[Scored, str] | None:
-    """llama.cpp's own teacher-forced scores of the text (its f16 cache, 512-token batches) and
-    the instruction set its build runs, where the model is a GGUF and the `bench` extra is
-    installed: the peer the quantised path is held to (issue 42: at least as faithful as
-    llama.cpp on the same file)."""
+def llamacpp_peer(engine: Engine) -> llamacpp_baseline.LlamaCppProcess | None:
+    """llama.cpp on the engine's file, where it is a GGUF and the `bench` extra is installed: its
+    build for our kernels' instruction set (the AVX2-only one on the AVX2 stand-in, where
+    `make bench-peer-avx2` installed it)."""
+    gguf = engine.source.source if engine.source is not None else None
     if gguf is None or gguf.suffix.lower() != ".gguf" or not llamacpp_baseline.available():
         return None
-    llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), 1, 512, kernels.isa_choice())
+    return llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), 1, 512, kernels.isa_choice())
+
+
+def score_llamacpp(engine: Engine, tokens: list[int], reference_rows: Path) -> tuple[Scored, str] | None:
+    """llama.cpp's own teacher-forced scores of the text (its f16 cache, 512-token batches) and
+    the instruction set its build runs: the peer the quantised path is held to (issue 42: at
+    least as faithful as llama.cpp on the same file)."""
+    llama = llamacpp_peer(engine)
+    if llama is None:
+        return None
     try:
         return llama.teacher_forced(tokens, "f16", reference_rows), llama.kernels
     finally:
@@ -252,10 +260,8 @@ def score_kv_types(engine: Engine, tokens: list[int], kv_types: list[str]) -> di
     out: dict[str, Any] = {"fp32_kv_perplexity": math.exp(-statistics.fmean(r[0] for r in reference))}
     for kv in kv_types:
         out[kv] = compare(reference, scored(kv))
-    gguf = engine.source.source if engine.source is not None else None
-    if gguf is not None and gguf.suffix.lower() == ".gguf" and llamacpp_baseline.available():
-        # llama.cpp's own q8_0 cache against its f16 one, the same text, the same measures
-        llama = llamacpp_baseline.LlamaCppProcess(gguf, torch.get_num_threads(), 1, 512, kernels.isa_choice())
+    llama = llamacpp_peer(engine)
+    if llama is not None:  # llama.cpp's own q8_0 cache against its f16 one, the same measures
         try:
             out["llamacpp_q8_0_vs_f16"] = compare(
                 llama.teacher_forced(tokens, "f16"), llama.teacher_forced(tokens, "q8_0")

@@ -110,15 +110,15 @@ def _stream_layers(
         else:
             rest[path] = stems
 
+    def drop(module: nn.Module, args: Any, output: Any) -> None:
+        module.to("meta")
+        return_freed_memory()
+
     for i, layer in enumerate(model.layers):
 
         def load(module: nn.Module, args: Any, own: WeightNames = by_layer[i]) -> None:
             with meta_init_skipped():
                 load_weights(model, own, tensors, dtype=dtype, device=device, complete=False)
-
-        def drop(module: nn.Module, args: Any, output: Any) -> None:
-            module.to("meta")
-            return_freed_memory()
 
         layer.register_forward_pre_hook(load)
         layer.register_forward_hook(drop)
