@@ -88,3 +88,18 @@ def test_quality_bench_json_scores_both_paths_against_the_reference() -> None:
             assert measure["stderr"] > 0
     else:
         assert "decode_minus_llamacpp" not in result
+
+
+def test_llama_cpp_is_started_for_our_kernels_instruction_set(smollm2_engine, monkeypatch) -> None:
+    """The peer is llama.cpp's build for the instruction set our kernels run (the AVX2-only one
+    on the AVX2 stand-in): before 00200d0 bench quality named none and ran the native build.
+    The process is recorded here, not started: what is checked is what it is asked for."""
+    from tokenwire.bench import llamacpp_baseline, quality_bench
+
+    asked: list[tuple] = []
+    monkeypatch.setattr(llamacpp_baseline, "available", lambda: True)
+    monkeypatch.setattr(llamacpp_baseline, "LlamaCppProcess", lambda *args: asked.append(args) or "peer")
+    monkeypatch.setattr(quality_bench.kernels, "isa_choice", lambda: "avx2")
+    assert quality_bench.llamacpp_peer(smollm2_engine) == "peer"
+    ((gguf, _threads, streams, _ctx, our_isa),) = asked
+    assert gguf == smollm2_engine.source.source and streams == 1 and our_isa == "avx2"
